@@ -1,0 +1,245 @@
+"""Resident models: loading through mlx-lm, registry by name, artifact identity.
+
+A checkpoint is only valid for the exact weights, config, tokenizer and KV
+scheme that produced it. Those four fingerprints form the model identity; its
+hash is the cache namespace.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+
+
+class ModelError(ValueError):
+    """A model path, name or directory problem, with a message naming it."""
+
+
+def _sha256_file(path: Path, chunk: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _stat_key(path: Path) -> str:
+    st = os.stat(path)
+    return f"{os.path.realpath(path)}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+
+
+class IdentityMemo:
+    """SHA-256 of weight files memoized on disk by (path, inode, size, mtime, ctime).
+
+    Re-hashing a large model on every load is slow; the stat key changes on
+    any rewrite, so a memo hit is as good as hashing again. A missing or
+    unwritable memo file only costs the hash.
+    """
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self._lock = threading.Lock()
+
+    def _load(self) -> dict:
+        if self.path is None:
+            return {}
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def digest(self, file: Path) -> str:
+        key = _stat_key(file)
+        with self._lock:
+            memo = self._load()
+            if key in memo:
+                return memo[key]
+        digest = _sha256_file(file)
+        if key != _stat_key(file):  # changed while we read it: do not memoize
+            return digest
+        with self._lock:
+            memo = self._load()
+            memo[key] = digest
+            self._save(memo)
+        return digest
+
+    def _save(self, memo: dict) -> None:
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump(memo, f)
+            os.replace(tmp, self.path)
+        except OSError:
+            pass
+
+
+def _fingerprint_json(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def model_identity(path: Path, memo: IdentityMemo, kv_scheme: str) -> dict:
+    weights = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    artifact = hashlib.sha256()
+    for w in weights:
+        artifact.update(f"{w.name}:{memo.digest(w)}\n".encode())
+    config = json.loads((path / "config.json").read_text())
+    tokenizer = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        if (path / name).is_file():
+            tokenizer.update(f"{name}:{_sha256_file(path / name)}\n".encode())
+    return {
+        "artifact": artifact.hexdigest(),
+        "config": _fingerprint_json(config),
+        "tokenizer": tokenizer.hexdigest(),
+        "kv_scheme": kv_scheme,
+    }
+
+
+def namespace_of(identity: dict) -> str:
+    return _fingerprint_json(identity)[:24]
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    model: Any
+    tokenizer: Any  # mlx-lm TokenizerWrapper
+    config: dict
+    identity: dict
+    namespace: str
+    info: dict = field(default_factory=dict)
+
+    @property
+    def eos_token_ids(self) -> set:
+        return set(getattr(self.tokenizer, "eos_token_ids", None) or [self.tokenizer.eos_token_id])
+
+
+def resolve_model_path(path_or_id: str | os.PathLike) -> Path:
+    """A local model directory, or a hub id fetched (or found in the hub cache)."""
+    text = str(path_or_id)
+    path = Path(text).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelError(f"model path is not a directory: {path}")
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise ModelError(f"model directory is not readable: {path}")
+        if not (path / "config.json").is_file():
+            raise ModelError(f"not a model directory (no config.json): {path}")
+        if not any(p.suffix in WEIGHT_SUFFIXES for p in path.iterdir()):
+            raise ModelError(f"not a model directory (no weight files): {path}")
+        return path.resolve()
+    looks_like_hub_id = text.count("/") == 1 and not text.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise ModelError(f"model path does not exist: {path}")
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(
+            text,
+            allow_patterns=["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jinja"],
+        )
+    except Exception as e:  # offline, unknown repo, ...
+        raise ModelError(
+            f"model {text!r} is not a local directory and could not be fetched from the hub: {e}"
+        ) from None
+    return resolve_model_path(local)
+
+
+def load_model(path_or_id, name: str, memo: IdentityMemo) -> LoadedModel:
+    import mlx.core as mx
+    import mlx_lm
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.cache import make_prompt_cache
+
+    path = resolve_model_path(path_or_id)
+    try:
+        model, tokenizer = mlx_lm.load(str(path))
+    except Exception as e:
+        raise ModelError(f"could not load a model from {path}: {type(e).__name__}: {e}") from None
+    config = json.loads((path / "config.json").read_text())
+    probe = make_prompt_cache(model)
+    dtype = str(model.parameters_dtype()) if hasattr(model, "parameters_dtype") else _weight_dtype(model)
+    kv_scheme = "+".join(sorted({type(c).__name__ for c in probe})) + ":" + dtype.removeprefix("mlx.core.")
+    identity = model_identity(path, memo, kv_scheme)
+    info = {
+        "path": str(path),
+        "layers": len(probe),
+        "kv_scheme": kv_scheme,
+        "parameters_bytes": sum(int(v.nbytes) for _, v in tree_flatten(model.parameters())),
+    }
+    mx.eval(model.parameters())
+    return LoadedModel(name, path, model, tokenizer, config, identity, namespace_of(identity), info)
+
+
+def _weight_dtype(model) -> str:
+    from mlx.utils import tree_flatten
+
+    for _, v in tree_flatten(model.parameters()):
+        return str(v.dtype)
+    return "unknown"
+
+
+class ModelRegistry:
+    """Several resident models by name; the first loaded is the default."""
+
+    def __init__(self, memo: IdentityMemo):
+        self.memo = memo
+        self._models: dict[str, LoadedModel] = {}
+        self.default: str | None = None
+
+    def load(self, path_or_id, name: str | None = None) -> LoadedModel:
+        name = name or "default"
+        if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise ModelError(f"invalid model name {name!r}: use letters, digits, '-', '_' and '.'")
+        loaded = load_model(path_or_id, name, self.memo)
+        self._models[name] = loaded
+        if self.default is None or self.default not in self._models:
+            self.default = name
+        return loaded
+
+    def get(self, name: str | None = None) -> LoadedModel:
+        name = name or self.default
+        if name is None:
+            raise ModelError("no model is loaded: load one first (Engine.load_model / %model load PATH)")
+        if name not in self._models:
+            raise ModelError(f"unknown model {name!r}; loaded: {', '.join(sorted(self._models)) or 'none'}")
+        return self._models[name]
+
+    def use(self, name: str) -> LoadedModel:
+        loaded = self.get(name)
+        self.default = name
+        return loaded
+
+    def unload(self, name: str) -> LoadedModel:
+        loaded = self.get(name)
+        del self._models[name]
+        if self.default == name:
+            self.default = next(iter(self._models), None)
+        return loaded
+
+    def names(self) -> list[str]:
+        return list(self._models)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._models

@@ -1,0 +1,283 @@
+"""RAM tier: checkpoints keyed by exact token prefix, per namespace.
+
+take() finds the entry with the longest usable common prefix and lends
+zero-copy views of it (the donor stays); put() publishes a finished
+checkpoint, replacing exact duplicates, superseding strict prefix ancestors
+when the new entry can serve them, and evicting least recently used entries
+under a byte budget. Subclasses decide whether a victim may leave RAM yet
+(`_may_drop`), which is how the tiered cache persists before it demotes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .checkpoint import Checkpoint
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    k = min(len(a), len(b))
+    if k == 0:
+        return 0
+    diff = np.flatnonzero(a[:k] != b[:k])
+    return int(diff[0]) if len(diff) else k
+
+
+def as_token_array(tokens: Sequence[int]) -> np.ndarray:
+    return np.asarray(tokens, dtype=np.int64)
+
+
+def usable_length(checkpoint: Checkpoint, token_array: np.ndarray, prompt: np.ndarray) -> int:
+    """How many prompt tokens this checkpoint can serve (0 if none).
+
+    Capped at len(prompt) - 1 so at least one token is forwarded to get
+    logits; a shorter match on a longer entry needs a trimmable entry.
+    """
+    n = min(common_prefix_len(token_array, prompt), len(prompt) - 1)
+    return n if n > 0 and checkpoint.can_serve(n) else 0
+
+
+_clock = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Entry:
+    ns: str
+    checkpoint: Checkpoint
+    token_array: np.ndarray
+    last_used: int = field(default_factory=lambda: next(_clock))
+    last_used_time: float = field(default_factory=time.time)
+    borrowers: int = 0
+    pinned: set = field(default_factory=set)  # names of checkpoints that pin it
+    sessions: set = field(default_factory=set)
+    write_state: str = "none"  # tiered: none | dirty | pending | committed | failed
+    write_error: str | None = None
+    hits: int = 0
+
+    @property
+    def tokens(self) -> tuple:
+        return self.checkpoint.tokens
+
+    @property
+    def nbytes(self) -> int:
+        return self.checkpoint.nbytes
+
+    def touch(self) -> None:
+        self.last_used = next(_clock)
+        self.last_used_time = time.time()
+
+
+class Lease:
+    """A borrower's share of an entry: fresh cache objects over views."""
+
+    def __init__(self, entry: Entry, length: int, source: str, release: Callable[[Entry], None]):
+        self.entry = entry
+        self.length = length
+        self.source = source  # "ram" | "ssd"
+        self.caches = entry.checkpoint.lend(length)
+        self._release = release
+
+    def release(self) -> None:
+        if self._release is not None:
+            self._release(self.entry)
+            self._release = None
+            self.caches = None
+
+
+class PromptCache:
+    def __init__(self, budget_bytes: int | None, emit: Callable[..., object] | None = None):
+        self.budget_bytes = budget_bytes
+        self._emit = emit or (lambda *a, **k: None)
+        self._entries: dict[tuple, Entry] = {}  # (ns, tokens) -> entry
+        self._sessions: dict[tuple, Entry] = {}  # (ns, session) -> latest entry
+        self.used_bytes = 0
+        self.counters = {"hits": 0, "misses": 0, "evictions": 0, "supersessions": 0, "oversized": 0}
+
+    # --- lookup ---
+
+    def entries(self, ns: str | None = None) -> list[Entry]:
+        return [e for e in self._entries.values() if ns is None or e.ns == ns]
+
+    def get_exact(self, tokens: Sequence[int], ns: str) -> Entry | None:
+        return self._entries.get((ns, tuple(tokens)))
+
+    def best(self, prompt: Sequence[int], ns: str, session: str | None = None) -> tuple[Entry | None, int]:
+        """The entry with the longest usable prefix and that length, no side effects."""
+        prompt_array = as_token_array(prompt)
+        if session is not None:  # the session's latest checkpoint, when it still fits, skips the scan
+            e = self._sessions.get((ns, session))
+            if e is not None and len(e.tokens) <= len(prompt) - 1:
+                n = usable_length(e.checkpoint, e.token_array, prompt_array)
+                if n == len(e.tokens):
+                    return e, n
+        best, best_n = None, 0
+        for e in self._entries.values():
+            if e.ns != ns:
+                continue
+            n = usable_length(e.checkpoint, e.token_array, prompt_array)
+            # Prefer the longer match, then an entry that needs no trim, then the most recent.
+            better = (n, n == len(e.tokens), e.last_used) > (
+                best_n,
+                best is not None and best_n == len(best.tokens),
+                best.last_used if best else -1,
+            )
+            if n > 0 and better:
+                best, best_n = e, n
+        return best, best_n
+
+    def take(self, prompt: Sequence[int], ns: str, session: str | None = None) -> Lease | None:
+        entry, n = self.best(prompt, ns, session)
+        if entry is None:
+            self.counters["misses"] += 1
+            self._emit("miss", ns=ns, prompt_tokens=len(prompt))
+            return None
+        self.counters["hits"] += 1
+        self._emit("hit", ns=ns, source="ram", tokens=n, prompt_tokens=len(prompt))
+        return self._lend(entry, n, "ram")
+
+    def _lend(self, entry: Entry, n: int, source: str) -> Lease:
+        entry.touch()
+        entry.hits += 1
+        entry.borrowers += 1
+        return Lease(entry, n, source, self._return)
+
+    def _return(self, entry: Entry) -> None:
+        entry.borrowers = max(0, entry.borrowers - 1)
+
+    # --- publication ---
+
+    def put(
+        self,
+        checkpoint: Checkpoint,
+        ns: str,
+        *,
+        session: str | None = None,
+        evict: bool = True,
+    ) -> Entry | None:
+        """Publish a finished checkpoint. Returns its entry, or None if not kept."""
+        key = (ns, checkpoint.tokens)
+        entry = Entry(ns, checkpoint, as_token_array(checkpoint.tokens))
+        old = self._entries.get(key)
+        if old is not None:  # exact duplicate: replaced, keeping its references
+            entry.pinned, entry.sessions = old.pinned, old.sessions
+            self._remove(old)
+        if self._oversized(entry) and self._may_drop(entry, "oversized"):
+            self.counters["oversized"] += 1
+            self._emit("evict", ns=ns, tokens=len(entry.tokens), nbytes=entry.nbytes, reason="oversized")
+            return None
+        self._supersede_ancestors(entry)
+        self._insert(entry)
+        if session is not None:
+            self.bind_session(session, entry)
+        if evict:
+            self.enforce_budget()
+        return entry if self._entries.get(key) is entry else None
+
+    def _supersede_ancestors(self, entry: Entry) -> None:
+        cp = entry.checkpoint
+        if not cp.trimmable:  # an untrimmable entry serves exact matches only
+            return
+        for e in list(self._entries.values()):
+            if (
+                e.ns == entry.ns
+                and len(e.tokens) < len(cp.tokens)
+                and not e.pinned
+                and cp.can_serve(len(e.tokens))
+                and common_prefix_len(e.token_array, entry.token_array) == len(e.tokens)
+                and self._may_supersede(e, entry)
+            ):
+                entry.sessions |= e.sessions
+                self._remove(e)
+                self.counters["supersessions"] += 1
+                self._emit("supersede", ns=e.ns, tokens=len(e.tokens), by_tokens=len(cp.tokens), nbytes=e.nbytes)
+
+    def _insert(self, entry: Entry) -> None:
+        self._entries[(entry.ns, entry.tokens)] = entry
+        self.used_bytes += entry.nbytes
+        for s in entry.sessions:
+            self._sessions[(entry.ns, s)] = entry
+
+    def _remove(self, entry: Entry) -> None:
+        if self._entries.get((entry.ns, entry.tokens)) is entry:
+            del self._entries[(entry.ns, entry.tokens)]
+            self.used_bytes -= entry.nbytes
+        for s in entry.sessions:
+            if self._sessions.get((entry.ns, s)) is entry:
+                del self._sessions[(entry.ns, s)]
+
+    def remove(self, entry: Entry, reason: str = "removed") -> None:
+        self._remove(entry)
+        self._emit("remove", ns=entry.ns, tokens=len(entry.tokens), nbytes=entry.nbytes, reason=reason)
+
+    # --- sessions ---
+
+    def bind_session(self, session: str, entry: Entry) -> None:
+        old = self._sessions.get((entry.ns, session))
+        if old is not None and old is not entry:
+            old.sessions.discard(session)
+        entry.sessions.add(session)
+        self._sessions[(entry.ns, session)] = entry
+
+    def session_entry(self, session: str, ns: str) -> Entry | None:
+        return self._sessions.get((ns, session))
+
+    def drop_session(self, session: str) -> None:
+        for key in [k for k in self._sessions if k[1] == session]:
+            self._sessions.pop(key).sessions.discard(session)
+
+    # --- budget ---
+
+    def victims(self) -> list[Entry]:
+        """Eviction order: oversized first, unreferenced before session-referenced, then LRU; pinned last."""
+        return sorted(
+            self._entries.values(),
+            key=lambda e: (bool(e.pinned), not self._oversized(e), bool(e.sessions), e.last_used),
+        )
+
+    def _oversized(self, entry: Entry) -> bool:
+        return self.budget_bytes is not None and entry.nbytes > self.budget_bytes
+
+    def over_budget(self) -> bool:
+        return self.budget_bytes is not None and self.used_bytes > self.budget_bytes
+
+    def enforce_budget(self) -> None:
+        if not self.over_budget():
+            return
+        for victim in self.victims():
+            if not self.over_budget():
+                break
+            if victim.pinned:
+                continue
+            oversized = self._oversized(victim)
+            if self._may_drop(victim, "oversized" if oversized else "budget"):
+                self._remove(victim)
+                if oversized:
+                    self.counters["oversized"] += 1
+                else:
+                    self.counters["evictions"] += 1
+                self._emit(
+                    "evict",
+                    ns=victim.ns,
+                    tokens=len(victim.tokens),
+                    nbytes=victim.nbytes,
+                    reason="oversized" if oversized else "budget",
+                )
+
+    # --- hooks for the tiered cache ---
+
+    def _may_drop(self, entry: Entry, reason: str) -> bool:
+        """Whether `entry` may leave RAM now (RAM-only: always)."""
+        return True
+
+    def _may_supersede(self, ancestor: Entry, by: Entry) -> bool:
+        return True
+
+    def clear(self) -> None:
+        for e in list(self._entries.values()):
+            self._remove(e)
+        self._sessions.clear()

@@ -1,0 +1,102 @@
+"""Chat sessions: conversation history per session id.
+
+The cache keeps its own session index (session id -> latest checkpoint);
+this module keeps what the user said and what the model answered, so each
+turn renders the whole conversation with the chat template.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+
+_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+class SessionError(ValueError):
+    pass
+
+
+def check_session_id(session_id: str) -> str:
+    if not isinstance(session_id, str) or not _ID.match(session_id):
+        raise SessionError(
+            f"invalid session id {session_id!r}: use 1-64 letters, digits, '.', '_' or '-'"
+        )
+    return session_id
+
+
+@dataclass
+class Session:
+    id: str
+    system: str | None = None
+    model: str | None = None
+    messages: list = field(default_factory=list)  # {"role", "content"}
+    created: float = field(default_factory=time.time)
+    last_prompt_tokens: int = 0
+
+    def render_messages(self, user_text: str, system: str | None = None) -> list:
+        system = system if system is not None else self.system
+        head = [{"role": "system", "content": system}] if system else []
+        return head + self.messages + [{"role": "user", "content": user_text}]
+
+    def record_turn(self, user_text: str, reply: str, prompt_tokens: int) -> None:
+        self.messages += [
+            {"role": "user", "content": user_text},
+            {"role": "assistant", "content": reply},
+        ]
+        self.last_prompt_tokens = prompt_tokens
+
+    @property
+    def turns(self) -> int:
+        return len(self.messages) // 2
+
+    def summary(self) -> dict:
+        return {
+            "id": self.id,
+            "model": self.model,
+            "system": self.system,
+            "turns": self.turns,
+            "last_prompt_tokens": self.last_prompt_tokens,
+        }
+
+
+class Sessions:
+    def __init__(self):
+        self._sessions: dict[str, Session] = {}
+
+    def new(self, session_id: str, *, system: str | None = None, model: str | None = None) -> Session:
+        check_session_id(session_id)
+        if session_id in self._sessions:
+            raise SessionError(f"session {session_id!r} already exists (reset or close it first)")
+        s = self._sessions[session_id] = Session(session_id, system, model)
+        return s
+
+    def get(self, session_id: str) -> Session:
+        if session_id not in self._sessions:
+            known = ", ".join(sorted(self._sessions)) or "none"
+            raise SessionError(f"unknown session {session_id!r}; sessions: {known}")
+        return self._sessions[session_id]
+
+    def get_or_create(self, session_id: str, *, system: str | None = None, model: str | None = None) -> Session:
+        check_session_id(session_id)
+        if session_id not in self._sessions:
+            return self.new(session_id, system=system, model=model)
+        return self._sessions[session_id]
+
+    def reset(self, session_id: str) -> Session:
+        s = self.get(session_id)
+        s.messages.clear()
+        s.last_prompt_tokens = 0
+        return s
+
+    def close(self, session_id: str) -> Session:
+        s = self.get(session_id)
+        del self._sessions[session_id]
+        return s
+
+    def list(self) -> list[Session]:
+        return list(self._sessions.values())
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._sessions

@@ -1,0 +1,274 @@
+"""The one cache generation sees: the RAM tier over the SSD tier.
+
+- take(): the RAM tier's best prefix, unless the SSD index (no I/O) has a
+  strictly longer usable one; that file is restored, verified and published
+  in RAM at once.
+- put(): publishes in RAM and, with write-behind on, queues persistence.
+- Eviction persists before it demotes: a victim without a committed SSD copy
+  gets a write queued and stays resident (the budget is soft meanwhile); a
+  failed write leaves it resident, usable and dirty, retried later.
+- The writer thread yields while a generation runs (`generating()`), unless
+  RAM is over budget and waiting on writes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Sequence
+
+from .checkpoint import Checkpoint
+from .prompt_cache import Entry, Lease, PromptCache, as_token_array, common_prefix_len, usable_length
+
+RETRY_FAILED_AFTER_S = 5.0
+
+
+class TieredPromptCache(PromptCache):
+    def __init__(
+        self,
+        *,
+        ram_budget_bytes: int | None,
+        ssd_dir: Path | None,
+        ssd_budget_bytes: int | None = None,
+        write_behind: bool = True,
+        idle_demote_s: float | None = None,
+        emit: Callable[..., object] | None = None,
+    ):
+        super().__init__(ram_budget_bytes, emit)
+        self.write_behind = write_behind
+        self.idle_demote_s = idle_demote_s
+        self.identities: dict[str, dict] = {}
+        self._generating = threading.Event()
+        self.store = self.writer = None
+        self.counters.update(
+            {
+                "ssd_hits": 0,
+                "ssd_tokens": 0,
+                "ssd_restore_failures": 0,
+                "demotions": 0,
+                "writes_queued": 0,
+                "writes_committed": 0,
+                "writes_failed": 0,
+                "bytes_written": 0,
+            }
+        )
+        self._failed_at: dict[tuple, float] = {}
+        if ssd_dir is not None:
+            from .storage.store import CheckpointStore
+            from .storage.writer import CheckpointWriter
+
+            self.store = CheckpointStore(Path(ssd_dir), ssd_budget_bytes=ssd_budget_bytes, on_event=self._store_event)
+            self.writer = CheckpointWriter(self.store, should_yield=self._writer_should_yield)
+
+    # --- wiring ---
+
+    def register_namespace(self, ns: str, identity: dict) -> None:
+        self.identities[ns] = dict(identity)
+        if self.store is not None:
+            self.store.register_namespace(ns, identity)
+
+    def _store_event(self, event: dict) -> None:
+        event = dict(event)
+        self._emit(event.pop("type", "store"), **event)
+
+    def _writer_should_yield(self) -> bool:
+        # Generation wants both cores; a write only goes ahead meanwhile when
+        # RAM is over budget and waiting on it.
+        return self._generating.is_set() and not self.over_budget()
+
+    @contextmanager
+    def generating(self):
+        self._generating.set()
+        try:
+            yield
+        finally:
+            self._generating.clear()
+
+    # --- lookup ---
+
+    def take(
+        self,
+        prompt: Sequence[int],
+        ns: str,
+        session: str | None = None,
+        progress: Callable[[str, int, int], None] | None = None,
+    ) -> Lease | None:
+        self.poll()
+        entry, n_ram = self.best(prompt, ns, session)
+        if self.store is not None:
+            restored = self._restore_longer(prompt, ns, n_ram, progress)
+            if restored is not None:
+                return restored
+        if entry is None:
+            self.counters["misses"] += 1
+            self._emit("miss", ns=ns, prompt_tokens=len(prompt))
+            return None
+        self.counters["hits"] += 1
+        self._emit("hit", ns=ns, source="ram", tokens=n_ram, prompt_tokens=len(prompt))
+        return self._lend(entry, n_ram, "ram")
+
+    def _restore_longer(self, prompt, ns, n_ram, progress) -> Lease | None:
+        from .storage.store import CheckpointUnavailable
+
+        prompt_array = as_token_array(prompt)
+        handle = self.store.find(prompt, ns)
+        if handle is None:
+            return None
+        handle_tokens = as_token_array(handle.tokens)
+        n = min(common_prefix_len(handle_tokens, prompt_array), len(prompt) - 1)
+        if n <= n_ram:
+            return None
+        t0 = time.perf_counter()
+        try:
+            if progress is not None:
+                progress("restore", 0, len(handle.tokens))
+            cp = self.store.restore(handle)
+        except CheckpointUnavailable as e:
+            self.counters["ssd_restore_failures"] += 1
+            self._emit("restore_failed", ns=ns, tokens=len(handle.tokens), reason=str(e))
+            return None
+        if progress is not None:
+            progress("restore", len(handle.tokens), len(handle.tokens))
+        if usable_length(cp, handle_tokens, prompt_array) != n:  # untrimmable entry that needs a trim
+            self._emit("restore_skipped", ns=ns, tokens=len(cp.tokens), reason="untrimmable")
+            return None
+        entry = super().put(cp, ns, evict=False) or self.get_exact(cp.tokens, ns)
+        entry.write_state = "committed"
+        self.counters["ssd_hits"] += 1
+        self.counters["ssd_tokens"] += n
+        self._emit(
+            "hit", ns=ns, source="ssd", tokens=n, prompt_tokens=len(prompt),
+            nbytes=cp.nbytes, seconds=time.perf_counter() - t0,
+        )
+        lease = self._lend(entry, n, "ssd")
+        self.enforce_budget()
+        return lease
+
+    # --- publication and persistence ---
+
+    def put(self, checkpoint: Checkpoint, ns: str, *, session: str | None = None, evict: bool = True) -> Entry | None:
+        entry = super().put(checkpoint, ns, session=session, evict=False)
+        if entry is not None and self.store is not None:
+            entry.write_state = "dirty"
+            if self.write_behind:
+                self._queue_write(entry)
+        if evict:
+            self.enforce_budget()
+        return entry
+
+    def _queue_write(self, entry: Entry) -> None:
+        from .storage.writer import WriteJob
+
+        if entry.write_state in ("pending", "committed") or entry.ns not in self.identities:
+            return
+        job = WriteJob.from_checkpoint(entry.checkpoint, entry.ns, self.identities[entry.ns], key=(entry.ns, entry.tokens))
+        self.writer.submit(job)
+        entry.write_state = "pending"
+        self.counters["writes_queued"] += 1
+        self._emit("write_queued", ns=entry.ns, tokens=len(entry.tokens), nbytes=entry.nbytes)
+
+    def _may_drop(self, entry: Entry, reason: str) -> bool:
+        if self.store is None:
+            return True
+        if entry.write_state == "committed" or self.store.has_durable_prefix(entry.tokens, entry.ns):
+            entry.write_state = "committed"
+            self.counters["demotions"] += 1
+            self._emit("demote", ns=entry.ns, tokens=len(entry.tokens), nbytes=entry.nbytes, reason=reason)
+            return True
+        if entry.write_state in ("none", "dirty", "failed"):
+            self._queue_write(entry)
+        return False
+
+    def poll(self) -> None:
+        """Apply writer completions, retry failures, demote idle entries (owner thread)."""
+        if self.writer is None:
+            return
+        for done in self.writer.poll():
+            ns, tokens = done.key
+            entry = self.get_exact(tokens, ns)
+            if done.ok:
+                self.counters["writes_committed"] += 1
+                self.counters["bytes_written"] += int(done.bytes or 0)
+                self._failed_at.pop(done.key, None)
+                if entry is not None:
+                    entry.write_state, entry.write_error = "committed", None
+                self._emit("write_committed", ns=ns, tokens=len(tokens), nbytes=done.bytes, seconds=done.seconds)
+            else:
+                self.counters["writes_failed"] += 1
+                self._failed_at[done.key] = time.monotonic()
+                if entry is not None:
+                    entry.write_state, entry.write_error = "failed", str(done.error)
+                self._emit("write_failed", ns=ns, tokens=len(tokens), error=str(done.error))
+        now = time.monotonic()
+        for e in self.entries():
+            if e.write_state == "failed" and now - self._failed_at.get((e.ns, e.tokens), 0) > RETRY_FAILED_AFTER_S:
+                self._queue_write(e)
+        self._demote_idle()
+        self.enforce_budget()
+
+    def _demote_idle(self) -> None:
+        if self.idle_demote_s is None or self.store is None:
+            return
+        cutoff = time.time() - self.idle_demote_s
+        for e in self.entries():
+            if e.last_used_time < cutoff and not e.borrowers and not e.pinned and self._may_drop(e, "idle"):
+                self._remove(e)
+
+    def flush(self, timeout: float | None = None) -> dict:
+        """Persist every dirty or failed entry and wait; report what is durable."""
+        if self.writer is None:
+            return {"committed": 0, "failed": [], "pending": 0, "seconds": 0.0}
+        t0 = time.perf_counter()
+        committed_before = self.counters["writes_committed"]
+        self.poll()
+        for e in self.entries():
+            if e.write_state in ("none", "dirty", "failed"):
+                self._queue_write(e)
+        failed_before = self.counters["writes_failed"]
+        self.writer.wait(timeout)
+        self.poll()
+        failed = [
+            {"tokens": len(e.tokens), "error": e.write_error}
+            for e in self.entries()
+            if e.write_state == "failed"
+        ]
+        report = {
+            "committed": self.counters["writes_committed"] - committed_before,
+            "failed": failed,
+            "failed_writes": self.counters["writes_failed"] - failed_before,
+            "pending": self.writer.pending()[0],
+            "seconds": time.perf_counter() - t0,
+        }
+        self._emit("flush", **{k: v for k, v in report.items() if k != "failed"}, failed_count=len(failed))
+        return report
+
+    # --- views ---
+
+    def stats(self) -> dict:
+        pending_count, pending_bytes = self.writer.pending() if self.writer else (0, 0)
+        out = {
+            "ram_used_bytes": self.used_bytes,
+            "ram_budget_bytes": self.budget_bytes,
+            "ram_entries": len(self._entries),
+            "write_behind": self.write_behind,
+            "ssd_enabled": self.store is not None,
+            "pending_writes": pending_count,
+            "pending_write_bytes": pending_bytes,
+            "dirty_entries": sum(e.write_state in ("dirty", "failed") for e in self._entries.values()),
+            **self.counters,
+        }
+        if self.store is not None:
+            out.update({f"ssd_{k}": v for k, v in self.store.stats().items()})
+        return out
+
+    def clear(self, ssd: bool = False) -> None:
+        super().clear()
+        if ssd and self.store is not None:
+            self.store.clear()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
