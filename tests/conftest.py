@@ -1,3 +1,8 @@
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))  # tests/tiny_model.py
+
 import pytest
 
 
@@ -7,3 +12,11 @@ def default_model_dir():
     from mlxcache_kernel.engine.convert import ensure_default_model
 
     return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random llama model (mlx-lm loadable) for tests that need a model but not good text."""
+    from tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
