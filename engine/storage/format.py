@@ -1,0 +1,470 @@
+"""Checkpoint file format 1: one self-describing file per checkpoint.
+
+Layout::
+
+    0      magic b"MLXCKPT\\n", uint32 version, uint32 header capacity,
+           uint32 header length, 4 reserved bytes, SHA-256 of the header
+           JSON (32 bytes)                                   (56 bytes)
+    56     header: UTF-8 JSON, padded with spaces to its capacity
+    16 KiB aligned: tensor data, one tensor after another, each at a
+           16 KiB aligned offset, raw or as one zstd frame
+
+The header is sized up front (every number at its widest, hashes fixed
+width), so it can be patched last without moving data. A later format
+(content-addressed blocks) gets a new version number; readers reject
+versions they do not know rather than guess.
+
+Writers run on a worker thread and see only numpy views, never MLX arrays.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+MAGIC = b"MLXCKPT\n"
+FORMAT_VERSION = 1
+ALIGN = 16 * 1024
+CHUNK = 4 * 1024 * 1024  # hashing/IO step between should_yield polls
+_PREFIX = struct.Struct("<8sIII4x32s")
+CODECS = ("raw", "zstd")
+# Measured in benchmarks/bench_storage.py: fp32 KV barely compresses (~7%)
+# while zstd costs several times the write and restore time. Raw wins.
+DEFAULT_CODEC = "raw"
+ZSTD_LEVEL = 1
+
+# numpy dtype that carries each logical dtype's bits on disk
+_HOST_DTYPES = {
+    "float32": "<f4",
+    "float16": "<f2",
+    "bfloat16": "<u2",
+    "float64": "<f8",
+    "int8": "i1",
+    "uint8": "u1",
+    "int16": "<i2",
+    "uint16": "<u2",
+    "int32": "<i4",
+    "uint32": "<u4",
+    "int64": "<i8",
+    "uint64": "<u8",
+    "bool": "?",
+}
+
+_REQUIRED = (
+    "identity",
+    "namespace",
+    "tokens",
+    "layout",
+    "min_reusable_offset",
+    "trimmable",
+    "attachments",
+    "created",
+    "tensors",
+)
+
+
+class CorruptCheckpoint(Exception):
+    """The file is not a valid, complete, intact format-1 checkpoint."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def host_dtype(name: str) -> np.dtype:
+    try:
+        return np.dtype(_HOST_DTYPES[name])
+    except KeyError:
+        raise ValueError(f"unsupported tensor dtype {name!r}") from None
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple
+    offset: int
+    stored_bytes: int
+    raw_bytes: int
+    codec: str
+    sha256: str
+
+    def to_json(self) -> dict:
+        d = dict(self.__dict__)
+        d["shape"] = list(self.shape)
+        return d
+
+
+@dataclass(frozen=True)
+class Header:
+    version: int
+    identity: dict
+    namespace: str
+    tokens: tuple
+    layout: list
+    min_reusable_offset: int
+    trimmable: bool
+    attachments: list
+    created: float
+    tensors: tuple  # of TensorEntry
+    file_size: int
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(t.raw_bytes for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    path: Path
+    header: Header
+    file_bytes: int
+    raw_bytes: int
+    seconds: float
+
+
+def layout_trimmable(layout: Sequence[dict], attachments: Sequence[str]) -> bool:
+    """Mirror of Checkpoint.trimmable computed from the JSON layout."""
+    if attachments:
+        return False
+    for spec in layout:
+        kind, meta = spec.get("kind"), spec.get("meta", {})
+        if kind in ("KVCache", "QuantizedKVCache"):
+            continue
+        if kind == "RotatingKVCache" and meta.get("offset", 0) < meta.get("max_size", 0):
+            continue
+        return False
+    return True
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _header_json(fields: dict, tensors: Iterable[TensorEntry]) -> bytes:
+    doc = dict(fields)
+    doc["tensors"] = [t.to_json() for t in tensors]
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_path_for(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+
+
+# --- writing ----------------------------------------------------------------
+
+
+def write_checkpoint(
+    path,
+    *,
+    identity: dict,
+    namespace: str,
+    tokens: Sequence[int],
+    layout: list,
+    min_reusable_offset: int,
+    host_tensors: Sequence,
+    codec: str = DEFAULT_CODEC,
+    trimmable: bool | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    should_yield: Callable[[], bool] | None = None,
+) -> FileInfo:
+    """Write one checkpoint atomically (temp file, fsync, rename, dir fsync).
+
+    Runs on a worker thread; `host_tensors` are HostTensor-like objects
+    (name, dtype, shape, array). On any error the temp file is removed and
+    the exception propagates; the final path is untouched.
+    """
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}")
+    t0 = time.perf_counter()
+    path = Path(path)
+    attachments = [h.name.removeprefix("attachments.") for h in host_tensors if h.name.startswith("attachments.")]
+    if trimmable is None:
+        trimmable = layout_trimmable(layout, attachments)
+    fields = {
+        "identity": dict(identity),
+        "namespace": namespace,
+        "tokens": [int(t) for t in tokens],
+        "layout": layout,
+        "min_reusable_offset": int(min_reusable_offset),
+        "trimmable": bool(trimmable),
+        "attachments": attachments,
+        "created": time.time(),
+    }
+    # Size the header with every variable field at its widest.
+    widest = [
+        TensorEntry(h.name, h.dtype, tuple(h.shape), 10**19, 10**19, 10**19, "zstd", "0" * 64)
+        for h in host_tensors
+    ]
+    capacity = len(_header_json(fields, widest)) + 256
+    data_start = _align(_PREFIX.size + capacity)
+    total = sum(int(h.array.nbytes) for h in host_tensors)
+    done = 0
+
+    def pause() -> None:
+        while should_yield is not None and should_yield():
+            time.sleep(0.005)
+
+    tmp = temp_path_for(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            entries = []
+            offset = data_start
+            scratch = None  # reused for strided tensors
+            for h in host_tensors:
+                arr = h.array
+                want = host_dtype(h.dtype)
+                if arr.dtype.itemsize != want.itemsize or tuple(arr.shape) != tuple(h.shape):
+                    raise ValueError(f"tensor {h.name}: view does not match its dtype/shape")
+                nbytes = int(arr.nbytes)
+                if arr.flags.c_contiguous:
+                    mv = memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+                else:
+                    if scratch is None or scratch.nbytes < nbytes:
+                        scratch = np.empty(max(nbytes, 1), np.uint8)
+                    packed = scratch[:nbytes].view(arr.dtype).reshape(arr.shape)
+                    np.copyto(packed, arr)
+                    mv = memoryview(scratch)[:nbytes]
+                f.seek(offset)
+                digest = hashlib.sha256()
+                cobj = None
+                if codec == "zstd":
+                    import zstandard
+
+                    cobj = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compressobj(size=nbytes)
+                stored = 0
+                for lo in range(0, nbytes, CHUNK):
+                    pause()
+                    chunk = mv[lo : lo + CHUNK]
+                    digest.update(chunk)
+                    if cobj is None:
+                        f.write(chunk)
+                        stored += len(chunk)
+                    else:
+                        out = cobj.compress(chunk)
+                        f.write(out)
+                        stored += len(out)
+                    done += len(chunk)
+                    if progress is not None:
+                        progress(done, total)
+                if cobj is not None:
+                    out = cobj.flush()
+                    f.write(out)
+                    stored += len(out)
+                del mv
+                entries.append(
+                    TensorEntry(h.name, h.dtype, tuple(int(s) for s in h.shape), offset, stored, nbytes, codec, digest.hexdigest())
+                )
+                offset = _align(offset + stored)
+            end = entries[-1].offset + entries[-1].stored_bytes if entries else data_start
+            f.truncate(end)
+            body = _header_json(fields, entries)
+            assert len(body) <= capacity
+            f.seek(0)
+            f.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, capacity, len(body), hashlib.sha256(body).digest()))
+            f.write(body + b" " * (capacity - len(body)))
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+    header = _parse_header(dict(fields, tensors=[e.to_json() for e in entries]), FORMAT_VERSION, end)
+    return FileInfo(path, header, end, total, time.perf_counter() - t0)
+
+
+# --- reading ----------------------------------------------------------------
+
+
+def _parse_header(doc: dict, version: int, file_size: int) -> Header:
+    try:
+        missing = [k for k in _REQUIRED if k not in doc]
+        if missing:
+            raise CorruptCheckpoint(f"header misses fields {missing}")
+        tensors = tuple(
+            TensorEntry(
+                str(t["name"]), str(t["dtype"]), tuple(int(s) for s in t["shape"]),
+                int(t["offset"]), int(t["stored_bytes"]), int(t["raw_bytes"]),
+                str(t["codec"]), str(t["sha256"]),
+            )
+            for t in doc["tensors"]
+        )
+        return Header(
+            version,
+            dict(doc["identity"]),
+            str(doc["namespace"]),
+            tuple(int(t) for t in doc["tokens"]),
+            list(doc["layout"]),
+            int(doc["min_reusable_offset"]),
+            bool(doc["trimmable"]),
+            list(doc["attachments"]),
+            float(doc["created"]),
+            tensors,
+            file_size,
+        )
+    except CorruptCheckpoint:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CorruptCheckpoint(f"malformed header field: {e!r}") from None
+
+
+def _check_table(h: Header, data_start: int) -> None:
+    end = data_start
+    names = set()
+    for t in sorted(h.tensors, key=lambda t: t.offset):
+        if t.name in names:
+            raise CorruptCheckpoint(f"duplicate tensor {t.name}")
+        names.add(t.name)
+        if t.codec not in CODECS:
+            raise CorruptCheckpoint(f"tensor {t.name}: unknown codec {t.codec!r}")
+        try:
+            itemsize = host_dtype(t.dtype).itemsize
+        except ValueError:
+            raise CorruptCheckpoint(f"tensor {t.name}: unknown dtype {t.dtype!r}") from None
+        if any(s < 0 for s in t.shape) or t.raw_bytes != int(np.prod(t.shape, dtype=np.int64)) * itemsize:
+            raise CorruptCheckpoint(f"tensor {t.name}: size does not match shape")
+        if t.codec == "raw" and t.stored_bytes != t.raw_bytes:
+            raise CorruptCheckpoint(f"tensor {t.name}: raw size mismatch")
+        if t.offset % ALIGN or t.offset < end or t.stored_bytes < 0:
+            raise CorruptCheckpoint(f"tensor {t.name}: bad offset")
+        if len(t.sha256) != 64:
+            raise CorruptCheckpoint(f"tensor {t.name}: bad hash")
+        end = t.offset + t.stored_bytes
+        if end > h.file_size:
+            raise CorruptCheckpoint(f"truncated: tensor {t.name} ends at {end}, file has {h.file_size} bytes")
+
+
+def read_header(path) -> Header:
+    """Read and validate only the header (no tensor bytes)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        prefix = f.read(_PREFIX.size)
+        if len(prefix) < _PREFIX.size:
+            raise CorruptCheckpoint("truncated before the header")
+        magic, version, capacity, length, digest = _PREFIX.unpack(prefix)
+        if magic != MAGIC:
+            raise CorruptCheckpoint("wrong magic: not a checkpoint file")
+        if version != FORMAT_VERSION:
+            raise CorruptCheckpoint(f"unsupported format version {version} (this reader knows {FORMAT_VERSION})")
+        if length > capacity:
+            raise CorruptCheckpoint("header length exceeds its capacity")
+        body = f.read(length)
+        if len(body) < length or size < _PREFIX.size + capacity:
+            raise CorruptCheckpoint("truncated header")
+    if hashlib.sha256(body).digest() != digest:
+        raise CorruptCheckpoint("header checksum mismatch")
+    try:
+        doc = json.loads(body)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptCheckpoint(f"header is not valid JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise CorruptCheckpoint("header is not a JSON object")
+    h = _parse_header(doc, version, size)
+    _check_table(h, _align(_PREFIX.size + capacity))
+    return h
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(2, thread_name_prefix="ckpt-read")
+    return _POOL
+
+
+def _pread_exact(fd: int, mv: memoryview, offset: int, name: str) -> None:
+    got = 0
+    while got < len(mv):
+        n = os.preadv(fd, [mv[got:]], offset + got)
+        if not n:
+            raise CorruptCheckpoint(f"truncated: tensor {name}")
+        got += n
+
+
+def _decompress_into(fd: int, t: TensorEntry, mv: memoryview) -> None:
+    import zstandard
+
+    src = bytearray(t.stored_bytes)
+    _pread_exact(fd, memoryview(src), t.offset, t.name)
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(bytes(src))
+        got = 0
+        while got < len(mv):
+            n = reader.readinto(mv[got:])
+            if not n:
+                break
+            got += n
+        extra = reader.read(1)
+    except zstandard.ZstdError as e:
+        raise CorruptCheckpoint(f"tensor {t.name}: zstd error {e}") from None
+    if got != len(mv) or extra:
+        raise CorruptCheckpoint(f"tensor {t.name}: decompressed size mismatch")
+
+
+def _load_one(fd: int, t: TensorEntry, mv: memoryview) -> None:
+    # pread, zstd and sha256 all drop the GIL: two of these run in parallel
+    if t.codec == "raw":
+        _pread_exact(fd, mv, t.offset, t.name)
+    else:
+        _decompress_into(fd, t, mv)
+    if hashlib.sha256(mv).hexdigest() != t.sha256:
+        raise CorruptCheckpoint(f"tensor {t.name}: SHA-256 mismatch")
+
+
+def read_tensors(path, header: Header, allocate: Callable) -> dict:
+    """Read every tensor into buffers from `allocate(name, dtype, shape)`.
+
+    The buffers must be writable and C-contiguous (views of MLX-owned memory
+    on restore: one copy from the file). `allocate` runs on the calling
+    thread; reading and SHA-256 verification run on a 2-thread pool, so
+    tensor i is read and hashed while tensor i+1 is allocated. Raises
+    CorruptCheckpoint on any mismatch; buffer contents are then undefined.
+    """
+    out = {}
+    futures = []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        pool = _pool()
+        for t in header.tensors:
+            buf = allocate(t.name, t.dtype, t.shape)
+            if not (isinstance(buf, np.ndarray) and buf.flags.c_contiguous and buf.flags.writeable) or buf.nbytes != t.raw_bytes:
+                raise ValueError(f"allocate returned an unusable buffer for {t.name}")
+            mv = memoryview(buf.reshape(-1).view(np.uint8))
+            futures.append(pool.submit(_load_one, fd, t, mv))
+            out[t.name] = buf
+    finally:
+        errors = []
+        for fut in futures:  # never return (or close fd) while a pool thread uses a buffer
+            try:
+                fut.result()
+            except Exception as e:
+                errors.append(e)
+        os.close(fd)
+    if errors:
+        raise errors[0]
+    return out

@@ -1,0 +1,203 @@
+"""The background writer: one daemon thread that persists checkpoints.
+
+The owner (MLX) thread prepares a WriteJob (numpy views of evaluated
+arrays, see Checkpoint.host_tensors) and submits it. The thread writes the
+file with format.write_checkpoint and publishes it into the store index.
+Finished jobs go to a completion list; the owner collects them with poll(),
+which is also where the job's numpy views are dropped, so MLX memory is
+only ever released on the owner thread.
+
+Restores never queue behind writes: they are synchronous owner-thread calls
+on the store.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from . import format as fmt
+from .store import CheckpointStore
+
+
+@dataclass
+class WriteJob:
+    namespace: str
+    identity: dict
+    tokens: tuple
+    layout: list
+    min_reusable_offset: int
+    host_tensors: list
+    trimmable: bool | None = None
+    codec: str = fmt.DEFAULT_CODEC
+    key: Any = None  # caller's handle, returned in the completion
+    urgent: bool = False  # ignore should_yield (memory pressure)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(h.nbytes for h in self.host_tensors)
+
+    @classmethod
+    def from_checkpoint(cls, cp, namespace: str, identity: dict, *, key: Any = None, codec: str = fmt.DEFAULT_CODEC, urgent: bool = False) -> "WriteJob":
+        """Prepare on the owner thread (host_tensors evaluates views)."""
+        return cls(
+            namespace, dict(identity), tuple(cp.tokens), cp.layout(), int(cp.min_reusable_offset),
+            cp.host_tensors(), bool(cp.trimmable), codec, key, urgent,
+        )
+
+
+@dataclass(frozen=True)
+class Completion:
+    key: Any
+    ok: bool
+    error: BaseException | None
+    path: Path | None
+    bytes: int  # file bytes on success, 0 on failure
+    seconds: float
+    namespace: str
+    tokens: int  # token count of the checkpoint
+    entry: Any = None  # the store's IndexEntry on success
+
+
+class WriteTicket:
+    """Handle for one submitted job; completion itself arrives through poll()."""
+
+    def __init__(self, seq: int, key: Any, nbytes: int):
+        self.seq, self.key, self.nbytes = seq, key, nbytes
+        self._done = threading.Event()
+        self.completion: Completion | None = None
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+
+class CheckpointWriter:
+    def __init__(self, store: CheckpointStore, *, should_yield: Callable[[], bool] | None = None):
+        self.store = store
+        self.should_yield = should_yield
+        self._cv = threading.Condition()
+        self._queue: collections.deque = collections.deque()  # (ticket, job)
+        self._done: list = []  # (ticket, job, completion), emptied by poll()
+        self._busy = None  # ticket being written
+        self._progress = (0, 0)
+        self._closed = False
+        self._seq = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="ckpt-writer", daemon=True)
+        self._thread.start()
+
+    # --- owner-thread API ---
+
+    def submit(self, job: WriteJob) -> WriteTicket:
+        ticket = WriteTicket(next(self._seq), job.key, job.nbytes)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("writer is closed")
+            self._queue.append((ticket, job))
+            self._cv.notify_all()
+        return ticket
+
+    def poll(self) -> list[Completion]:
+        """Finished completions, oldest first. Call on the owner thread: the
+        jobs' numpy views (and so MLX buffers) are released here."""
+        with self._cv:
+            done, self._done = self._done, []
+        out = [c for _, _, c in done]
+        del done  # last references to the jobs' views go on this thread
+        return out
+
+    def pending(self) -> tuple[int, int]:
+        """(jobs, bytes) queued or being written."""
+        with self._cv:
+            items = [t for t, _ in self._queue] + ([self._busy] if self._busy else [])
+            return len(items), sum(t.nbytes for t in items)
+
+    @property
+    def in_progress(self) -> tuple[int, int] | None:
+        """(bytes done, bytes total) of the job being written, or None."""
+        with self._cv:
+            return self._progress if self._busy is not None else None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until nothing is queued or being written; True if drained.
+        Completions are left for poll()."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._queue or self._busy is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+            return True
+
+    def close(self, *, wait: bool = True, timeout: float | None = None) -> None:
+        """Stop the thread. wait=True finishes queued jobs first; otherwise
+        queued jobs are dropped (here, on the owner thread) unwritten."""
+        with self._cv:
+            self._closed = True
+            dropped = [] if wait else list(self._queue)
+            if not wait:
+                self._queue.clear()
+            self._cv.notify_all()
+        del dropped
+        self._thread.join(timeout)
+
+    # --- writer thread ---
+
+    def _yield(self, job: WriteJob) -> bool:
+        return not job.urgent and self.should_yield is not None and bool(self.should_yield())
+
+    def _on_progress(self, done: int, total: int) -> None:
+        with self._cv:
+            self._progress = (done, total)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                ticket, job = self._queue.popleft()
+                self._busy, self._progress = ticket, (0, ticket.nbytes)
+            completion = self._write(job)
+            with self._cv:
+                # hand the job over while poll() is locked out, so our
+                # reference is never the last one to its views
+                self._done.append((ticket, job, completion))
+                job = None
+                self._busy = None
+                ticket.completion = completion
+                ticket._done.set()
+                self._cv.notify_all()
+
+    def _write(self, job: WriteJob) -> Completion:
+        t0 = time.perf_counter()
+        n = len(job.tokens)
+        try:
+            path = self.store.prepare_path(job.namespace, job.tokens)
+            info = fmt.write_checkpoint(
+                path,
+                identity=job.identity,
+                namespace=job.namespace,
+                tokens=job.tokens,
+                layout=job.layout,
+                min_reusable_offset=job.min_reusable_offset,
+                host_tensors=job.host_tensors,
+                codec=job.codec,
+                trimmable=job.trimmable,
+                progress=self._on_progress,
+                should_yield=lambda: self._yield(job),
+            )
+            entry = self.store.publish(info)
+            return Completion(job.key, True, None, info.path, info.file_bytes, time.perf_counter() - t0, job.namespace, n, entry)
+        except Exception as exc:
+            exc.__traceback__ = None  # frames hold views; the job keeps them alive
+            return Completion(job.key, False, exc, None, 0, time.perf_counter() - t0, job.namespace, n)

@@ -1,0 +1,155 @@
+"""The background writer: completions, failures, yielding."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import weakref
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from mlxcache_kernel.engine.checkpoint import Checkpoint
+from mlxcache_kernel.engine.storage.store import CheckpointStore
+from mlxcache_kernel.engine.storage.writer import CheckpointWriter, WriteJob
+
+IDENTITY = {"artifact": "a" * 64, "config": "c1", "tokenizer": "t1", "kv_scheme": "fp"}
+
+
+def make_checkpoint(tokens, heads=2, head_dim=8, layers=2, seed=0):
+    mx.random.seed(seed)
+    caches = []
+    for _ in range(layers):
+        c = KVCache()
+        shape = (1, heads, len(tokens), head_dim)
+        c.update_and_fetch(mx.random.normal(shape), mx.random.normal(shape))
+        caches.append(c)
+    return Checkpoint.capture(tokens, caches)
+
+
+class HT:  # a HostTensor over a plain numpy array (weakref-able for the release test)
+    def __init__(self, name, a):
+        self.name, self.dtype, self.shape, self.array = name, str(a.dtype), a.shape, a
+
+    @property
+    def nbytes(self):
+        return self.array.nbytes
+
+
+def plain_job(tokens, nbytes_per_tensor=1 << 20, key=None):
+    n = len(tokens)
+    d = nbytes_per_tensor // (4 * n)
+    hts = [HT(f"layers.0.{j}", np.random.rand(1, 1, n, d).astype(np.float32)) for j in range(2)]
+    layout = [{"kind": "KVCache", "meta": {"offset": n}, "arrays": 2}]
+    return WriteJob("ns", IDENTITY, tuple(tokens), layout, 0, hts, key=key)
+
+
+def test_writes_complete_and_appear_in_index(tmp_path):
+    store = CheckpointStore(tmp_path)
+    store.register_namespace("ns", IDENTITY)
+    w = CheckpointWriter(store)
+    cps = [make_checkpoint(list(range(1, 11)) + [100 + i] * 5, seed=i) for i in range(3)]
+    tickets = [w.submit(WriteJob.from_checkpoint(cp, "ns", IDENTITY, key=i)) for i, cp in enumerate(cps)]
+    assert w.wait(30)
+    assert all(t.done() for t in tickets) and w.pending() == (0, 0) and w.in_progress is None
+    done = w.poll()
+    assert [c.key for c in done] == [0, 1, 2] and all(c.ok for c in done)
+    assert all(c.path.exists() and c.bytes == c.path.stat().st_size and c.tokens == 15 for c in done)
+    assert w.poll() == []
+    hit = store.find(list(cps[1].tokens) + [7], "ns")
+    assert hit.match_len == 15 and hit.path == done[1].path
+    restored = store.restore(hit)
+    assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(restored.arrays(), cps[1].arrays()))
+    w.close()
+
+
+def test_views_released_on_owner_thread_at_poll(tmp_path):
+    w = CheckpointWriter(CheckpointStore(tmp_path))
+    job = plain_job(range(1, 33))
+    released = []
+    for h in job.host_tensors:
+        weakref.finalize(h.array, lambda: released.append(threading.get_ident()))
+    w.submit(job)
+    del job, h
+    assert w.wait(30)
+    time.sleep(0.05)
+    assert released == []  # the finished job waits for the owner
+    [c] = w.poll()
+    assert c.ok and released == [threading.get_ident()] * 2
+    w.close()
+
+
+def test_failed_write_then_recovery(tmp_path):
+    # Real failure: the namespace directory path is a regular file (stops root too).
+    store = CheckpointStore(tmp_path)
+    (tmp_path / "ns").write_bytes(b"not a directory")
+    w = CheckpointWriter(store)
+    w.submit(plain_job(range(1, 17), key="a"))
+    assert w.wait(30)
+    [c] = w.poll()
+    assert not c.ok and isinstance(c.error, OSError) and c.path is None and c.key == "a"
+    assert w._thread.is_alive()
+    os.unlink(tmp_path / "ns")
+    w.submit(plain_job(range(1, 17), key="b"))
+    assert w.wait(30)
+    [c] = w.poll()
+    assert c.ok and store.stats()["files"] == 1
+    w.close()
+
+
+def test_failed_mid_write_removes_temp_file(tmp_path):
+    # Real failure mid-file: RLIMIT_FSIZE makes write() fail with EFBIG after
+    # the temp file exists (in a child, so pytest's own files are unaffected).
+    script = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+    script += textwrap.dedent(f"""
+        import json, os, resource, signal
+        from test_writer import plain_job, CheckpointStore, CheckpointWriter
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        store = CheckpointStore({str(tmp_path)!r})
+        w = CheckpointWriter(store)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+        w.submit(plain_job(range(1, 65), nbytes_per_tensor=2 << 20))
+        w.wait()
+        [bad] = w.poll()
+        left = os.listdir({str(tmp_path / "ns")!r})
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        w.submit(plain_job(range(1, 65), nbytes_per_tensor=2 << 20))
+        w.wait()
+        [good] = w.poll()
+        print(json.dumps({{"bad_ok": bad.ok, "errno": getattr(bad.error, "errno", None), "left": left,
+                          "good_ok": good.ok, "files": store.stats()["files"]}}))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r == {"bad_ok": False, "errno": 27, "left": [], "good_ok": True, "files": 1}
+
+
+def test_should_yield_pauses_progress(tmp_path):
+    gate = threading.Event()
+    gate.set()
+    w = CheckpointWriter(CheckpointStore(tmp_path), should_yield=gate.is_set)
+    t = w.submit(plain_job(range(1, 65), nbytes_per_tensor=8 << 20))
+    time.sleep(0.4)
+    assert not t.done() and w.in_progress == (0, 16 << 20)
+    assert w.pending() == (1, 16 << 20) and not w.wait(0.1)
+    urgent = plain_job(range(1, 9))
+    urgent.urgent = True  # memory pressure: ignores the gate
+    u = w.submit(urgent)
+    assert not u.done()  # queued behind the paused job (one writer thread)
+    gate.clear()
+    assert w.wait(30) and t.done() and u.done()
+    assert [c.ok for c in w.poll()] == [True, True]
+    w.close()
+
+
+def test_close_stops_thread(tmp_path):
+    w = CheckpointWriter(CheckpointStore(tmp_path))
+    w.submit(plain_job(range(1, 9)))
+    w.close()
+    assert not w._thread.is_alive() and [c.ok for c in w.poll()] == [True]
