@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -19,10 +18,14 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from . import blas
 from .checkpoint import Checkpoint
+from . import inspect
 from .events import EventBus
 from .generation import DecodeResult, GenerationError, SamplingParams, TextStream, decode, prefill
+from .inflight import InflightRecords, request_id
 from .models import IdentityMemo, LoadedModel, ModelRegistry
+from .named import CheckpointNameError, NamedCheckpoints, check_name
 from .sessions import Sessions
+from .storage.store import token_key
 from .tiered import TieredPromptCache
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -58,6 +61,33 @@ class GenerationResult:
 
     def __str__(self) -> str:
         return self.text
+
+
+class _InflightBoundary:
+    """Queues an in-flight checkpoint every `every` emitted tokens (owner thread)."""
+
+    def __init__(self, engine: "Engine", m: LoadedModel, rid: str, tokens: list, emitted: list, every: int):
+        self.engine, self.m, self.rid, self.tokens, self.every = engine, m, rid, tokens, every
+        self.emitted = list(emitted)
+
+    def maybe_capture(self, caches, token: int) -> None:
+        self.emitted.append(token)
+        k = len(self.emitted)
+        cache = self.engine.cache
+        if k % self.every or cache.writer is None:
+            return
+        # The caches already hold emitted[-1] (decode runs one step ahead):
+        # cut them at the boundary where emitted[-1] is still pending.
+        boundary = self.tokens + self.emitted[:-1]
+        cp = Checkpoint.capture(boundary, caches, copy=True, length=len(boundary))
+        record = {
+            "namespace": self.m.namespace,
+            "prompt_tokens": len(self.tokens),
+            "emitted": list(self.emitted),
+            "boundary_key": token_key(boundary),
+        }
+        inflight, rid = self.engine.inflight, self.rid
+        cache.queue_inflight(cp, self.m.namespace, on_commit=lambda info: inflight.write(rid, record))
 
 
 class Engine:
@@ -97,6 +127,14 @@ class Engine:
             "decode_tokens": 0,
         }
         self.last_result: GenerationResult | None = None
+        self._last_key: tuple | None = None  # (namespace, tokens) of the last generation's checkpoint
+        self.names = NamedCheckpoints(self.cache_dir / "names")
+        self.inflight = InflightRecords(self.cache_dir / "inflight")
+        if self.cache.store is not None:
+            for ns, tokens in self.names.pinned_keys():
+                self.cache.store.protect(ns, tokens)
+        self._previews: dict = {}
+        self._prefill_rate: dict = {}  # namespace -> measured prefill tokens/s
         self._closed = False
 
     # --- models ---
@@ -165,6 +203,7 @@ class Engine:
         use_cache: bool = True,
         on_text: Callable[[str], None] | None = None,
         on_progress: Callable[[str, int, int], None] | None = None,
+        checkpoint_every: int | None = None,
     ) -> GenerationResult:
         self._check_open()
         self.poll()
@@ -173,7 +212,8 @@ class Engine:
         params.validate(_vocab_size(m))
         tokens = self.encode_prompt(prompt, model=m.name, system=system, raw=raw, session=session)
         result = self.generate_tokens(
-            tokens, params, model=m.name, session=session, use_cache=use_cache, on_text=on_text, on_progress=on_progress
+            tokens, params, model=m.name, session=session, use_cache=use_cache, on_text=on_text,
+            on_progress=on_progress, checkpoint_every=checkpoint_every,
         )
         if session is not None:
             self.sessions.get(session).record_turn(prompt, result.text, len(tokens))
@@ -189,27 +229,37 @@ class Engine:
         use_cache: bool = True,
         on_text: Callable[[str], None] | None = None,
         on_progress: Callable[[str, int, int], None] | None = None,
+        checkpoint_every: int | None = None,
     ) -> GenerationResult:
-        """Generate from prompt token ids: cache lookup, prefill, decode, publish."""
+        """Generate from prompt token ids: resume or cache lookup, prefill, decode, publish."""
         self._check_open()
         m = self.models.get(model)
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise GenerationError("empty prompt: no tokens to generate from")
         params.validate(_vocab_size(m))
+        if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
+            raise GenerationError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}")
         ns = m.namespace
         if hasattr(mx, "reset_peak_memory"):
             mx.reset_peak_memory()
         t0 = time.perf_counter()
-        lease = self.cache.take(tokens, ns, session=session, progress=on_progress) if use_cache else None
+        rid = request_id(ns, tokens, params.as_dict())
+        self.inflight.start(rid)
+        resumed = self._resume_lease(rid, tokens, ns) if use_cache else None
+        emitted: list[int] = resumed[1] if resumed else []
+        lease = resumed[0] if resumed else None
+        if lease is None and use_cache:
+            lease = self.cache.take(tokens, ns, session=session, progress=on_progress)
         caches = lease.caches if lease else make_prompt_cache(m.model)
-        cached = lease.length if lease else 0
+        cached = min(lease.length, len(tokens)) if lease else 0
         source = lease.source if lease else None
         t_lookup = time.perf_counter() - t0
+        boundary = _InflightBoundary(self, m, rid, tokens, emitted, checkpoint_every) if checkpoint_every else None
         try:
             with self.cache.generating():
                 t1 = time.perf_counter()
-                suffix = tokens[cached:-1]
+                suffix = [] if emitted else tokens[cached:-1]
                 if suffix:
                     prefill(
                         m.model,
@@ -219,24 +269,47 @@ class Engine:
                         progress=(lambda done, total: on_progress("prefill", done, total)) if on_progress else None,
                     )
                 prefill_s = time.perf_counter() - t1
-                out = self._decode(m, caches, tokens, params, ns, use_cache, on_text, t0)
+                decoded, stream, times = self._decode(
+                    m, caches, tokens, emitted, params, ns, use_cache, on_text, t0, boundary
+                )
         finally:
             if lease:
                 lease.release()
-        decoded, stream, times = out
+        self.inflight.finish(rid)  # completion invalidates the resume point (an interrupt skips this)
         if use_cache:
-            final = tokens + decoded.tokens[: decoded.forwarded]
-            self.cache.put(Checkpoint.capture(final, caches), ns, session=session)
+            final = tokens + decoded.tokens[: len(emitted) + decoded.forwarded]
+            entry = self.cache.put(Checkpoint.capture(final, caches), ns, session=session)
+            self._last_key = (ns, tuple(final)) if entry is not None else self._last_key
         del caches
-        stats = self._stats_for(tokens, cached, source, len(suffix), prefill_s, t_lookup, decoded, times)
+        forwarded = len(suffix) + (0 if emitted else 1)  # the last prompt token goes in with the first decode step
+        stats = self._stats_for(tokens, cached, source, forwarded, prefill_s, t_lookup, decoded, times)
+        stats["resumed_from"] = len(emitted) or None
         self.last_result = GenerationResult(stream.text, decoded.tokens, stats, list(tokens))
         self.events.emit("generation", **{k: v for k, v in stats.items() if not isinstance(v, (list, dict))})
         return self.last_result
 
-    def _decode(self, m: LoadedModel, caches, tokens, params, ns, use_cache, on_text, t0):
+    def _resume_lease(self, rid: str, tokens: list, ns: str):
+        """(lease at the in-flight boundary, emitted tokens) for an interrupted identical request."""
+        record = self.inflight.load(rid)
+        if record is None:
+            return None
+        emitted = record["emitted"]
+        boundary = tuple(tokens) + tuple(emitted[:-1])
+        entry, source = self.cache.restore_exact(boundary, ns)
+        if entry is None:
+            self.events.emit("resume_failed", request=rid, reason="boundary checkpoint not found")
+            return None
+        self.events.emit("resume", request=rid, emitted=len(emitted), source=source)
+        return self.cache._lend(entry, len(boundary), source), list(emitted)
+
+    def _decode(self, m: LoadedModel, caches, tokens, emitted, params, ns, use_cache, on_text, t0, boundary):
         stream = TextStream(m.tokenizer, params.stop)
+        for token in emitted:  # a resumed generation shows what it had already said
+            piece = stream.add(token)
+            if piece and on_text:
+                on_text(piece)
         times: list[float] = []
-        snapshot_needed = use_cache and self.cache.get_exact(tokens, ns) is None
+        snapshot_needed = use_cache and not emitted and self.cache.get_exact(tokens, ns) is None
 
         def on_token(token: int, step: int) -> bool:
             times.append(time.perf_counter())
@@ -248,11 +321,17 @@ class Engine:
                 # when the generated text re-tokenizes differently. A copy:
                 # this generation keeps appending to its own buffers.
                 self.cache.put(Checkpoint.capture(tokens, caches, copy=True, length=len(tokens)), ns)
+            if boundary is not None and not stream.stopped:
+                boundary.maybe_capture(caches, token)
             return stream.stopped
 
-        decoded: DecodeResult = decode(m.model, caches, tokens[-1:], params, eos_ids=m.eos_token_ids, on_token=on_token)
+        pending = emitted[-1:] if emitted else tokens[-1:]
+        decoded: DecodeResult = decode(
+            m.model, caches, pending, params, eos_ids=m.eos_token_ids, first_step=len(emitted), on_token=on_token
+        )
         if len(times) < len(decoded.tokens):  # the eos token is not passed to on_token
             times.append(time.perf_counter())
+        decoded.tokens = list(emitted) + decoded.tokens
         tail = stream.finish()
         if tail and on_text:
             on_text(tail)
@@ -269,7 +348,7 @@ class Engine:
             "cache_source": source,
             "ram_tokens": cached if source == "ram" else 0,
             "ssd_tokens": cached if source == "ssd" else 0,
-            "prefilled_tokens": prefilled + 1,
+            "prefilled_tokens": prefilled,
             "lookup_s": lookup_s,
             "prefill_s": prefill_s,
             "prefill_tokens_per_s": (prefilled / prefill_s) if prefilled and prefill_s > 0 else None,
@@ -289,8 +368,13 @@ class Engine:
         c["prefilled_tokens"] += prefilled
         c["prefill_s"] += prefill_s
         c["decode_tokens"] += len(decoded.tokens)
-        if prefilled and prefill_s > 0 and cached:
-            c["prefill_s_saved"] += cached * prefill_s / prefilled
+        ns = self.models.get().namespace if self.models.default else None
+        if prefilled >= 16 and prefill_s > 0:  # a real prefill: update this model's measured rate
+            rate = prefilled / prefill_s
+            old = self._prefill_rate.get(ns)
+            self._prefill_rate[ns] = rate if old is None else 0.7 * old + 0.3 * rate
+        if cached and self._prefill_rate.get(ns):
+            c["prefill_s_saved"] += cached / self._prefill_rate[ns]
         return stats
 
     # --- cache control ---
@@ -314,6 +398,227 @@ class Engine:
             **{f"engine_{k}": v for k, v in self.counters.items()},
             **self.cache.stats(),
         }
+
+    # --- sessions, named checkpoints, inspection ---
+
+    def close_session(self, session_id: str) -> None:
+        """Forget a chat session and its cache references; the cached state stays."""
+        self.sessions.close(session_id)
+        self.cache.drop_session(session_id)
+
+    def _model_for_namespace(self, ns: str) -> LoadedModel | None:
+        return next((self.models.get(n) for n in self.models.names() if self.models.get(n).namespace == ns), None)
+
+    def _resolve_entry(self, *, session=None, checkpoint=None, last=False, model=None):
+        """The cache entry a user means by --session / --checkpoint / --last (restored if on SSD)."""
+        if sum(x is not None and x is not False for x in (session, checkpoint, last or None)) > 1:
+            raise ValueError("choose one of session, checkpoint or last")
+        if checkpoint is not None:
+            record = self.names.get(checkpoint)
+            ns, tokens = record["namespace"], tuple(record["tokens"])
+        elif session is not None:
+            s = self.sessions.get(session)
+            ns = self.models.get(s.model or model).namespace
+            entry = self.cache.session_entry(session, ns)
+            if entry is None:
+                raise ValueError(f"session {session!r} has no cached state yet: generate in it first")
+            return entry
+        else:
+            if self._last_key is None:
+                raise ValueError("nothing generated yet: run a generation first")
+            ns, tokens = self._last_key
+        entry, _ = self.cache.restore_exact(tokens, ns)
+        if entry is None:
+            raise ValueError(f"the cached state of {checkpoint or 'the last generation'} is no longer in RAM or on SSD")
+        return entry
+
+    def checkpoint_save(self, name: str, *, session: str | None = None, model: str | None = None) -> dict:
+        """Pin the session's latest (or the last generation's) checkpoint under a name, durably."""
+        check_name(name)
+        self.poll()
+        entry = self._resolve_entry(session=session, last=session is None, model=model)
+        entry.pinned.add(name)
+        store = self.cache.store
+        if store is not None:
+            store.protect(entry.ns, entry.tokens)
+            durable = self.cache.persist(entry)
+            if not durable:
+                entry.pinned.discard(name)
+                store.protect(entry.ns, entry.tokens, on=False)
+                raise CheckpointNameError(
+                    f"could not write checkpoint {name!r} to SSD: {entry.write_error or 'write failed'}"
+                )
+        m = self._model_for_namespace(entry.ns)
+        s = self.sessions.get(session) if session else None
+        record = self.names.save(
+            name,
+            {
+                "namespace": entry.ns,
+                "model": m.name if m else None,
+                "tokens": list(entry.tokens),
+                "bytes": entry.nbytes,
+                "durable": store is not None,
+                "session": {"id": s.id, "system": s.system, "messages": s.messages} if s else None,
+            },
+        )
+        self.events.emit("checkpoint_saved", name=name, tokens=len(entry.tokens))
+        return self._named_summary(record)
+
+    def checkpoint_restore(self, name: str) -> dict:
+        """Make a named checkpoint resident again and, for a session checkpoint, its chat history."""
+        record = self.names.get(name)
+        ns, tokens = record["namespace"], tuple(record["tokens"])
+        m = self._model_for_namespace(ns)
+        if m is None:
+            raise CheckpointNameError(
+                f"checkpoint {name!r} belongs to a model that is not loaded"
+                + (f" (it was saved from model {record['model']!r})" if record.get("model") else "")
+            )
+        entry, source = self.cache.restore_exact(tokens, ns)
+        if entry is None:
+            raise CheckpointNameError(f"checkpoint {name!r} is no longer in RAM or on SSD")
+        entry.pinned.add(name)
+        session = record.get("session")
+        if session:
+            s = self.sessions.get_or_create(session["id"], system=session.get("system"), model=m.name)
+            s.system, s.messages = session.get("system"), [dict(x) for x in session["messages"]]
+            self.cache.bind_session(s.id, entry)
+        self.events.emit("checkpoint_restored", name=name, tokens=len(tokens), source=source)
+        return {**self._named_summary(record), "source": source}
+
+    def checkpoint_remove(self, name: str) -> dict:
+        record = self.names.remove(name)
+        ns, tokens = record["namespace"], tuple(record["tokens"])
+        entry = self.cache.get_exact(tokens, ns)
+        if entry is not None:
+            entry.pinned.discard(name)
+        still_named = (ns, tokens) in self.names.pinned_keys()
+        if self.cache.store is not None and not still_named:
+            self.cache.store.protect(ns, tokens, on=False)
+        return self._named_summary(record)
+
+    def checkpoint_list(self) -> list[dict]:
+        return [self._named_summary(r) for r in self.names.list()]
+
+    def _named_summary(self, record: dict) -> dict:
+        ns, tokens = record["namespace"], tuple(record["tokens"])
+        in_ram = self.cache.get_exact(tokens, ns) is not None
+        on_ssd = self.cache.store is not None and self.cache.store.contains(tokens, ns)
+        return {
+            "name": record["name"],
+            "model": record.get("model"),
+            "tokens": len(tokens),
+            "bytes": record.get("bytes"),
+            "session": (record.get("session") or {}).get("id"),
+            "tier": "+".join(t for t, on in (("ram", in_ram), ("ssd", on_ssd)) if on) or "missing",
+            "saved": record.get("saved"),
+            "preview": self._preview(ns, tokens),
+        }
+
+    def kv_info(self, *, session=None, checkpoint=None, last=False, layer=None) -> list[dict]:
+        """Per-layer, per-array shapes, dtype, bytes, offset, hash prefix and value statistics."""
+        entry = self._resolve_entry(session=session, checkpoint=checkpoint, last=last or (session is None and checkpoint is None))
+        return inspect.kv_info(entry.checkpoint, layer)
+
+    def kv_export(self, *, session=None, checkpoint=None, last=False, layer=None) -> dict:
+        """The KV tensors as numpy copies ('layer{i}.keys' ...); bfloat16 becomes float32."""
+        entry = self._resolve_entry(session=session, checkpoint=checkpoint, last=last or (session is None and checkpoint is None))
+        return inspect.kv_export(entry.checkpoint, layer)
+
+    def _preview(self, ns: str, tokens: tuple, limit: int = 80) -> str:
+        key = (ns, len(tokens), hash(tokens))
+        if key not in self._previews:
+            m = self._model_for_namespace(ns)
+            if m is None:
+                return f"<{len(tokens)} tokens of an unloaded model>"
+            text = m.tokenizer.decode(list(tokens[:64]) + list(tokens[-48:]) if len(tokens) > 112 else list(tokens))
+            text = " ".join(text.split())
+            if len(self._previews) > 4096:
+                self._previews.clear()
+            self._previews[key] = text if len(text) <= limit else text[: limit - 1] + "…"
+        return self._previews[key]
+
+    def cache_entries(self) -> list[dict]:
+        """Every RAM and SSD entry as plain data (no MLX arrays are touched)."""
+        self.poll()
+        rows, seen = [], set()
+        names_by_key: dict = {}
+        for r in self.names.list():
+            names_by_key.setdefault((r["namespace"], tuple(r["tokens"])), []).append(r["name"])
+        store = self.cache.store
+        for e in self.cache.entries():
+            seen.add((e.ns, e.tokens))
+            on_ssd = store is not None and store.contains(e.tokens, e.ns)
+            rows.append(self._entry_row(e.ns, e.tokens, e.nbytes, "ram+ssd" if on_ssd else "ram", e.write_state,
+                                        e.borrowers, sorted(e.sessions), names_by_key.get((e.ns, e.tokens), []),
+                                        e.last_used_time, e.hits))
+        if store is not None:
+            for h in store.entries():
+                if (h.namespace, tuple(h.tokens)) not in seen:
+                    rows.append(self._entry_row(h.namespace, tuple(h.tokens), h.raw_bytes, "ssd", "committed", 0, [],
+                                                names_by_key.get((h.namespace, tuple(h.tokens)), []), h.last_use, 0))
+        return sorted(rows, key=lambda r: -(r["last_used"] or 0))
+
+    def _entry_row(self, ns, tokens, nbytes, tier, write_state, borrowers, sessions, pinned, last_used, hits) -> dict:
+        m = self._model_for_namespace(ns)
+        return {
+            "model": m.name if m else None,
+            "namespace": ns,
+            "tokens": len(tokens),
+            "preview": self._preview(ns, tokens),
+            "bytes": int(nbytes),
+            "tier": tier,
+            "write_state": write_state,
+            "borrowers": borrowers,
+            "sessions": sessions,
+            "pinned": pinned,
+            "last_used": last_used,
+            "hits": hits,
+        }
+
+    def cache_clear(self, ssd: bool = False) -> dict:
+        """Drop RAM entries (and SSD files with ssd=True); named checkpoints stay on SSD."""
+        self.flush(timeout=30) if not ssd else None
+        ram = len(self.cache.entries())
+        files = self.cache.store.stats()["files"] if (ssd and self.cache.store) else 0
+        self.cache.clear(ssd=ssd)
+        if ssd:
+            for record in self.inflight.list():
+                self.inflight.finish(record["request"])
+        self.events.emit("cache_cleared", ram_entries=ram, ssd=ssd)
+        return {"ram_entries": ram, "ssd_files": files - (self.cache.store.stats()["files"] if (ssd and self.cache.store) else 0)}
+
+    def cache_gc(self) -> dict:
+        """Remove what nothing can use: quarantined files, stale temp files, dangling names and resume records."""
+        report = {"quarantine_removed": 0, "temp_removed": 0, "dangling_names": [], "inflight_removed": 0}
+        store = self.cache.store
+        if store is not None:
+            qdir = store.root / "quarantine"
+            for p in qdir.iterdir() if qdir.exists() else ():
+                p.unlink(missing_ok=True)
+                report["quarantine_removed"] += 1
+            for d in store.root.iterdir():
+                for p in d.glob(".*.tmp") if d.is_dir() else ():
+                    if time.time() - p.stat().st_mtime > 3600:
+                        p.unlink(missing_ok=True)
+                        report["temp_removed"] += 1
+        for r in self.names.list():
+            key = (r["namespace"], tuple(r["tokens"]))
+            ns, tokens = key
+            if self.cache.get_exact(tokens, ns) is None and not (store and store.contains(tokens, ns)):
+                report["dangling_names"].append(r["name"])
+        committed = {(h.namespace, h.key) for h in store.entries()} if store is not None else set()
+        for record in self.inflight.list():
+            if (record.get("namespace"), record.get("boundary_key")) not in committed:
+                self.inflight.finish(record["request"])
+                report["inflight_removed"] += 1
+        return report
+
+    def cache_verify(self) -> list[dict]:
+        """Re-hash every SSD file; bad ones are quarantined and listed."""
+        if self.cache.store is None:
+            return []
+        return [{"path": str(p), "reason": reason} for p, reason in self.cache.store.verify_all()]
 
     def close(self) -> dict | None:
         if self._closed:

@@ -251,8 +251,6 @@ class PromptCache:
         for victim in self.victims():
             if not self.over_budget():
                 break
-            if victim.pinned:
-                continue
             oversized = self._oversized(victim)
             if self._may_drop(victim, "oversized" if oversized else "budget"):
                 self._remove(victim)
@@ -271,8 +269,8 @@ class PromptCache:
     # --- hooks for the tiered cache ---
 
     def _may_drop(self, entry: Entry, reason: str) -> bool:
-        """Whether `entry` may leave RAM now (RAM-only: always)."""
-        return True
+        """Whether `entry` may leave RAM now (RAM-only: unless a name pins it)."""
+        return not entry.pinned
 
     def _may_supersede(self, ancestor: Entry, by: Entry) -> bool:
         return True

@@ -23,6 +23,8 @@ from .checkpoint import Checkpoint
 from .prompt_cache import Entry, Lease, PromptCache, as_token_array, common_prefix_len, usable_length
 
 RETRY_FAILED_AFTER_S = 5.0
+# Reading and verifying a file costs more than prefilling a handful of tokens.
+MIN_RESTORE_TOKENS = 16
 
 
 class TieredPromptCache(PromptCache):
@@ -52,6 +54,7 @@ class TieredPromptCache(PromptCache):
                 "writes_committed": 0,
                 "writes_failed": 0,
                 "bytes_written": 0,
+                "inflight_queued": 0,
             }
         )
         self._failed_at: dict[tuple, float] = {}
@@ -118,7 +121,7 @@ class TieredPromptCache(PromptCache):
             return None
         handle_tokens = as_token_array(handle.tokens)
         n = min(common_prefix_len(handle_tokens, prompt_array), len(prompt) - 1)
-        if n <= n_ram:
+        if n <= n_ram or n < MIN_RESTORE_TOKENS:
             return None
         t0 = time.perf_counter()
         try:
@@ -134,8 +137,7 @@ class TieredPromptCache(PromptCache):
         if usable_length(cp, handle_tokens, prompt_array) != n:  # untrimmable entry that needs a trim
             self._emit("restore_skipped", ns=ns, tokens=len(cp.tokens), reason="untrimmable")
             return None
-        entry = super().put(cp, ns, evict=False) or self.get_exact(cp.tokens, ns)
-        entry.write_state = "committed"
+        entry = self.adopt(cp, ns)
         self.counters["ssd_hits"] += 1
         self.counters["ssd_tokens"] += n
         self._emit(
@@ -145,6 +147,56 @@ class TieredPromptCache(PromptCache):
         lease = self._lend(entry, n, "ssd")
         self.enforce_budget()
         return lease
+
+    def adopt(self, cp: Checkpoint, ns: str) -> Entry:
+        """Publish a checkpoint restored from SSD: resident at once, already durable."""
+        entry = super().put(cp, ns, evict=False) or self.get_exact(cp.tokens, ns)
+        entry.write_state = "committed" if self.store.contains(cp.tokens, ns) else "dirty"
+        return entry
+
+    def restore_exact(self, tokens: Sequence[int], ns: str) -> tuple[Entry | None, str | None]:
+        """The entry of exactly `tokens` and where it came from ("ram"|"ssd"), or (None, None)."""
+        from .storage.store import CheckpointUnavailable
+
+        tokens = tuple(tokens)
+        entry = self.get_exact(tokens, ns)
+        if entry is not None or self.store is None:
+            return entry, ("ram" if entry is not None else None)
+        handle = self.store.find(tokens + (-1,), ns)  # a sentinel: the usable match is at most `tokens`
+        if handle is None or handle.match_len != len(tokens):
+            return None, None
+        try:
+            cp = self.store.restore(handle)
+        except CheckpointUnavailable:
+            return None, None
+        self.counters["ssd_hits"] += 1
+        return self.adopt(cp.prefix(len(tokens)), ns), "ssd"
+
+    def queue_inflight(self, cp: Checkpoint, ns: str, on_commit: Callable) -> None:
+        """Queue an in-flight generation checkpoint: SSD only, written promptly (urgent)."""
+        from .storage.writer import WriteJob
+
+        job = WriteJob.from_checkpoint(
+            cp, ns, self.identities[ns], key=("inflight", ns, cp.tokens), urgent=True, on_commit=on_commit
+        )
+        self.writer.submit(job)
+        self.counters["inflight_queued"] += 1
+
+    def persist(self, entry: Entry, timeout: float | None = None) -> bool:
+        """Make exactly this entry durable now (named checkpoints); True when committed."""
+        if self.store is None:
+            return False
+        if not self.store.contains(entry.tokens, entry.ns):
+            if entry.write_state in ("pending", "committed"):
+                entry.write_state = "dirty"  # its file was superseded or capped away: write it again
+            self.writer.wait(timeout)
+            self.poll()
+            if not self.store.contains(entry.tokens, entry.ns):
+                entry.write_state = "dirty"
+                self._queue_write(entry)
+                self.writer.wait(timeout)
+                self.poll()
+        return self.store.contains(entry.tokens, entry.ns)
 
     # --- publication and persistence ---
 
@@ -171,8 +223,8 @@ class TieredPromptCache(PromptCache):
 
     def _may_drop(self, entry: Entry, reason: str) -> bool:
         if self.store is None:
-            return True
-        if entry.write_state == "committed" or self.store.has_durable_prefix(entry.tokens, entry.ns):
+            return not entry.pinned
+        if self.store.has_durable_prefix(entry.tokens, entry.ns):
             entry.write_state = "committed"
             self.counters["demotions"] += 1
             self._emit("demote", ns=entry.ns, tokens=len(entry.tokens), nbytes=entry.nbytes, reason=reason)
@@ -186,6 +238,10 @@ class TieredPromptCache(PromptCache):
         if self.writer is None:
             return
         for done in self.writer.poll():
+            if done.key[0] == "inflight":
+                self._emit("inflight_committed" if done.ok else "write_failed", ns=done.namespace,
+                           tokens=done.tokens, error=None if done.ok else str(done.error))
+                continue
             ns, tokens = done.key
             entry = self.get_exact(tokens, ns)
             if done.ok:

@@ -98,6 +98,7 @@ class CheckpointStore:
         self._identities: dict[str, dict] = {}
         self._last_refresh: dict[str, float] = {}
         self._reported: set = set()
+        self._protected: set = set()  # (namespace, key) of named checkpoints: never superseded or capped
         self._clock = 0.0
         self._stats = {"quarantined": 0, "restores": 0, "restore_bytes": 0, "restore_seconds": 0.0, "evicted": 0}
         _mkdir_private(self.root)
@@ -203,6 +204,17 @@ class CheckpointStore:
                 self.on_event(event)
             except Exception:
                 pass  # an observer must not break the store
+
+    def protect(self, namespace: str, tokens: Sequence[int], on: bool = True) -> None:
+        """Exempt the file of exactly `tokens` from supersession, the capacity cap and clear()."""
+        key = (validate_namespace(namespace), token_key(tokens))
+        with self._lock:
+            (self._protected.add if on else self._protected.discard)(key)
+
+    def contains(self, tokens: Sequence[int], namespace: str) -> bool:
+        """Whether a committed file holds exactly `tokens`."""
+        with self._lock:
+            return (namespace, token_key(tokens)) in self._entries
 
     # --- lookup ---
 
@@ -339,7 +351,7 @@ class CheckpointStore:
             if e.trimmable:
                 for k, old in list(self._entries.items()):
                     if (
-                        k[0] == e.namespace and old is not e and len(old) < len(e)
+                        k[0] == e.namespace and old is not e and len(old) < len(e) and k not in self._protected
                         and len(old) >= e.min_reusable_offset and e.tokens[: len(old)] == old.tokens
                     ):
                         self._drop(old, "superseded")
@@ -362,7 +374,7 @@ class CheckpointStore:
         for e in sorted(self._entries.values(), key=lambda e: e.last_use):
             if total <= self.ssd_budget_bytes:
                 break
-            if e is keep:
+            if e is keep or (e.namespace, e.key) in self._protected:
                 continue
             self._drop(e, "capacity")
             total -= e.file_bytes
@@ -394,14 +406,16 @@ class CheckpointStore:
         return bad
 
     def clear(self) -> None:
-        """Delete every committed checkpoint (and quarantined file)."""
+        """Delete every committed checkpoint except protected (named) ones, and the quarantine."""
         with self._lock:
-            for e in list(self._entries.values()):
-                self.remove(e)
+            for k, e in list(self._entries.items()):
+                if k not in self._protected:
+                    self.remove(e)
+            keep = {e.path.name for k, e in self._entries.items()}
             for d in self.root.iterdir():
                 if d.is_dir() and (d.name == QUARANTINE or NAMESPACE_RE.fullmatch(d.name)):
                     for name in os.listdir(d):
-                        if name.endswith(SUFFIX) or d.name == QUARANTINE:
+                        if (name.endswith(SUFFIX) and name not in keep) or d.name == QUARANTINE:
                             try:
                                 os.unlink(d / name)
                             except OSError:

@@ -36,18 +36,22 @@ class WriteJob:
     trimmable: bool | None = None
     codec: str = fmt.DEFAULT_CODEC
     key: Any = None  # caller's handle, returned in the completion
-    urgent: bool = False  # ignore should_yield (memory pressure)
+    urgent: bool = False  # ignore should_yield (memory pressure, in-flight checkpoints)
+    on_commit: Callable[[Any], None] | None = None  # writer thread, after publish: plain file work only
 
     @property
     def nbytes(self) -> int:
         return sum(h.nbytes for h in self.host_tensors)
 
     @classmethod
-    def from_checkpoint(cls, cp, namespace: str, identity: dict, *, key: Any = None, codec: str = fmt.DEFAULT_CODEC, urgent: bool = False) -> "WriteJob":
+    def from_checkpoint(
+        cls, cp, namespace: str, identity: dict, *, key: Any = None, codec: str = fmt.DEFAULT_CODEC,
+        urgent: bool = False, on_commit: Callable[[Any], None] | None = None,
+    ) -> "WriteJob":
         """Prepare on the owner thread (host_tensors evaluates views)."""
         return cls(
             namespace, dict(identity), tuple(cp.tokens), cp.layout(), int(cp.min_reusable_offset),
-            cp.host_tensors(), bool(cp.trimmable), codec, key, urgent,
+            cp.host_tensors(), bool(cp.trimmable), codec, key, urgent, on_commit,
         )
 
 
@@ -100,7 +104,11 @@ class CheckpointWriter:
         with self._cv:
             if self._closed:
                 raise RuntimeError("writer is closed")
-            self._queue.append((ticket, job))
+            if job.urgent:  # ahead of every non-urgent job, behind earlier urgent ones
+                i = next((i for i, (_, j) in enumerate(self._queue) if not j.urgent), len(self._queue))
+                self._queue.insert(i, (ticket, job))
+            else:
+                self._queue.append((ticket, job))
             self._cv.notify_all()
         return ticket
 
@@ -152,7 +160,12 @@ class CheckpointWriter:
     # --- writer thread ---
 
     def _yield(self, job: WriteJob) -> bool:
-        return not job.urgent and self.should_yield is not None and bool(self.should_yield())
+        if job.urgent or self.should_yield is None:
+            return False
+        with self._cv:  # an urgent job waiting behind this one: finish at full speed
+            if self._queue and self._queue[0][1].urgent:
+                return False
+        return bool(self.should_yield())
 
     def _on_progress(self, done: int, total: int) -> None:
         with self._cv:
@@ -197,6 +210,8 @@ class CheckpointWriter:
                 should_yield=lambda: self._yield(job),
             )
             entry = self.store.publish(info)
+            if job.on_commit is not None:
+                job.on_commit(info)
             return Completion(job.key, True, None, info.path, info.file_bytes, time.perf_counter() - t0, job.namespace, n, entry)
         except Exception as exc:
             exc.__traceback__ = None  # frames hold views; the job keeps them alive

@@ -1,0 +1,79 @@
+"""Named checkpoints: user names pinned to exact token prefixes.
+
+A name is a small JSON record in `<cache_dir>/names/` (0600) pointing at a
+checkpoint by namespace and exact tokens, with the chat session it came from
+(if any). The KV itself lives in the tiered cache; a pinned checkpoint is
+never deleted by a budget (RAM may demote it once it is durable on SSD).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+
+
+class CheckpointNameError(ValueError):
+    pass
+
+
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise CheckpointNameError(
+            f"invalid checkpoint name {name!r}: use 1-64 letters, digits, '_', '.' or '-', not starting with '.' or '-'"
+        )
+    return name
+
+
+class NamedCheckpoints:
+    def __init__(self, directory: Path):
+        self.dir = Path(directory)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    def _path(self, name: str) -> Path:
+        return self.dir / f"{check_name(name)}.json"
+
+    def save(self, name: str, record: dict) -> dict:
+        record = {**record, "name": name, "saved": time.time()}
+        path = self._path(name)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return record
+
+    def get(self, name: str) -> dict:
+        path = self._path(name)
+        try:
+            record = json.loads(path.read_text())
+        except FileNotFoundError:
+            known = ", ".join(sorted(r["name"] for r in self.list())) or "none"
+            raise CheckpointNameError(f"unknown checkpoint {name!r}; saved: {known}") from None
+        except (OSError, ValueError) as e:
+            raise CheckpointNameError(f"checkpoint record {name!r} is unreadable: {e}") from None
+        return record
+
+    def remove(self, name: str) -> dict:
+        record = self.get(name)
+        self._path(name).unlink()
+        return record
+
+    def list(self) -> list[dict]:
+        out = []
+        for path in sorted(self.dir.glob("*.json")):
+            try:
+                out.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue  # a damaged record is skipped, not fatal
+        return out
+
+    def pinned_keys(self) -> set[tuple]:
+        """(namespace, tokens) of every named checkpoint."""
+        return {(r["namespace"], tuple(r["tokens"])) for r in self.list() if "namespace" in r}

@@ -1,0 +1,276 @@
+"""RAM + SSD together: restart survival, bad files, failing writes, eviction,
+named checkpoints and in-flight resume, on a tiny random model."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from mlxcache_kernel.engine import Engine
+from mlxcache_kernel.engine.named import CheckpointNameError
+from mlxcache_kernel.engine.storage import format as fmt
+
+PROMPT = "A long shared document. " * 12 + "Question: what is it about?"
+
+
+def ckpt_files(cache_dir: Path) -> list[Path]:
+    return sorted((cache_dir / "checkpoints").glob("*/*.ckpt"), key=lambda p: p.stat().st_size)
+
+
+def new_engine(cache_dir, model_dir, **kw) -> Engine:
+    eng = Engine(cache_dir=cache_dir, **kw)
+    eng.load_model(model_dir, name="tiny")
+    return eng
+
+
+@pytest.fixture
+def cold_tokens(tiny_model_dir, tmp_path):
+    eng = new_engine(tmp_path / "cold", tiny_model_dir, ssd=False)
+    tokens = eng.generate(PROMPT, max_tokens=20, use_cache=False).tokens
+    eng.close()
+    return tokens
+
+
+def test_restart_restores_longest_prefix_and_continues_like_cold(tiny_model_dir, tmp_path, cold_tokens):
+    cache = tmp_path / "cache"
+    eng = new_engine(cache, tiny_model_dir)
+    first = eng.generate(PROMPT, max_tokens=20)
+    report = eng.close()
+    assert report["failed"] == [] and report["pending"] == 0
+    assert all(oct(p.stat().st_mode & 0o777) == "0o600" for p in ckpt_files(cache))
+    assert oct((cache / "checkpoints").stat().st_mode & 0o777) == "0o700"
+
+    eng = new_engine(cache, tiny_model_dir)  # a restart
+    again = eng.generate(PROMPT, max_tokens=20)
+    assert again.stats["cache_source"] == "ssd"
+    assert again.stats["cached_tokens"] == again.stats["prompt_tokens"] - 1
+    assert again.tokens == first.tokens == cold_tokens
+    # Published in RAM at once: the next identical request is a RAM hit.
+    assert eng.generate(PROMPT, max_tokens=20).stats["cache_source"] == "ram"
+    eng.close()
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+def _tensor_offset(path: Path) -> int:
+    h = fmt.read_header(path)
+    return h.tensors[0].offset + 100
+
+
+CORRUPTIONS = {
+    "truncated": lambda p: os.truncate(p, p.stat().st_size // 2),
+    "flipped tensor byte": lambda p: _flip(p, _tensor_offset(p)),
+    "flipped header byte": lambda p: _flip(p, 200),
+    "wrong magic": lambda p: _flip(p, 0),
+    "future version": lambda p: _write_at(p, 8, struct.pack("<I", 99)),
+}
+
+
+def _write_at(path: Path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+@pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
+def test_bad_file_is_a_quarantined_miss(tiny_model_dir, tmp_path, cold_tokens, corruption):
+    cache = tmp_path / "cache"
+    eng = new_engine(cache, tiny_model_dir)
+    eng.generate(PROMPT, max_tokens=20)
+    eng.close()
+    for path in ckpt_files(cache):
+        CORRUPTIONS[corruption](path)
+
+    eng = new_engine(cache, tiny_model_dir)
+    events = []
+    eng.events.subscribe(events.append)
+    r = eng.generate(PROMPT, max_tokens=20)
+    r2 = eng.generate(PROMPT, max_tokens=20)
+    assert r.stats["cache_source"] is None
+    assert r.tokens == cold_tokens == r2.tokens
+    quarantined = list((cache / "checkpoints" / "quarantine").iterdir())
+    assert quarantined, "bad files are moved aside"
+    s = eng.stats()
+    assert s["ssd_quarantined"] + s["ssd_restore_failures"] >= 1
+    reported = [e for e in eng.events.recent if e["type"] == "quarantine"]
+    assert len({e["path"] for e in reported}) == len(reported)  # each file reported once
+    eng.close()
+
+
+def test_other_model_identity_is_quarantined(tiny_model_dir, tmp_path, cold_tokens):
+    cache = tmp_path / "cache"
+    eng = new_engine(cache, tiny_model_dir)
+    eng.generate(PROMPT, max_tokens=20)
+    eng.close()
+    # Rewrite each file's header so it claims other weights (header hash kept valid).
+    for path in ckpt_files(cache):
+        raw = bytearray(path.read_bytes())
+        magic, version, capacity, length, _ = fmt._PREFIX.unpack_from(raw)
+        body = json.loads(raw[fmt._PREFIX.size : fmt._PREFIX.size + length])
+        body["identity"]["artifact"] = "0" * 64
+        new = json.dumps(body, separators=(",", ":")).encode()
+        assert len(new) <= capacity
+        import hashlib
+
+        raw[: fmt._PREFIX.size] = fmt._PREFIX.pack(magic, version, capacity, len(new), hashlib.sha256(new).digest())
+        raw[fmt._PREFIX.size : fmt._PREFIX.size + capacity] = new.ljust(capacity)
+        path.write_bytes(bytes(raw))
+    eng = new_engine(cache, tiny_model_dir)
+    r = eng.generate(PROMPT, max_tokens=20)
+    assert r.stats["cache_source"] is None and r.tokens == cold_tokens
+    assert any(e["type"] == "quarantine" and "identity" in e["reason"] for e in eng.events.recent)
+    eng.close()
+
+
+def test_failed_write_keeps_entry_serving_and_retries(tiny_model_dir, tmp_path):
+    cache = tmp_path / "cache"
+    eng = new_engine(cache, tiny_model_dir)
+    ns = eng.models.get().namespace
+    blocker = cache / "checkpoints" / ns
+    shutil.rmtree(blocker, ignore_errors=True)
+    blocker.write_text("a file where the namespace directory should be")  # stops root too
+    eng.generate(PROMPT, max_tokens=8)
+    report = eng.flush()
+    assert report["failed"], "flush reports the failure"
+    assert eng.stats()["writes_failed"] >= 1
+    hit = eng.generate(PROMPT, max_tokens=8)
+    assert hit.stats["cache_source"] == "ram"  # still resident and serving
+    assert {e.write_state for e in eng.cache.entries()} <= {"failed", "pending"}  # never dropped
+    blocker.unlink()  # space returns
+    report = eng.flush()
+    assert report["failed"] == [] and report["committed"] >= 1
+    assert ckpt_files(cache)
+    eng.close()
+
+
+def test_eviction_persists_before_demotion(tiny_model_dir, tmp_path):
+    cache = tmp_path / "cache"
+    eng = new_engine(cache, tiny_model_dir, ram_budget_bytes=300_000, write_behind=False)
+    prompts = [f"Document {i}: " + "alpha beta gamma " * 6 for i in range(6)]
+    results = [eng.generate(p, max_tokens=6) for p in prompts]
+    eng.flush()
+    s = eng.stats()
+    assert s["demotions"] > 0 and s["writes_committed"] > 0
+    assert s["ram_used_bytes"] <= 300_000
+    assert all(e.write_state != "dirty" for e in eng.cache.entries())
+    eng.close()
+    eng = new_engine(cache, tiny_model_dir, ram_budget_bytes=300_000)
+    for p, r in zip(prompts, results):
+        again = eng.generate(p, max_tokens=6)
+        assert again.stats["cache_source"] in ("ssd", "ram") and again.tokens == r.tokens
+    eng.close()
+
+
+def test_second_engine_sees_files_committed_after_it_started(tiny_model_dir, tmp_path, cold_tokens):
+    cache = tmp_path / "cache"
+    reader = new_engine(cache, tiny_model_dir)
+    writer = new_engine(cache, tiny_model_dir)
+    writer.generate(PROMPT, max_tokens=20)
+    writer.flush()
+    time.sleep(0.6)  # the miss-path rescan is throttled
+    r = reader.generate(PROMPT, max_tokens=20)
+    assert r.stats["cache_source"] == "ssd" and r.tokens == cold_tokens
+    reader.close()
+    writer.close()
+
+
+def test_named_checkpoint_survives_restart_and_budgets(tiny_model_dir, tmp_path):
+    cache = tmp_path / "cache"
+    eng = new_engine(cache, tiny_model_dir)
+    first = eng.generate("Hello, who are you?", max_tokens=8, session="chat", system="Be brief.")
+    saved = eng.checkpoint_save("intro", session="chat")
+    assert saved["tier"] == "ram+ssd" and saved["session"] == "chat"
+    with pytest.raises(CheckpointNameError):
+        eng.checkpoint_save("../escape")
+    eng.close()
+
+    eng = new_engine(cache, tiny_model_dir, ssd_budget_bytes=1)  # a cap that would evict everything else
+    for i in range(3):
+        eng.generate(f"unrelated {i} " * 10, max_tokens=4)
+    eng.flush()
+    assert [c["name"] for c in eng.checkpoint_list()] == ["intro"]
+    info = eng.checkpoint_restore("intro")
+    assert info["source"] == "ssd"
+    assert eng.sessions.get("chat").turns == 1
+    nxt = eng.generate("And what can you do?", max_tokens=8, session="chat")
+    # Random-model bytes may re-tokenize differently, so at least the first prompt is reused.
+    assert nxt.stats["cache_source"] == "ram" and nxt.stats["cached_tokens"] >= first.stats["prompt_tokens"]
+    eng.checkpoint_remove("intro")
+    assert eng.checkpoint_list() == []
+    with pytest.raises(CheckpointNameError, match="unknown checkpoint"):
+        eng.checkpoint_restore("intro")
+    eng.close()
+
+
+def test_kv_inspect_and_export(tiny_model_dir, tmp_path):
+    eng = new_engine(tmp_path / "c", tiny_model_dir)
+    r = eng.generate(PROMPT, max_tokens=4)
+    rows = eng.kv_info(last=True)
+    n = r.stats["prompt_tokens"] + len(r.tokens) - 1
+    assert {row["array"] for row in rows} == {"keys", "values"}
+    assert all(row["shape"][2] == n and row["offset"] == n for row in rows)
+    arrays = eng.kv_export(last=True, layer=1)
+    assert sorted(arrays) == ["layer1.keys", "layer1.values"]
+    assert arrays["layer1.keys"].shape == rows[2]["shape"]
+    with pytest.raises(ValueError, match="out of range"):
+        eng.kv_info(last=True, layer=99)
+    eng.close()
+
+
+RESUME_SCRIPT = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from mlxcache_kernel.engine import Engine
+eng = Engine(cache_dir={cache!r})
+eng.load_model({model!r}, name="tiny")
+def slow(piece):
+    time.sleep(0.02)
+eng.generate({prompt!r}, max_tokens=120, temperature=0.8, seed=11, checkpoint_every=16, on_text=slow)
+print("finished", flush=True)
+"""
+
+
+def test_kill_during_checkpointed_generation_resumes_exactly(tiny_model_dir, tmp_path):
+    cache = tmp_path / "cache"
+    ref = new_engine(tmp_path / "ref", tiny_model_dir, ssd=False)
+    expected = ref.generate(PROMPT, max_tokens=120, temperature=0.8, seed=11, use_cache=False).tokens
+    ref.close()
+    script = RESUME_SCRIPT.format(tests=str(Path(__file__).parent), cache=str(cache), model=str(tiny_model_dir), prompt=PROMPT)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    inflight = cache / "inflight"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        records = list(inflight.glob("*.json")) if inflight.exists() else []
+        if records and len(json.loads(records[0].read_text())["emitted"]) >= 32:
+            break
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    record = json.loads(next(inflight.glob("*.json")).read_text())
+
+    eng = new_engine(cache, tiny_model_dir)
+    r = eng.generate(PROMPT, max_tokens=120, temperature=0.8, seed=11, checkpoint_every=16)
+    assert r.stats["resumed_from"] == len(record["emitted"]) >= 32
+    assert r.stats["cache_source"] == "ssd"
+    assert r.tokens == expected
+    assert not list(inflight.glob("*.json")), "completion removes the resume record"
+    again = eng.generate(PROMPT, max_tokens=120, temperature=0.8, seed=11)  # a new request, not a resume
+    assert again.stats["resumed_from"] is None and again.tokens == expected
+    eng.close()
