@@ -124,19 +124,21 @@ def decode(
     result = DecodeResult()
     remaining = params.max_tokens - first_step
     y = forward(mx.array(list(pending))[None], first_step)
-    mx.async_eval(y)
+    mx.eval(y)
     step = first_step
     try:
         while True:
             last = len(result.tokens) + 1 >= remaining
             next_y = None
-            if not last:
+            # From the second token on, step i+1 is queued before token i is
+            # read (as mlx-lm does). Not for the first token: on the CPU,
+            # queueing a step costs most of a step, and TTFT would pay it.
+            if result.tokens and not last:
                 next_y = forward(y[:, None], step + 1)
                 mx.async_eval(next_y)
+                result.forwarded += 1
             token = y.item()
             result.tokens.append(token)
-            if next_y is not None:
-                result.forwarded += 1
             if token in eos_ids:
                 result.finish_reason = "eos"
                 break
@@ -146,6 +148,10 @@ def decode(
             if last:
                 result.finish_reason = "length"
                 break
+            if next_y is None:
+                next_y = forward(y[:, None], step + 1)
+                mx.async_eval(next_y)
+                result.forwarded += 1
             y = next_y
             step += 1
     except KeyboardInterrupt:

@@ -1,0 +1,46 @@
+"""Shared pieces of the benchmarks: the fast-BLAS re-exec, prompts of a given
+token length, and timing helpers. Every benchmark prints one JSON object."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+from mlxcache_kernel.engine.blas import ensure_fast_blas
+
+ensure_fast_blas()  # before MLX loads: OpenBLAS must be in the process from the start
+
+
+def default_model() -> str:
+    from mlxcache_kernel.engine.convert import ensure_default_model
+
+    return os.environ.get("MLXCACHE_BENCH_MODEL") or str(ensure_default_model())
+
+
+def prompt_tokens(tokenizer, n: int, salt: str = "") -> list[int]:
+    """Exactly n token ids of varied English-like text (no long exact repeats)."""
+    parts, i = [], 0
+    while True:
+        parts.append(
+            f"{salt}Paragraph {i}: the committee reviewed item {i * 7 + 3} of the budget, noted a variance of "
+            f"{(i * 37) % 101} percent in region {chr(65 + i % 26)}, and asked for a revised estimate by week {i % 52 + 1}. "
+        )
+        i += 1
+        if i % 16 == 0:
+            ids = tokenizer.encode("".join(parts))
+            if len(ids) >= n:
+                return list(ids[:n])
+
+
+def median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def emit(result: dict) -> None:
+    from mlxcache_kernel.engine.blas import active_blas
+
+    result = {"blas": active_blas(), "python": sys.version.split()[0], "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **result}
+    print(json.dumps(result, indent=2))
