@@ -280,6 +280,7 @@ class Engine:
             final = tokens + decoded.tokens[: len(emitted) + decoded.forwarded]
             entry = self.cache.put(Checkpoint.capture(final, caches), ns, session=session)
             self._last_key = (ns, tuple(final)) if entry is not None else self._last_key
+            self.cache.queue_dirty()  # the prompt snapshot too, unless the final one superseded it
         del caches
         forwarded = len(suffix) + (0 if emitted else 1)  # the last prompt token goes in with the first decode step
         stats = self._stats_for(tokens, cached, source, forwarded, prefill_s, t_lookup, decoded, times)
@@ -320,7 +321,8 @@ class Engine:
                 # The prompt boundary, so the next turn reuses the prompt even
                 # when the generated text re-tokenizes differently. A copy:
                 # this generation keeps appending to its own buffers.
-                self.cache.put(Checkpoint.capture(tokens, caches, copy=True, length=len(tokens)), ns)
+                snapshot = Checkpoint.capture(tokens, caches, copy=True, length=len(tokens))
+                self.cache.put(snapshot, ns, defer_write=True)
             if boundary is not None and not stream.stopped:
                 boundary.maybe_capture(caches, token)
             return stream.stopped

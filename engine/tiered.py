@@ -200,15 +200,30 @@ class TieredPromptCache(PromptCache):
 
     # --- publication and persistence ---
 
-    def put(self, checkpoint: Checkpoint, ns: str, *, session: str | None = None, evict: bool = True) -> Entry | None:
+    def put(
+        self, checkpoint: Checkpoint, ns: str, *, session: str | None = None, evict: bool = True, defer_write: bool = False
+    ) -> Entry | None:
+        """Publish in RAM; with write-behind, queue its persistence.
+
+        defer_write leaves the entry dirty until `queue_dirty()`: a prompt
+        snapshot that the generation's final checkpoint supersedes a moment
+        later is then never written at all.
+        """
         entry = super().put(checkpoint, ns, session=session, evict=False)
         if entry is not None and self.store is not None:
             entry.write_state = "dirty"
-            if self.write_behind:
+            if self.write_behind and not defer_write:
                 self._queue_write(entry)
         if evict:
             self.enforce_budget()
         return entry
+
+    def queue_dirty(self) -> None:
+        """Queue persistence of every dirty entry (write-behind)."""
+        if self.write_behind and self.store is not None:
+            for e in self.entries():
+                if e.write_state == "dirty":
+                    self._queue_write(e)
 
     def _queue_write(self, entry: Entry) -> None:
         from .storage.writer import WriteJob
@@ -257,6 +272,7 @@ class TieredPromptCache(PromptCache):
                 if entry is not None:
                     entry.write_state, entry.write_error = "failed", str(done.error)
                 self._emit("write_failed", ns=ns, tokens=len(tokens), error=str(done.error))
+        self.queue_dirty()
         now = time.monotonic()
         for e in self.entries():
             if e.write_state == "failed" and now - self._failed_at.get((e.ns, e.tokens), 0) > RETRY_FAILED_AFTER_S:

@@ -273,3 +273,14 @@ def test_kill_during_checkpointed_generation_resumes_exactly(tiny_model_dir, tmp
     again = eng.generate(PROMPT, max_tokens=120, temperature=0.8, seed=11)  # a new request, not a resume
     assert again.stats["resumed_from"] is None and again.tokens == expected
     eng.close()
+
+
+def test_one_write_per_generation_when_the_final_state_covers_the_prompt(tiny_model_dir, tmp_path):
+    eng = new_engine(tmp_path / "c", tiny_model_dir)
+    r = eng.generate(PROMPT, max_tokens=6)
+    eng.flush()
+    s = eng.stats()
+    assert s["writes_queued"] == s["writes_committed"] == 1
+    [path] = ckpt_files(tmp_path / "c")
+    assert len(fmt.read_header(path).tokens) == r.stats["prompt_tokens"] + len(r.tokens) - 1
+    eng.close()
