@@ -16,9 +16,8 @@ from typing import Callable, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from . import blas
+from . import blas, kv_inspect
 from .checkpoint import Checkpoint
-from . import inspect
 from .events import EventBus
 from .generation import DecodeResult, GenerationError, SamplingParams, TextStream, decode, prefill
 from .inflight import InflightRecords, request_id
@@ -283,7 +282,7 @@ class Engine:
             self.cache.queue_dirty()  # the prompt snapshot too, unless the final one superseded it
         del caches
         forwarded = len(suffix) + (0 if emitted else 1)  # the last prompt token goes in with the first decode step
-        stats = self._stats_for(tokens, cached, source, forwarded, prefill_s, t_lookup, decoded, times)
+        stats = self._stats_for(ns, tokens, cached, source, forwarded, prefill_s, t_lookup, decoded, times)
         stats["resumed_from"] = len(emitted) or None
         self.last_result = GenerationResult(stream.text, decoded.tokens, stats, list(tokens))
         self.events.emit("generation", **{k: v for k, v in stats.items() if not isinstance(v, (list, dict))})
@@ -339,7 +338,7 @@ class Engine:
             on_text(tail)
         return decoded, stream, (t0, times)
 
-    def _stats_for(self, tokens, cached, source, prefilled, prefill_s, lookup_s, decoded, times) -> dict:
+    def _stats_for(self, ns, tokens, cached, source, prefilled, prefill_s, lookup_s, decoded, times) -> dict:
         t0, token_times = times
         ttft = token_times[0] - t0 if token_times else None
         n = len(token_times)
@@ -370,7 +369,6 @@ class Engine:
         c["prefilled_tokens"] += prefilled
         c["prefill_s"] += prefill_s
         c["decode_tokens"] += len(decoded.tokens)
-        ns = self.models.get().namespace if self.models.default else None
         if prefilled >= 16 and prefill_s > 0:  # a real prefill: update this model's measured rate
             rate = prefilled / prefill_s
             old = self._prefill_rate.get(ns)
@@ -520,12 +518,12 @@ class Engine:
     def kv_info(self, *, session=None, checkpoint=None, last=False, layer=None) -> list[dict]:
         """Per-layer, per-array shapes, dtype, bytes, offset, hash prefix and value statistics."""
         entry = self._resolve_entry(session=session, checkpoint=checkpoint, last=last or (session is None and checkpoint is None))
-        return inspect.kv_info(entry.checkpoint, layer)
+        return kv_inspect.kv_info(entry.checkpoint, layer)
 
     def kv_export(self, *, session=None, checkpoint=None, last=False, layer=None) -> dict:
         """The KV tensors as numpy copies ('layer{i}.keys' ...); bfloat16 becomes float32."""
         entry = self._resolve_entry(session=session, checkpoint=checkpoint, last=last or (session is None and checkpoint is None))
-        return inspect.kv_export(entry.checkpoint, layer)
+        return kv_inspect.kv_export(entry.checkpoint, layer)
 
     def _preview(self, ns: str, tokens: tuple, limit: int = 80) -> str:
         key = (ns, len(tokens), hash(tokens))
