@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .naming import check_user_name
+
 WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf")
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -209,9 +211,7 @@ class ModelRegistry:
         self.default: str | None = None
 
     def load(self, path_or_id, name: str | None = None) -> LoadedModel:
-        name = name or "default"
-        if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
-            raise ModelError(f"invalid model name {name!r}: use letters, digits, '-', '_' and '.'")
+        name = check_user_name(name or "default", "model name", ModelError)
         loaded = load_model(path_or_id, name, self.memo)
         self._models[name] = loaded
         if self.default is None or self.default not in self._models:

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from pathlib import Path
 
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$")
+from .naming import check_user_name
 
 
 class CheckpointNameError(ValueError):
@@ -22,11 +21,7 @@ class CheckpointNameError(ValueError):
 
 
 def check_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise CheckpointNameError(
-            f"invalid checkpoint name {name!r}: use 1-64 letters, digits, '_', '.' or '-', not starting with '.' or '-'"
-        )
-    return name
+    return check_user_name(name, "checkpoint name", CheckpointNameError)
 
 
 class NamedCheckpoints:

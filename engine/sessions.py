@@ -7,11 +7,10 @@ turn renders the whole conversation with the chat template.
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass, field
 
-_ID = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+from .naming import check_user_name
 
 
 class SessionError(ValueError):
@@ -19,11 +18,7 @@ class SessionError(ValueError):
 
 
 def check_session_id(session_id: str) -> str:
-    if not isinstance(session_id, str) or not _ID.match(session_id):
-        raise SessionError(
-            f"invalid session id {session_id!r}: use 1-64 letters, digits, '.', '_' or '-'"
-        )
-    return session_id
+    return check_user_name(session_id, "session id", SessionError)
 
 
 @dataclass
