@@ -328,7 +328,10 @@ class TieredPromptCache(PromptCache):
             "ssd_enabled": self.store is not None,
             "pending_writes": pending_count,
             "pending_write_bytes": pending_bytes,
-            "dirty_entries": sum(e.write_state in ("dirty", "failed") for e in self._entries.values()),
+            "dirty_entries": sum(e.write_state == "dirty" for e in self._entries.values()),
+            "dirty_bytes": sum(e.nbytes for e in self._entries.values() if e.write_state == "dirty"),
+            "failed_entries": sum(e.write_state == "failed" for e in self._entries.values()),
+            "failed_bytes": sum(e.nbytes for e in self._entries.values() if e.write_state == "failed"),
             **self.counters,
         }
         if self.store is not None:
