@@ -10,7 +10,7 @@ setup:
 	bash scripts/setup.sh
 
 demo: setup
-	$(FAST) $(VENV)/bin/mlxcache-kernel demo
+	$(FAST) $(VENV)/bin/mlxcache-kernel run examples/quickstart.ipynb
 
 test: setup
 	@if [ -f scripts/install_browser_deps.sh ]; then bash scripts/install_browser_deps.sh; fi
@@ -20,7 +20,7 @@ test-fast: setup
 	$(FAST) $(PY) -m pytest -q -ra -m "not smollm and not browser"
 
 lab: setup
-	$(FAST) $(VENV)/bin/jupyter lab examples/
+	$(FAST) $(VENV)/bin/mlxcache-kernel lab examples/
 
 bench: setup
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(FAST) $(PY) $$b; done

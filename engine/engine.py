@@ -313,15 +313,16 @@ class Engine:
 
         def on_token(token: int, step: int) -> bool:
             times.append(time.perf_counter())
+            if step == 0 and snapshot_needed:
+                # The prompt boundary, so the next turn reuses the prompt even
+                # when the generated text re-tokenizes differently (taken before
+                # on_text, which may raise KeyboardInterrupt). A copy: this
+                # generation keeps appending to its own buffers.
+                snapshot = Checkpoint.capture(tokens, caches, copy=True, length=len(tokens))
+                self.cache.put(snapshot, ns, defer_write=True)
             piece = stream.add(token)
             if piece and on_text:
                 on_text(piece)
-            if step == 0 and snapshot_needed:
-                # The prompt boundary, so the next turn reuses the prompt even
-                # when the generated text re-tokenizes differently. A copy:
-                # this generation keeps appending to its own buffers.
-                snapshot = Checkpoint.capture(tokens, caches, copy=True, length=len(tokens))
-                self.cache.put(snapshot, ns, defer_write=True)
             if boundary is not None and not stream.stopped:
                 boundary.maybe_capture(caches, token)
             return stream.stopped
@@ -386,6 +387,16 @@ class Engine:
     def flush(self, timeout: float | None = None) -> dict:
         """Wait until every queued write is durable; returns a report."""
         return self.cache.flush(timeout=timeout)
+
+    def wait_for_writes(self, timeout: float | None = None) -> dict:
+        """Wait for writes already queued, from any thread (touches no MLX, queues nothing)."""
+        writer = self.cache.writer
+        if writer is None:
+            return {"committed": 0, "pending": 0}
+        before = writer.pending()[0]
+        writer.wait(None if timeout is None else max(timeout, 0.0))
+        pending = writer.pending()[0]
+        return {"committed": max(before - pending, 0), "pending": pending}
 
     def stats(self) -> dict:
         """Plain numbers; never touches MLX arrays."""
@@ -482,6 +493,7 @@ class Engine:
         if session:
             s = self.sessions.get_or_create(session["id"], system=session.get("system"), model=m.name)
             s.system, s.messages = session.get("system"), [dict(x) for x in session["messages"]]
+            s.last_prompt_tokens = len(tokens)
             self.cache.bind_session(s.id, entry)
         self.events.emit("checkpoint_restored", name=name, tokens=len(tokens), source=source)
         return {**self._named_summary(record), "source": source}
@@ -538,9 +550,14 @@ class Engine:
             self._previews[key] = text if len(text) <= limit else text[: limit - 1] + "…"
         return self._previews[key]
 
-    def cache_entries(self) -> list[dict]:
-        """Every RAM and SSD entry as plain data (no MLX arrays are touched)."""
-        self.poll()
+    def cache_entries(self, poll: bool = True) -> list[dict]:
+        """Every RAM and SSD entry as plain data (no MLX arrays are read).
+
+        poll=True first applies finished writes (owner thread); poll=False is
+        a view without side effects.
+        """
+        if poll:
+            self.poll()
         rows, seen = [], set()
         names_by_key: dict = {}
         for r in self.names.list():

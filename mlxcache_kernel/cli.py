@@ -79,12 +79,21 @@ def _add_demo(subparsers) -> None:
     demo.set_defaults(func=cmd_demo)
 
 
+def _add_kernel_commands(subparsers) -> None:
+    """install, lab (mlxcache_kernel.kernelspec) and run (mlxcache_kernel.runner)."""
+    from mlxcache_kernel import kernelspec, runner
+
+    kernelspec.add_commands(subparsers)
+    runner.add_commands(subparsers)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxcache-kernel", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", metavar="<command>")
     subparsers.required = True
     _add_models(subparsers)
     _add_demo(subparsers)
+    _add_kernel_commands(subparsers)
     # Further commands (install, demo, ...) register here with their own _add_* function.
     return parser
 

@@ -1,0 +1,238 @@
+"""Kernel settings: built-in defaults < environment variables < IPython config.
+
+Every setting has an environment variable (read when the settings object is
+created) and a trait on the ``MLXCache`` configurable, so a profile's
+``ipython_kernel_config.py`` (or ``%config MLXCache.ram_budget = "2GiB"``
+before the first generation) can set it too:
+
+==========================  ========================  ===========================================
+environment variable        config trait              meaning
+==========================  ========================  ===========================================
+MLXCACHE_CACHE_DIR          MLXCache.cache_dir        cache directory (default: the user cache
+                                                      dir, ``~/.cache/mlxcache-kernel``)
+MLXCACHE_RAM_BUDGET         MLXCache.ram_budget       RAM tier budget: ``2GiB``, ``512MB``, bytes
+                                                      or ``25%`` of physical memory (default 25%)
+MLXCACHE_SSD_BUDGET         MLXCache.ssd_budget       SSD tier cap (same units; ``none`` = no cap)
+MLXCACHE_SSD                MLXCache.ssd              ``0`` turns the SSD tier off
+MLXCACHE_WRITE_BEHIND       MLXCache.write_behind     ``0``/``1``: persist checkpoints in the
+                                                      background as they are published
+MLXCACHE_DEFAULT_MODEL      MLXCache.default_model    loaded on first use: a path, a hub id,
+                                                      ``smollm2`` (the bundled SmolLM2-135M-
+                                                      Instruct) or ``none``
+MLXCACHE_PREFILL_CHUNK      MLXCache.prefill_chunk    prefill chunk size in tokens (default 512)
+MLXCACHE_SHUTDOWN_FLUSH_S   MLXCache.shutdown_flush_s how long shutdown waits for pending writes
+==========================  ========================  ===========================================
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from traitlets import Bool, Float, Int, Unicode, default
+from traitlets.config import Configurable
+
+DEFAULT_MODEL_ALIAS = "smollm2"
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z%]*)\s*$")
+_NONE = ("", "none", "off", "unlimited", "null")
+
+
+def physical_memory() -> int | None:
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def parse_size(value, *, what: str = "size", allow_none: bool = False) -> int | None:
+    """Parse ``"2GiB"``, ``"512MB"``, ``"1048576"``, ``"25%"`` (of physical memory) or an int.
+
+    ``none``/``off``/``unlimited`` (or an empty string) give None when
+    ``allow_none``. Raises ValueError with a message naming ``what``.
+    """
+    if value is None:
+        if allow_none:
+            return None
+        raise ValueError(f"{what}: a size is required")
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected a size, got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError(f"{what}: must not be negative, got {value!r}")
+        return int(value)
+    text = str(value).strip()
+    if text.lower() in _NONE:
+        if allow_none:
+            return None
+        raise ValueError(f"{what}: a size is required, got {value!r}")
+    m = _SIZE.match(text.replace("_", ""))
+    if not m:
+        raise ValueError(f"{what}: cannot parse {value!r} (use e.g. 2GiB, 512MB, 1073741824 or 25%)")
+    number, unit = float(m.group(1)), m.group(2).lower()
+    if unit == "%":
+        mem = physical_memory()
+        if mem is None:
+            raise ValueError(f"{what}: {value!r} is a share of physical memory, which is unknown here")
+        if not 0 < number <= 100:
+            raise ValueError(f"{what}: a percentage must be in (0, 100], got {value!r}")
+        return int(mem * number / 100)
+    if unit not in _UNITS:
+        raise ValueError(f"{what}: unknown unit {m.group(2)!r} in {value!r} (use B, KB, MB, GB, KiB, MiB, GiB)")
+    return int(number * _UNITS[unit])
+
+
+def parse_bool(value, *, what: str = "flag") -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{what}: expected 0/1 (or true/false), got {value!r}")
+
+
+def format_bytes(n) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def _env(name: str, fallback: str) -> str:
+    value = os.environ.get(name)
+    return fallback if value is None else value
+
+
+class MLXCache(Configurable):
+    """Settings of the MLX cache kernel and the ``%load_ext mlxcache_kernel`` magics."""
+
+    cache_dir = Unicode(help="Cache directory ($MLXCACHE_CACHE_DIR; default ~/.cache/mlxcache-kernel)").tag(
+        config=True
+    )
+    ram_budget = Unicode(
+        help="RAM tier budget: '2GiB', '512MB', bytes or '25%' of memory ($MLXCACHE_RAM_BUDGET)"
+    ).tag(config=True)
+    ssd_budget = Unicode(help="SSD tier cap, same units, 'none' for no cap ($MLXCACHE_SSD_BUDGET)").tag(config=True)
+    ssd = Bool(help="Keep an SSD tier ($MLXCACHE_SSD)").tag(config=True)
+    write_behind = Bool(help="Persist checkpoints in the background ($MLXCACHE_WRITE_BEHIND)").tag(config=True)
+    default_model = Unicode(
+        help="Model loaded on first use: a path, a hub id, 'smollm2' or 'none' ($MLXCACHE_DEFAULT_MODEL)"
+    ).tag(config=True)
+    prefill_chunk = Int(help="Prefill chunk size in tokens ($MLXCACHE_PREFILL_CHUNK)").tag(config=True)
+    shutdown_flush_s = Float(
+        help="Seconds kernel shutdown waits for pending writes ($MLXCACHE_SHUTDOWN_FLUSH_S)"
+    ).tag(config=True)
+
+    @default("cache_dir")
+    def _cache_dir_default(self):
+        from mlxcache_kernel.engine.engine import default_cache_dir
+
+        return _env("MLXCACHE_CACHE_DIR", "") or str(default_cache_dir())
+
+    @default("ram_budget")
+    def _ram_budget_default(self):
+        return _env("MLXCACHE_RAM_BUDGET", "25%")
+
+    @default("ssd_budget")
+    def _ssd_budget_default(self):
+        return _env("MLXCACHE_SSD_BUDGET", "none")
+
+    @default("ssd")
+    def _ssd_default(self):
+        return parse_bool(_env("MLXCACHE_SSD", "1"), what="MLXCACHE_SSD")
+
+    @default("write_behind")
+    def _write_behind_default(self):
+        return parse_bool(_env("MLXCACHE_WRITE_BEHIND", "1"), what="MLXCACHE_WRITE_BEHIND")
+
+    @default("default_model")
+    def _default_model_default(self):
+        return _env("MLXCACHE_DEFAULT_MODEL", DEFAULT_MODEL_ALIAS)
+
+    @default("prefill_chunk")
+    def _prefill_chunk_default(self):
+        raw = _env("MLXCACHE_PREFILL_CHUNK", "512")
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"MLXCACHE_PREFILL_CHUNK: expected a number of tokens, got {raw!r}") from None
+        return value
+
+    @default("shutdown_flush_s")
+    def _shutdown_flush_default(self):
+        raw = _env("MLXCACHE_SHUTDOWN_FLUSH_S", "3.5")
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"MLXCACHE_SHUTDOWN_FLUSH_S: expected seconds, got {raw!r}") from None
+
+    # --- resolved values ---
+
+    def ram_budget_bytes(self) -> int:
+        return parse_size(self.ram_budget, what="RAM budget (MLXCACHE_RAM_BUDGET)")
+
+    def ssd_budget_bytes(self) -> int | None:
+        return parse_size(self.ssd_budget, what="SSD budget (MLXCACHE_SSD_BUDGET)", allow_none=True)
+
+    def default_model_spec(self) -> str | None:
+        spec = (self.default_model or "").strip()
+        return None if spec.lower() in _NONE else spec
+
+    def engine_kwargs(self) -> dict:
+        """Arguments for ``Engine(...)``; raises ValueError naming a bad setting."""
+        if self.prefill_chunk <= 0:
+            raise ValueError(f"prefill chunk (MLXCACHE_PREFILL_CHUNK) must be positive, got {self.prefill_chunk}")
+        return {
+            "cache_dir": os.path.expanduser(self.cache_dir),
+            "ram_budget_bytes": self.ram_budget_bytes(),
+            "ssd_budget_bytes": self.ssd_budget_bytes(),
+            "ssd": bool(self.ssd),
+            "write_behind": bool(self.write_behind),
+            "prefill_chunk": int(self.prefill_chunk),
+        }
+
+    def summary(self) -> dict:
+        """Settings as shown by ``%cache config`` (sizes resolved where they parse)."""
+        out = {}
+        for name in ("cache_dir", "ram_budget", "ssd_budget", "ssd", "write_behind", "default_model",
+                     "prefill_chunk", "shutdown_flush_s"):
+            out[name] = getattr(self, name)
+        try:
+            out["ram_budget_bytes"] = self.ram_budget_bytes()
+        except ValueError as e:
+            out["ram_budget_bytes"] = f"invalid: {e}"
+        try:
+            out["ssd_budget_bytes"] = self.ssd_budget_bytes()
+        except ValueError as e:
+            out["ssd_budget_bytes"] = f"invalid: {e}"
+        return out
+
+
+def resolve_model_spec(spec: str) -> str:
+    """``smollm2`` (any case) means the converted default model; anything else is passed through."""
+    if spec.strip().lower() in (DEFAULT_MODEL_ALIAS, "default:smollm2", "smollm2-135m-instruct"):
+        from mlxcache_kernel.engine.convert import ensure_default_model
+
+        return str(ensure_default_model())
+    return os.path.expanduser(spec)

@@ -1,0 +1,408 @@
+"""Write the example notebooks in examples/ (kept as code so they are reviewable).
+
+    python scripts/make_examples.py            # rewrite examples/*.ipynb (no outputs)
+    python scripts/make_examples.py --check    # exit 1 if a notebook differs from this script
+
+The notebooks run on the ``mlxcache`` kernel (``mlxcache-kernel install``) and
+load the configured default model with ``%model load``: SmolLM2-135M-Instruct
+unless ``MLXCACHE_DEFAULT_MODEL`` names another (the tests run them on a tiny
+random model that way). A code cell tagged ``restart-kernel`` is where a person
+restarts the kernel; ``mlxcache-kernel run`` restarts it there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+KERNELSPEC = {"name": "mlxcache", "display_name": "MLX Cache (Python 3)", "language": "python"}
+
+
+def md(text: str):
+    return new_markdown_cell(text.strip("\n"))
+
+
+def code(text: str, *tags: str):
+    cell = new_code_cell(text.strip("\n"))
+    if tags:
+        cell.metadata["tags"] = list(tags)
+    return cell
+
+
+def notebook(cells) -> nbformat.NotebookNode:
+    nb = new_notebook(cells=cells)
+    nb.metadata["kernelspec"] = dict(KERNELSPEC)
+    nb.metadata["language_info"] = {"name": "python"}
+    for i, cell in enumerate(nb.cells):
+        cell["id"] = f"cell-{i:02d}"  # stable ids: regenerating gives the same file
+    return nb
+
+
+NOTES = """\
+Meeting notes, library systems group.
+The catalogue search is slow in the afternoons because every query re-reads the
+whole subject index from disk. Priya measured 2.4 seconds per search at 3 pm and
+0.3 seconds at 8 am. The index is 600 megabytes and the server has 16 gigabytes
+of memory, most of it unused. Tom suggested keeping the index in memory and
+writing a copy to the local SSD every night, so that a restart does not start
+cold. Ana asked what happens if the server crashes in the middle of that copy;
+Tom said the copy is written to a temporary file and then renamed, so the old
+copy stays valid. The group agreed to try it for two weeks and compare the
+search times before and after."""
+
+
+def quickstart():
+    return notebook([
+        md("""
+# Quickstart: the MLX Cache kernel
+
+This kernel keeps a language model and the KV state of every prompt it has seen
+resident across cells. Rerun a cell, or ask another question about the same
+text, and the prompt comes back from RAM (or, after a restart, from the SSD
+tier) instead of being computed again.
+
+`%model load` without a path loads the configured default model:
+SmolLM2-135M-Instruct, converted from the bundled GGUF the first time
+(set `MLXCACHE_DEFAULT_MODEL` to use another).
+"""),
+        code("%model load"),
+        md("""
+## A first generation
+
+The cell body is the prompt; `{notes}` is replaced by the variable `notes`
+(only names that exist are substituted, other braces stay as written).
+Tokens stream into the output; the footer says where the prompt tokens came
+from, the time to first token (TTFT) and the decode speed. `--out first`
+keeps the result (`.text`, `.tokens`, `.stats`).
+"""),
+        code(f"notes = '''{NOTES}'''"),
+        code("""
+%%generate --max-tokens 40 --out first
+{notes}
+
+In two sentences: what did the group decide, and why?
+"""),
+        md("""
+## The same cell again
+
+Everything but the last prompt token comes from RAM, so the first token
+arrives almost at once. Greedy decoding gives the same text.
+"""),
+        code("""
+%%generate --max-tokens 40 --out again
+{notes}
+
+In two sentences: what did the group decide, and why?
+"""),
+        code("""
+print("identical text:", again.text == first.text)
+print(f"prompt tokens from RAM: {again.stats['ram_tokens']} of {again.stats['prompt_tokens']}")
+print(f"TTFT: {first.stats['ttft_s'] * 1000:.0f} ms cold, {again.stats['ttft_s'] * 1000:.0f} ms cached")
+"""),
+        md("""
+## Sampling is seeded
+
+With a temperature above zero the output depends only on the seed, so a cached
+rerun (or a rerun after a restart) samples the same text.
+"""),
+        code("""
+%%generate --max-tokens 24 --temperature 0.8 --seed 42 --out slogan
+Write a one-line slogan for a library that never forgets.
+"""),
+        md("""
+## What is resident
+
+`%cache ls` lists every checkpoint in RAM and on SSD; `%cache stats` has the
+counters. Checkpoints are written to SSD in the background between cells.
+"""),
+        code("%cache flush\n%cache ls"),
+        code("%cache stats"),
+        md("""
+Every magic has help: `%%generate?`, `%model?`, `%session?`, `%checkpoint?`,
+`%cache?`, `%kv?`. A wrong option or unknown name is one `UsageError` line
+and nothing else changes.
+"""),
+        code("%session show nobody", "raises-exception"),
+    ])
+
+
+def restart_resume():
+    return notebook([
+        md("""
+# Restart resume
+
+A kernel restart loses everything in memory, but the prompt cache's SSD tier
+survives it: shutdown flushes pending writes first (and says so in the kernel
+log), and the rerun of the same cell restores the prompt's KV state from disk.
+Greedy and seeded outputs are identical to the first run.
+"""),
+        code("%model load"),
+        code("""
+report = '''Quarterly maintenance report, pumping station 4.
+The north intake screen was cleaned twice; silt load was higher than last year.
+Pump B ran 1,912 hours and its bearing temperature stayed below 61 C.
+Pump C was down for six days in May while its seal was replaced.
+The backup generator started within 9 seconds in all four monthly tests.
+Energy use fell 7 percent after the variable-speed drive on pump A was retuned.'''
+"""),
+        code("""
+%%generate --max-tokens 32 --out before
+Summarize this report in one sentence:
+{report}
+"""),
+        code("""
+%%generate --max-tokens 24 --temperature 0.7 --seed 5 --out before_sampled
+Give the report a short title:
+{report}
+"""),
+        md("""
+Remember what the first run produced, in a file: the kernel is about to lose
+its variables.
+"""),
+        code("""
+import json, pathlib, tempfile
+saved = pathlib.Path(tempfile.gettempdir()) / "mlxcache_restart_resume.json"
+saved.write_text(json.dumps({"greedy": before.tokens, "sampled": before_sampled.tokens}))
+print(f"saved {len(before.tokens)} + {len(before_sampled.tokens)} tokens to {saved}")
+"""),
+        md("""
+## Restart the kernel now
+
+In JupyterLab: **Kernel → Restart Kernel**, then run the cells below.
+(`mlxcache-kernel run` restarts it here: the next cell is tagged
+`restart-kernel`.) The kernel log shows the flush, e.g.
+`[mlxcache] before restart: flushed 2 pending writes ...`.
+"""),
+        code("""
+report = '''Quarterly maintenance report, pumping station 4.
+The north intake screen was cleaned twice; silt load was higher than last year.
+Pump B ran 1,912 hours and its bearing temperature stayed below 61 C.
+Pump C was down for six days in May while its seal was replaced.
+The backup generator started within 9 seconds in all four monthly tests.
+Energy use fell 7 percent after the variable-speed drive on pump A was retuned.'''
+%model load
+""", "restart-kernel"),
+        md("The same cells again: the footer says the prompt came from SSD."),
+        code("""
+%%generate --max-tokens 32 --out after
+Summarize this report in one sentence:
+{report}
+"""),
+        code("""
+%%generate --max-tokens 24 --temperature 0.7 --seed 5 --out after_sampled
+Give the report a short title:
+{report}
+"""),
+        code("""
+import json, pathlib, tempfile
+saved = json.loads((pathlib.Path(tempfile.gettempdir()) / "mlxcache_restart_resume.json").read_text())
+print("greedy identical: ", after.tokens == saved["greedy"])
+print("sampled identical:", after_sampled.tokens == saved["sampled"])
+print("restored from:", after.stats["cache_source"], f"({after.stats['ssd_tokens']} of {after.stats['prompt_tokens']} tokens)")
+"""),
+        md("""
+## Interrupted generations resume too
+
+With `--checkpoint-every N`, a long generation commits an in-flight checkpoint
+every N tokens. If the kernel is interrupted, killed or crashes, running the
+identical cell again continues from the newest committed checkpoint and
+produces exactly the text the uninterrupted run would have (the footer says
+`resumed from an in-flight checkpoint at token ...`).
+"""),
+        code("""
+%%generate --max-tokens 24 --checkpoint-every 8
+List three checks for a pump before winter.
+"""),
+    ])
+
+
+DOCUMENT = """\
+Harbor Street tide-gauge station: operations notes
+
+The Harbor Street station has measured the water level of the inner harbor
+since 1978. It stands at the end of the old ferry pier, on a concrete pile
+cap, and consists of a stilling well, a radar sensor mounted above it, a
+pressure sensor at the bottom of the well as a backup, and a small cabinet
+with the logger, a cellular modem and two batteries charged by a solar panel.
+
+The radar sensor reports the distance to the water surface every second. The
+logger averages those readings over six minutes and stores one value per
+interval, so a day has 240 values. The averaging removes the short waves made
+by passing boats but keeps the tide and any storm surge. The backup pressure
+sensor is read on the same schedule; when the two sensors disagree by more
+than 3 centimeters for an hour, the logger raises a flag and the technician on
+duty gets a text message.
+
+Levels are reported relative to a chart datum, the lowest astronomical tide,
+which lies 1.92 meters below the benchmark bolt set in the pier in 1978. Every
+spring a surveyor levels from the benchmark to the sensor mount and writes the
+offset into the logger configuration, which looks like this:
+{"interval_s": 360, "datum": "LAT", "offset_m": 1.92, "alarm_cm": 3}
+
+Data leaves the station twice an hour. The modem sends the newest values to
+the harbor office server, which publishes them on the public website and keeps
+the full record. If the cellular network is down, the logger keeps up to 90
+days of values and sends the backlog when the connection returns; nothing has
+been lost that way since the logger was replaced in 2016.
+
+Maintenance follows a fixed calendar. Every month a technician cleans the solar
+panel, checks the battery voltage, and compares a manual tape reading with the
+radar value; the two must agree within one centimeter. Every three months the
+stilling well is flushed, because silt collects at the bottom and can block the
+intake holes, which makes the well respond slowly to the tide. Every year the
+pressure sensor is taken out and calibrated in the workshop.
+
+The station's record shows the harbor's slow change. The yearly mean level has
+risen by about 9 centimeters since 1978. The highest level ever recorded was
+2.87 meters above datum, during the storm of January 2007, when the surge added
+almost a meter to a spring tide. The lowest was 0.31 meters below datum during
+an offshore gale in 1996 that pushed water out of the bay.
+
+Questions about the data go to the harbor office. Requests for the full record
+are answered within a week, and the data is free for research and teaching.
+"""
+
+
+def long_document():
+    return notebook([
+        md("""
+# One long document, several questions
+
+A document of several hundred tokens is the expensive part of every question
+about it. The first question prefills it; the following questions share that
+prefix and only prefill their own few tokens. The last cell puts the timings
+side by side, with a run that bypasses the cache (`--no-cache`) as the
+baseline.
+
+The document contains braces (a JSON snippet): `%%generate` substitutes only
+`{name}` for variables that exist, so the text goes in unchanged.
+"""),
+        code("%model load"),
+        code(f"document = '''{DOCUMENT}'''\nprint(len(document.split()), 'words')"),
+        code("""
+%%generate --max-tokens 32 --out q1
+{document}
+
+Question: Where is the station and what does it consist of?
+"""),
+        code("""
+%%generate --max-tokens 32 --out q2
+{document}
+
+Question: How often are values stored, and why are they averaged?
+"""),
+        code("""
+%%generate --max-tokens 32 --out q3
+{document}
+
+Question: What was the highest level ever recorded, and when?
+"""),
+        md("The same question as the last one, with the cache bypassed:"),
+        code("""
+%%generate --max-tokens 32 --no-cache --out cold
+{document}
+
+Question: What was the highest level ever recorded, and when?
+"""),
+        code("""
+rows = [("q1 (cold)", q1), ("q2", q2), ("q3", q3), ("q3 --no-cache", cold)]
+print(f"{'run':<15}{'prompt':>8}{'cached':>8}{'prefilled':>11}{'prefill':>10}{'TTFT':>9}{'tok/s':>8}")
+for label, r in rows:
+    s = r.stats
+    print(f"{label:<15}{s['prompt_tokens']:>8}{s['cached_tokens']:>8}{s['prefilled_tokens']:>11}"
+          f"{s['prefill_s']:>9.2f}s{s['ttft_s']:>8.2f}s{(s['decode_tokens_per_s'] or 0):>8.1f}")
+print()
+print("q3 identical with and without the cache:", q3.tokens == cold.tokens)
+print(f"TTFT speed-up for q3: {cold.stats['ttft_s'] / q3.stats['ttft_s']:.0f}x")
+"""),
+        code("%cache ls"),
+    ])
+
+
+def chat_session():
+    return notebook([
+        md("""
+# A chat session
+
+`%%generate --session ID` treats the cell as the next user turn of a
+conversation. Each turn renders the whole conversation with the chat template;
+the session index maps the session to its latest checkpoint, so the earlier
+turns come from the cache and only the new turn is prefilled.
+"""),
+        code("%model load"),
+        code('%session new chat --system "You are a concise assistant. Answer in one or two sentences."'),
+        code("""
+%%generate --session chat --max-tokens 40 --out t1
+What is a tide gauge?
+"""),
+        code("""
+%%generate --session chat --max-tokens 40 --out t2
+Why would it need a backup sensor?
+"""),
+        code("""
+print(f"turn 2: {t2.stats['prompt_tokens']} prompt tokens, {t2.stats['cached_tokens']} from the cache, "
+      f"{t2.stats['prefilled_tokens']} prefilled")
+"""),
+        code("%session show chat"),
+        md("""
+## Named checkpoints
+
+`%checkpoint save` pins the session's latest state under a name: it is written
+to SSD and the cache budgets never evict it. Restoring it later (even after a
+restart) brings back the KV state and the conversation.
+"""),
+        code("%checkpoint save tide-chat --session chat\n%checkpoint list"),
+        code("%kv inspect --session chat --layer 0"),
+        code("""
+%kv export --session chat --layer 0 --to kv
+{name: (a.shape, str(a.dtype)) for name, a in kv.items()}
+"""),
+        md("Closing the session drops its references; the named checkpoint brings it back."),
+        code("%session close chat\n%session list"),
+        code("%checkpoint restore tide-chat\n%session show chat"),
+        code("""
+%%generate --session chat --max-tokens 40 --out t3
+Where should it be installed?
+"""),
+        code("%checkpoint rm tide-chat\n%session list"),
+        md("A live view of the cache (RAM and SSD entries, writes, hits):"),
+        code("%dashboard"),
+    ])
+
+
+NOTEBOOKS = {
+    "quickstart.ipynb": quickstart,
+    "restart_resume.ipynb": restart_resume,
+    "long_document.ipynb": long_document,
+    "chat_session.ipynb": chat_session,
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only check that examples/ is up to date")
+    args = parser.parse_args(argv)
+    EXAMPLES.mkdir(exist_ok=True)
+    stale = []
+    for name, build in NOTEBOOKS.items():
+        text = nbformat.writes(build()) + "\n"
+        path = EXAMPLES / name
+        if args.check:
+            if not path.exists() or path.read_text() != text:
+                stale.append(name)
+        else:
+            path.write_text(text)
+            print(f"wrote {path}")
+    if stale:
+        print(f"out of date (run scripts/make_examples.py): {', '.join(stale)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""The kernelspec and a real MLXCacheKernel process driven through jupyter_client."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from endless_model import build_endless_model  # noqa: E402
+from kernel_client import Kernel, counts, footer, generated_text  # noqa: E402
+from tiny_model import build_tiny_model  # noqa: E402
+
+from mlxcache_kernel import kernelspec  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-kernel") / "model")
+
+
+@pytest.fixture(scope="module")
+def endless_model_dir(tmp_path_factory):
+    return build_endless_model(tmp_path_factory.mktemp("endless-kernel") / "model")
+
+
+@pytest.fixture(scope="module")
+def spec_prefix(tmp_path_factory):
+    prefix = tmp_path_factory.mktemp("prefix")
+    kernelspec.install(prefix=str(prefix))
+    return prefix
+
+
+@pytest.fixture
+def kernel_env(tmp_path, tiny_model_dir):
+    env = dict(os.environ)
+    env.update(
+        MLXCACHE_CACHE_DIR=str(tmp_path / "cache"),
+        MLXCACHE_DEFAULT_MODEL=str(tiny_model_dir),
+        MLXCACHE_RAM_BUDGET="256MiB",
+        JUPYTER_PLATFORM_DIRS="1",
+    )
+    for var in ("MLXCACHE_WRITE_BEHIND", "MLXCACHE_SSD_BUDGET", "MLXCACHE_SSD"):
+        env.pop(var, None)
+    return env
+
+
+@pytest.fixture
+def start_kernel(spec_prefix, kernel_env, tmp_path):
+    kernels = []
+
+    def start(**extra_env) -> Kernel:
+        env = {**kernel_env, **extra_env}
+        k = Kernel(spec_prefix, env, tmp_path / f"kernel{len(kernels)}.log")
+        kernels.append(k)
+        return k
+
+    yield start
+    for k in kernels:
+        k.shutdown()
+
+
+# --- kernelspec ---
+
+
+def test_kernelspec_install(tmp_path):
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    dest = kernelspec.install(prefix=str(tmp_path))
+    assert Path(dest) == tmp_path / "share" / "jupyter" / "kernels" / "mlxcache"
+    spec = json.loads((Path(dest) / "kernel.json").read_text())
+    assert spec["argv"] == [sys.executable, "-m", "mlxcache_kernel", "-f", "{connection_file}"]
+    assert spec["display_name"] == "MLX Cache (Python 3)"
+    assert spec["language"] == "python"
+    from mlxcache_kernel.engine.blas import openblas_path
+
+    if openblas_path():
+        assert spec["env"]["LD_PRELOAD"].split(":")[0] == openblas_path()
+    assert "PATH" not in spec.get("env", {})  # not a copy of this shell's environment
+    assert (Path(dest) / "logo-64x64.png").exists()
+    found = KernelSpecManager(kernel_dirs=[str(tmp_path / "share" / "jupyter" / "kernels")]).get_kernel_spec("mlxcache")
+    assert found.display_name == "MLX Cache (Python 3)"
+    kernelspec.install(prefix=str(tmp_path))  # reinstall replaces
+    with pytest.raises(ValueError):
+        kernelspec.install(user=True, prefix=str(tmp_path))
+
+
+def test_cli_install(tmp_path, capsys):
+    from mlxcache_kernel.cli import main
+
+    assert main(["install", "--prefix", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "mlxcache" in out and str(tmp_path) in out
+    assert (tmp_path / "share" / "jupyter" / "kernels" / "mlxcache" / "kernel.json").exists()
+    with pytest.raises(SystemExit):
+        main(["install", "--user", "--prefix", str(tmp_path)])
+
+
+# --- a running kernel ---
+
+
+def test_kernel_info_magics_and_errors(start_kernel):
+    k = start_kernel()
+    k.kc.kernel_info()
+    reply = k.kc.get_shell_msg(timeout=30)["content"]
+    assert reply["implementation"] == "mlxcache_kernel"
+    assert reply["language_info"]["name"] == "python"
+    assert "MLX Cache kernel" in reply["banner"]
+    res = k.execute("%load_ext mlxcache_kernel\nimport sys; print('blas' , sys.platform)")
+    assert res["status"] == "ok"
+    res = k.execute("%model load /definitely/not/here")
+    assert res["status"] == "error" and res["error"][0] == "UsageError"
+    assert "does not exist" in res["error"][1] and "\n" not in res["error"][1]
+    res = k.execute("%%generate --max-tokens 4\nhello kernel")
+    assert res["status"] == "ok" and "loading the default model" in res["stream"]
+    assert counts(footer(res))["ram"] == 0
+    res = k.execute("%%generate --max-tokens 4 --out r\nhello kernel")
+    c = counts(footer(res))
+    assert c["ram"] == c["prompt"] - 1 and c["prefilled"] == 1
+    res = k.execute("print(type(r).__name__, len(r.tokens), r.stats['cache_source'])")
+    assert res["stream"].strip() == "Generation 4 ram"
+    res = k.execute("from mlxcache_kernel.engine.blas import active_blas; print(active_blas())")
+    from mlxcache_kernel.engine.blas import openblas_path
+
+    if openblas_path():
+        assert res["stream"].startswith("openblas")
+
+
+def test_restart_resume_identical_from_ssd(start_kernel):
+    k = start_kernel()
+    greedy = "%%generate --max-tokens 24\nWrite a haiku about caches."
+    seeded = "%%generate --max-tokens 24 --temperature 0.9 --seed 11\nWrite a limerick about SSDs."
+    g1, s1 = k.execute(greedy), k.execute(seeded)
+    assert g1["status"] == s1["status"] == "ok"
+    msgs = k.restart()
+    assert any(
+        m["msg_type"] == "stream" and "[mlxcache] before restart" in m["content"]["text"] for m in msgs
+    ), [m["msg_type"] for m in msgs]
+    g2, s2 = k.execute(greedy), k.execute(seeded)
+    assert generated_text(g2) == generated_text(g1) and generated_text(g2)
+    assert generated_text(s2) == generated_text(s1)
+    c = counts(footer(g2))
+    assert c["ram"] == 0 and c["ssd"] == c["prompt"] - 1 and c["prefilled"] == 1
+    c = counts(footer(s2))
+    assert c["ram"] == 0 and c["ssd"] == c["prompt"] - 1
+    assert "[mlxcache] before restart" in k.log.read_text()
+
+
+def test_shutdown_flushes_pending_writes(start_kernel):
+    """With write-behind off nothing is written until shutdown, which must flush (and say so)."""
+    k = start_kernel(MLXCACHE_WRITE_BEHIND="0")
+    cell = "%%generate --max-tokens 16\nPersist me at shutdown."
+    first = k.execute(cell)
+    res = k.execute("from mlxcache_kernel import get_engine; s = get_engine().stats(); "
+                    "print(s['ssd_files'], s['dirty_entries'])")
+    files, dirty = map(int, res["stream"].split())
+    assert files == 0 and dirty >= 1
+    k.km.request_shutdown(restart=False)
+    msgs = k.drain_iopub(1.0)
+    k.km.finish_shutdown()
+    texts = [m["content"]["text"] for m in msgs if m["msg_type"] == "stream"]
+    assert any("[mlxcache] before shutdown: flushed" in t for t in texts), texts
+    assert "[mlxcache] before shutdown: flushed" in k.log.read_text()
+    k2 = start_kernel(MLXCACHE_WRITE_BEHIND="0")
+    again = k2.execute(cell)
+    assert generated_text(again) == generated_text(first)
+    c = counts(footer(again))
+    assert c["ssd"] == c["prompt"] - 1
+
+
+def _inflight_progress(cache_dir: Path) -> int:
+    best = 0
+    for p in (cache_dir / "inflight").glob("*.json"):
+        try:
+            best = max(best, len(json.loads(p.read_text()).get("emitted", [])))
+        except (OSError, ValueError):
+            pass
+    return best
+
+
+def test_interrupt_then_resume_exactly(start_kernel, endless_model_dir):
+    """An interrupted --checkpoint-every generation resumes, in the same kernel, to the uninterrupted text."""
+    k = start_kernel()
+    cache = Path(k.env["MLXCACHE_CACHE_DIR"])
+    assert k.execute(f"%model load {endless_model_dir} --name endless")["status"] == "ok"
+    cell = "%%generate --model endless --max-tokens 300 --checkpoint-every 16 --out r\nA very long story"
+    show = "import json; print(json.dumps(r.tokens)); print(r.stats['resumed_from'])"
+    assert k.execute(cell)["status"] == "ok"
+    expected = json.loads(k.execute(show)["stream"].splitlines()[0])
+    assert len(expected) == 300
+
+    msg_id = k.kc.execute(cell)
+    deadline = time.monotonic() + 120
+    while _inflight_progress(cache) < 64 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    reached = _inflight_progress(cache)
+    assert reached >= 64
+    k.km.interrupt_kernel()
+    reply = k.kc.get_shell_msg(timeout=60)
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = k.kc.get_shell_msg(timeout=60)
+    assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+
+    res = k.execute(cell)
+    assert res["status"] == "ok"
+    assert re.search(r"resumed from an in-flight checkpoint at token (\d+)", footer(res)), footer(res)
+    lines = k.execute(show)["stream"].splitlines()
+    assert json.loads(lines[0]) == expected and int(lines[1]) >= reached
+    assert k.execute("%cache stats")["status"] == "ok"
+
+
+def test_interrupt_without_checkpoints_keeps_the_prompt(start_kernel, endless_model_dir):
+    k = start_kernel()
+    assert k.execute(f"%model load {endless_model_dir} --name endless")["status"] == "ok"
+    cell = "%%generate --model endless --max-tokens 3000\nAnother long story"
+    msg_id = k.kc.execute(cell)
+    deadline, seen = time.monotonic() + 120, 0
+    while time.monotonic() < deadline and seen < 100:
+        try:
+            m = k.kc.get_iopub_msg(timeout=1)
+        except Exception:
+            continue
+        if m["parent_header"].get("msg_id") == msg_id and m["msg_type"] == "stream":
+            seen += len(m["content"]["text"])
+    assert seen >= 100
+    k.km.interrupt_kernel()
+    reply = k.kc.get_shell_msg(timeout=60)
+    while reply["parent_header"].get("msg_id") != msg_id:
+        reply = k.kc.get_shell_msg(timeout=60)
+    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    res = k.execute(cell.replace("3000", "4"))
+    assert res["status"] == "ok" and counts(footer(res))["ram"] > 0  # the prompt state was published
+
+
+def test_extension_in_the_stock_ipython_kernel(kernel_env, tmp_path):
+    """`%load_ext mlxcache_kernel` gives the same magics in ipykernel's own kernel."""
+    from jupyter_client.manager import KernelManager
+
+    km = KernelManager(kernel_name="python3")
+    log = open(tmp_path / "stock.log", "ab")
+    km.start_kernel(env=kernel_env, stderr=log)
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=120)
+        outs = {}
+
+        def execute(code):
+            res = {"results": [], "stream": "", "stderr": ""}
+
+            def hook(msg):
+                t, c = msg["msg_type"], msg["content"]
+                if t == "execute_result":
+                    res["results"].append(c["data"].get("text/plain", ""))
+                elif t == "stream":
+                    res["stream" if c["name"] == "stdout" else "stderr"] += c["text"]
+
+            reply = kc.execute_interactive(code, output_hook=hook, timeout=120)
+            res["status"] = reply["content"]["status"]
+            res["ename"] = reply["content"].get("ename")
+            return res
+
+        assert execute("%load_ext mlxcache_kernel")["status"] == "ok"
+        first = execute("%%generate --max-tokens 6\nfrom the stock kernel")
+        assert first["status"] == "ok" and counts(footer(first))["prefilled"] == counts(footer(first))["prompt"]
+        second = execute("%%generate --max-tokens 6\nfrom the stock kernel")
+        assert counts(footer(second))["ram"] == counts(footer(second))["prompt"] - 1
+        bad = execute("%session show ghost")
+        assert bad["status"] == "error" and bad["ename"] == "UsageError"
+        outs["ok"] = execute("%unload_ext mlxcache_kernel")
+        assert outs["ok"]["status"] == "ok"
+        assert execute("%cache stats")["status"] == "error"  # the magics are gone
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)
+        log.close()
