@@ -149,8 +149,12 @@ class TieredPromptCache(PromptCache):
         return lease
 
     def adopt(self, cp: Checkpoint, ns: str) -> Entry:
-        """Publish a checkpoint restored from SSD: resident at once, already durable."""
-        entry = super().put(cp, ns, evict=False) or self.get_exact(cp.tokens, ns)
+        """Publish a checkpoint restored from SSD: resident at once, already durable.
+
+        One larger than the whole RAM budget is not published; the returned
+        entry is then detached, good for this one borrower only.
+        """
+        entry = super().put(cp, ns, evict=False) or Entry(ns, cp, as_token_array(cp.tokens))
         entry.write_state = "committed" if self.store.contains(cp.tokens, ns) else "dirty"
         return entry
 
@@ -320,6 +324,7 @@ class TieredPromptCache(PromptCache):
 
     def stats(self) -> dict:
         pending_count, pending_bytes = self.writer.pending() if self.writer else (0, 0)
+        in_progress = self.writer.in_progress if self.writer else None
         out = {
             "ram_used_bytes": self.used_bytes,
             "ram_budget_bytes": self.budget_bytes,
@@ -328,6 +333,8 @@ class TieredPromptCache(PromptCache):
             "ssd_enabled": self.store is not None,
             "pending_writes": pending_count,
             "pending_write_bytes": pending_bytes,
+            "write_in_progress_bytes": in_progress[0] if in_progress else 0,
+            "write_in_progress_total": in_progress[1] if in_progress else 0,
             "dirty_entries": sum(e.write_state == "dirty" for e in self._entries.values()),
             "dirty_bytes": sum(e.nbytes for e in self._entries.values() if e.write_state == "dirty"),
             "failed_entries": sum(e.write_state == "failed" for e in self._entries.values()),

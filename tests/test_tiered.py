@@ -285,3 +285,15 @@ def test_one_write_per_generation_when_the_final_state_covers_the_prompt(tiny_mo
     [path] = ckpt_files(tmp_path / "c")
     assert len(fmt.read_header(path).tokens) == r.stats["prompt_tokens"] + len(r.tokens) - 1
     eng.close()
+
+
+def test_ssd_restore_larger_than_the_ram_budget_serves_without_publishing(tiny_model_dir, tmp_path):
+    prompt = "Prompt A: " + "the quick brown fox jumps over the lazy dog " * 18
+    eng = new_engine(tmp_path / "c", tiny_model_dir, ram_budget_bytes=400_000, prefill_chunk=64)
+    first = eng.generate(prompt, max_tokens=6)
+    eng.flush()
+    eng.cache.clear()  # RAM empty: the next lookup must go to SSD
+    r = eng.generate(prompt, max_tokens=6)
+    assert r.stats["cache_source"] == "ssd" and r.tokens == first.tokens
+    assert eng.stats()["ram_used_bytes"] <= 400_000
+    eng.close()

@@ -1,0 +1,7 @@
+"""ipywidgets views over engine snapshots and events (no MLX in views)."""
+
+from .dashboard import ResidencyDashboard
+from .inspector import KVInspector
+from .progress import GenerationProgress, TextProgress, make_progress
+
+__all__ = ["ResidencyDashboard", "GenerationProgress", "TextProgress", "KVInspector", "make_progress"]

@@ -1,0 +1,79 @@
+"""Plain-text formatting shared by the widgets (no Jupyter, no MLX)."""
+
+from __future__ import annotations
+
+import html
+import time
+
+
+def fmt_bytes(n) -> str:
+    if n is None:
+        return "–"
+    n = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000.0
+    return f"{n:.1f} TB"  # pragma: no cover
+
+
+def fmt_seconds(s) -> str:
+    if s is None:
+        return "–"
+    s = float(s)
+    if s < 1:
+        return f"{s * 1000:.0f} ms"
+    if s < 60:
+        return f"{s:.1f} s"
+    if s < 3600:
+        return f"{int(s // 60)}m{int(s % 60):02d}s"
+    return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
+
+
+def fmt_ago(t, now: float | None = None) -> str:
+    if not t:
+        return "–"
+    d = max(0.0, (time.time() if now is None else now) - float(t))
+    if d < 1:
+        return "now"
+    if d < 60:
+        return f"{d:.0f}s ago"
+    if d < 3600:
+        return f"{d / 60:.0f}m ago"
+    if d < 86400:
+        return f"{d / 3600:.0f}h ago"
+    return f"{d / 86400:.0f}d ago"
+
+
+def fmt_count(n) -> str:
+    if n is None:
+        return "–"
+    if isinstance(n, float) and not n.is_integer():
+        return f"{n:,.2f}"
+    return f"{int(n):,}"
+
+
+def esc(s) -> str:
+    return html.escape("" if s is None else str(s), quote=True)
+
+
+def preview_text(s, limit: int = 60) -> str:
+    """One line, control characters made visible, truncated in the middle."""
+    if s is None:
+        return ""
+    s = str(s).replace("\r", "").replace("\n", "⏎").replace("\t", " ")
+    s = "".join(ch if ch.isprintable() else "·" for ch in s)
+    if len(s) > limit:
+        half = (limit - 1) // 2
+        s = s[:half] + "…" + s[-(limit - 1 - half):]
+    return s
+
+
+def progress_line(phase: str, done: int, total: int, rate: float | None, eta: float | None) -> str:
+    pct = (100.0 * done / total) if total else 0.0
+    parts = [f"{phase} {done:,}/{total:,} tokens ({pct:.0f}%)"]
+    if rate:
+        parts.append(f"{rate:,.0f} tok/s")
+    if eta is not None and done < total:
+        parts.append(f"ETA {fmt_seconds(eta)}")
+    return " · ".join(parts)
