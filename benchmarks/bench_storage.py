@@ -16,7 +16,6 @@ import hashlib
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,37 +24,21 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import cache as lm_cache
 
-ROOT = Path(__file__).resolve().parents[1]
-try:
-    from mlxcache_kernel.engine.checkpoint import Checkpoint
-    from mlxcache_kernel.engine.storage import format as fmt
-    from mlxcache_kernel.engine.storage.store import CheckpointStore
-except ImportError:
-    sys.path.insert(0, str(ROOT))
-    from engine.checkpoint import Checkpoint
-    from engine.storage import format as fmt
-    from engine.storage.store import CheckpointStore
+from common import default_model, prompt_tokens
+
+from mlxcache_kernel.engine.checkpoint import Checkpoint
+from mlxcache_kernel.engine.storage import format as fmt
+from mlxcache_kernel.engine.storage.store import CheckpointStore
 
 LAYERS, HEADS, HEAD_DIM = 30, 3, 64
 IDENTITY = {"artifact": "bench", "config": "c", "tokenizer": "t", "kv_scheme": "fp32"}
-MODEL_CANDIDATES = [os.environ.get("MLXCACHE_BENCH_MODEL", ""), "/tmp/models/SmolLM2-135M-Instruct-float32"]
-
-
 def real_kv(n_prefill: int):
-    """Per-layer (keys, values) of shape (1, H, n, D) from a real prefill, or None."""
-    path = next((p for p in MODEL_CANDIDATES if p and Path(p, "config.json").exists()), None)
-    if path is None:
-        return None, None
+    """Per-layer (keys, values) of shape (1, H, n, D) from a real prefill of the default model."""
     from mlx_lm import load
 
+    path = default_model()
     model, tok = load(path)
-    text = ""
-    for f in [ROOT.parent / "shared" / "DESIGN.md", ROOT.parent / "shared" / "reference" / "kv-cache-design-0.3.0-to-0.5.0.diff"]:
-        if f.exists():
-            text += f.read_text()
-    ids = tok.encode(text)[:n_prefill]
-    if len(ids) < n_prefill:
-        return None, None
+    ids = prompt_tokens(tok, n_prefill)
     caches = lm_cache.make_prompt_cache(model)
     for i in range(0, len(ids), 512):
         model(mx.array(ids[i : i + 512])[None], cache=caches)
