@@ -35,6 +35,7 @@ MAGIC = b"MLXCKPT\n"
 FORMAT_VERSION = 1
 ALIGN = 16 * 1024
 CHUNK = 4 * 1024 * 1024  # hashing/IO step between should_yield polls
+YIELD_NAP_S = 0.05  # how often a yielding writer checks whether it may go on
 _PREFIX = struct.Struct("<8sIII4x32s")
 CODECS = ("raw", "zstd")
 # Measured in benchmarks/bench_storage.py: fp32 KV barely compresses (~7%)
@@ -219,8 +220,9 @@ def write_checkpoint(
     done = 0
 
     def pause() -> None:
+        # Long naps: each wake-up takes the GIL from the decoding thread.
         while should_yield is not None and should_yield():
-            time.sleep(0.005)
+            time.sleep(YIELD_NAP_S)
 
     tmp = temp_path_for(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
