@@ -30,7 +30,9 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 
-from .settings import MLXCache, format_bytes, resolve_model_spec
+from mlxcache_kernel.widgets._format import fmt_bytes as format_bytes
+
+from .settings import MLXCache, resolve_model_spec
 
 _FIELD = re.compile(r"\{\{([A-Za-z_][A-Za-z0-9_]*)\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _NOT_VALUES = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, type)

@@ -108,17 +108,6 @@ def parse_bool(value, *, what: str = "flag") -> bool:
     raise ValueError(f"{what}: expected 0/1 (or true/false), got {value!r}")
 
 
-def format_bytes(n) -> str:
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
-
-
 def _env(name: str, fallback: str) -> str:
     value = os.environ.get(name)
     return fallback if value is None else value

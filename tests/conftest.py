@@ -20,3 +20,21 @@ def tiny_model_dir(tmp_path_factory):
     from tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def endless_model_dir(tmp_path_factory):
+    """A tiny model whose end-of-sequence token never wins under greedy decoding (long runs to interrupt)."""
+    from endless_model import build_endless_model
+
+    return build_endless_model(tmp_path_factory.mktemp("models") / "endless")
+
+
+@pytest.fixture(scope="session")
+def spec_prefix(tmp_path_factory):
+    """The mlxcache kernelspec installed under a private prefix."""
+    from mlxcache_kernel import kernelspec
+
+    prefix = tmp_path_factory.mktemp("prefix")
+    kernelspec.install(prefix=str(prefix))
+    return prefix

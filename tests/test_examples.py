@@ -18,31 +18,15 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 
-from endless_model import build_endless_model  # noqa: E402
 from kernel_client import Kernel, counts, footer  # noqa: E402
-from tiny_model import build_tiny_model  # noqa: E402
 
-from mlxcache_kernel import kernelspec  # noqa: E402
 from mlxcache_kernel.runner import cell_outputs_text, execute_notebook  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 NOTEBOOKS = ["quickstart.ipynb", "restart_resume.ipynb", "long_document.ipynb", "chat_session.ipynb"]
 FOOTER = re.compile(r"\[mlxcache\] (\d+) prompt tokens: (\d+) from RAM, (\d+) from SSD, (\d+) prefilled")
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-examples") / "model")
-
-
-@pytest.fixture(scope="module")
-def spec_prefix(tmp_path_factory):
-    prefix = tmp_path_factory.mktemp("examples-prefix")
-    kernelspec.install(prefix=str(prefix))
-    return prefix
 
 
 @pytest.fixture(scope="module")
@@ -149,11 +133,6 @@ def test_example_on_smollm2(name, ksm, default_model_dir, tmp_path):
 
 
 # --- kill -9 during a checkpointed generation, then exact resume ---
-
-
-@pytest.fixture(scope="module")
-def endless_model_dir(tmp_path_factory):
-    return build_endless_model(tmp_path_factory.mktemp("endless-examples") / "model")
 
 
 def _inflight_progress(cache_dir: Path) -> int:

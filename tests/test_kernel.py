@@ -11,30 +11,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 
-from endless_model import build_endless_model  # noqa: E402
 from kernel_client import Kernel, counts, footer, generated_text  # noqa: E402
-from tiny_model import build_tiny_model  # noqa: E402
 
 from mlxcache_kernel import kernelspec  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-kernel") / "model")
-
-
-@pytest.fixture(scope="module")
-def endless_model_dir(tmp_path_factory):
-    return build_endless_model(tmp_path_factory.mktemp("endless-kernel") / "model")
-
-
-@pytest.fixture(scope="module")
-def spec_prefix(tmp_path_factory):
-    prefix = tmp_path_factory.mktemp("prefix")
-    kernelspec.install(prefix=str(prefix))
-    return prefix
 
 
 @pytest.fixture

@@ -9,17 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
 
 from tiny_model import build_tiny_model  # noqa: E402
 
 from mlxcache_kernel.magics import Generation, interpolate  # noqa: E402
 from mlxcache_kernel.settings import MLXCache, parse_bool, parse_size, physical_memory  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(scope="session")

@@ -334,13 +334,13 @@ def test_render_entries_escapes_and_formats():
         ]
     )
     assert "<script>" not in html and "&lt;script&gt;" in html
-    assert "1,234" in html and "2.5 MB" in html and "ram+ssd" in html
+    assert "1,234" in html and "2.4 MiB" in html and "ram+ssd" in html
     assert "mlxc-state-pending" in html and "session chat" in html and "v1" in html and "ago" in html
 
 
 def test_render_log_and_counters():
     html = render_log([{"type": "demote", "time": time.time(), "tokens": 10, "nbytes": 2048, "reason": "idle"}])
-    assert "mlxc-log-demote" in html and ">idle<" in html and "2.0 KB" in html
+    assert "mlxc-log-demote" in html and ">idle<" in html and "2.0 KiB" in html
     c = counters_from_stats({"hits": 2, "ssd_hits": 1, "writes_failed": 1, "ssd_restore_failures": 2})
     assert c["ram_hits"] == 2 and c["failures"] == 3 and c["quarantined"] == 0
 
@@ -496,7 +496,7 @@ def test_inspector_with_stub_engine():
     assert eng.calls[-1] == 2 and list(ins.heatmaps) == ["layer2.keys", "layer2.values"]
     img = decode_png(ins.heatmaps["layer2.keys"])
     assert img.shape[0] > 2 and img.shape[1] >= 9
-    assert "3 layers, 3.5 KB" in ins.info_html.value and "layer 2: 1.2 KB" in ins.info_html.value
+    assert "3 layers, 3.4 KiB" in ins.info_html.value and "layer 2: 1.1 KiB" in ins.info_html.value
     assert any(isinstance(w, __import__("ipywidgets").Image) for w in ins.images.children)
     ins.close()
 
@@ -544,7 +544,7 @@ def test_dashboard_pending_write_progress_and_poll_timer():
     timers = []
     db = ResidencyDashboard(eng, throttle_s=0, schedule=lambda f: None, call_later=lambda d, f: timers.append((d, f)))
     assert db.write_bar.max == 1_000_000 and db.write_bar.value == 250_000
-    assert "2 pending (3.0 MB)" in db.write_label.value and "writing 250.0 KB of 1.0 MB" in db.write_label.value
+    assert "2 pending (2.9 MiB)" in db.write_label.value and "writing 244.1 KiB of 976.6 KiB" in db.write_label.value
     assert len(timers) == 1  # writes pending: the view polls (on the loop) until they are done
     eng.s.update(pending_writes=0, pending_write_bytes=0, write_in_progress_total=0)
     timers.pop()[1]()
@@ -557,6 +557,6 @@ def test_dashboard_ram_over_budget_and_ssd_off():
     eng = StubStatsEngine(ram_used_bytes=1500, ram_entries=1, ssd_enabled=False)
     db = ResidencyDashboard(eng, throttle_s=0)
     assert db.ram_bar.bar_style == "danger" and db.ram_bar.value == db.ram_bar.max == 1000
-    assert "1.5 KB of 1.0 KB" in db.ram_label.value and "1 entry" in db.ram_label.value
+    assert "1.5 KiB of 1000 B" in db.ram_label.value and "1 entry" in db.ram_label.value
     assert "SSD tier off" in db.ssd_label.value
     db.close()

@@ -7,14 +7,15 @@ import time
 
 
 def fmt_bytes(n) -> str:
+    """Binary units, as the budgets are given (e.g. MLXCACHE_RAM_BUDGET=256MiB)."""
     if n is None:
         return "–"
     n = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000.0
-    return f"{n:.1f} TB"  # pragma: no cover
+        n /= 1024.0
+    return f"{n:.1f} TiB"  # pragma: no cover
 
 
 def fmt_seconds(s) -> str:

@@ -31,6 +31,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..prompt_cache import common_prefix_len
 from . import format as fmt
 from .format import CorruptCheckpoint, FileInfo, Header
 
@@ -79,13 +80,6 @@ class IndexEntry:
             return False
         return n == len(self.tokens) or self.trimmable
 
-
-def _lcp(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    neq = np.flatnonzero(a[:n] != b[:n])
-    return int(neq[0]) if len(neq) else n
 
 
 class CheckpointStore:
@@ -247,7 +241,7 @@ class CheckpointStore:
                     continue
                 if e._arr is None:
                     e._arr = np.asarray(e.tokens, dtype=np.int64)
-                n = min(_lcp(e._arr, prompt), cap)
+                n = min(common_prefix_len(e._arr, prompt), cap)
                 if not e.can_serve(n):
                     continue
                 # longest, then exact files (no trim), then smaller reads, then recent
