@@ -108,6 +108,14 @@ def parse_bool(value, *, what: str = "flag") -> bool:
     raise ValueError(f"{what}: expected 0/1 (or true/false), got {value!r}")
 
 
+def _env_number(name: str, fallback: str, cast, unit: str):
+    raw = _env(name, fallback)
+    try:
+        return cast(raw)
+    except ValueError:
+        raise ValueError(f"{name}: expected {unit}, got {raw!r}") from None
+
+
 def _env(name: str, fallback: str) -> str:
     value = os.environ.get(name)
     return fallback if value is None else value
@@ -131,6 +139,9 @@ class MLXCache(Configurable):
     prefill_chunk = Int(help="Prefill chunk size in tokens ($MLXCACHE_PREFILL_CHUNK)").tag(config=True)
     shutdown_flush_s = Float(
         help="Seconds kernel shutdown waits for pending writes ($MLXCACHE_SHUTDOWN_FLUSH_S)"
+    ).tag(config=True)
+    idle_demote_s = Float(
+        help="Demote RAM entries unused this many seconds to SSD; 0 = never ($MLXCACHE_IDLE_DEMOTE_S)"
     ).tag(config=True)
 
     @default("cache_dir")
@@ -161,20 +172,15 @@ class MLXCache(Configurable):
 
     @default("prefill_chunk")
     def _prefill_chunk_default(self):
-        raw = _env("MLXCACHE_PREFILL_CHUNK", "512")
-        try:
-            value = int(raw)
-        except ValueError:
-            raise ValueError(f"MLXCACHE_PREFILL_CHUNK: expected a number of tokens, got {raw!r}") from None
-        return value
+        return _env_number("MLXCACHE_PREFILL_CHUNK", "512", int, "a number of tokens")
 
     @default("shutdown_flush_s")
     def _shutdown_flush_default(self):
-        raw = _env("MLXCACHE_SHUTDOWN_FLUSH_S", "3.5")
-        try:
-            return float(raw)
-        except ValueError:
-            raise ValueError(f"MLXCACHE_SHUTDOWN_FLUSH_S: expected seconds, got {raw!r}") from None
+        return _env_number("MLXCACHE_SHUTDOWN_FLUSH_S", "3.5", float, "seconds")
+
+    @default("idle_demote_s")
+    def _idle_demote_default(self):
+        return _env_number("MLXCACHE_IDLE_DEMOTE_S", "0", float, "seconds")
 
     # --- resolved values ---
 
@@ -199,13 +205,14 @@ class MLXCache(Configurable):
             "ssd": bool(self.ssd),
             "write_behind": bool(self.write_behind),
             "prefill_chunk": int(self.prefill_chunk),
+            "idle_demote_s": float(self.idle_demote_s) if self.idle_demote_s > 0 else None,
         }
 
     def summary(self) -> dict:
         """Settings as shown by ``%cache config`` (sizes resolved where they parse)."""
         out = {}
         for name in ("cache_dir", "ram_budget", "ssd_budget", "ssd", "write_behind", "default_model",
-                     "prefill_chunk", "shutdown_flush_s"):
+                     "prefill_chunk", "shutdown_flush_s", "idle_demote_s"):
             out[name] = getattr(self, name)
         try:
             out["ram_budget_bytes"] = self.ram_budget_bytes()

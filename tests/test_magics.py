@@ -31,7 +31,8 @@ def ip(shell, tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("MLXCACHE_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("MLXCACHE_DEFAULT_MODEL", str(tiny_model_dir))
     monkeypatch.setenv("MLXCACHE_RAM_BUDGET", "256MiB")
-    for var in ("MLXCACHE_SSD_BUDGET", "MLXCACHE_WRITE_BEHIND", "MLXCACHE_PREFILL_CHUNK", "MLXCACHE_SSD"):
+    for var in ("MLXCACHE_SSD_BUDGET", "MLXCACHE_WRITE_BEHIND", "MLXCACHE_PREFILL_CHUNK", "MLXCACHE_SSD",
+                "MLXCACHE_IDLE_DEMOTE_S"):
         monkeypatch.delenv(var, raising=False)
     mlxcache_kernel.unload_ipython_extension(shell)
     shell.extension_manager.loaded.discard("mlxcache_kernel")
@@ -111,8 +112,10 @@ def test_settings_from_env_and_config(monkeypatch, tmp_path):
     monkeypatch.setenv("MLXCACHE_WRITE_BEHIND", "0")
     monkeypatch.setenv("MLXCACHE_PREFILL_CHUNK", "256")
     monkeypatch.setenv("MLXCACHE_DEFAULT_MODEL", "none")
+    monkeypatch.setenv("MLXCACHE_IDLE_DEMOTE_S", "600")
     s = MLXCache()
     kw = s.engine_kwargs()
+    assert kw["idle_demote_s"] == 600.0
     assert kw["cache_dir"] == str(tmp_path / "c")
     assert kw["ram_budget_bytes"] == 2 << 30
     assert kw["ssd_budget_bytes"] == 10 * 1000**3

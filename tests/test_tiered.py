@@ -297,3 +297,18 @@ def test_ssd_restore_larger_than_the_ram_budget_serves_without_publishing(tiny_m
     assert r.stats["cache_source"] == "ssd" and r.tokens == first.tokens
     assert eng.stats()["ram_used_bytes"] <= 400_000
     eng.close()
+
+
+def test_idle_entries_are_demoted_once_durable(tiny_model_dir, tmp_path, cold_tokens):
+    eng = new_engine(tmp_path / "c", tiny_model_dir, idle_demote_s=0.3)
+    eng.generate(PROMPT, max_tokens=20)
+    eng.poll()
+    assert eng.cache.entries(), "fresh entries stay resident"
+    eng.flush()
+    time.sleep(0.4)
+    eng.poll()  # the kernel polls between cells
+    assert eng.cache.entries() == [] and eng.stats()["demotions"] >= 1
+    assert any(e["type"] == "demote" and e["reason"] == "idle" for e in eng.events.recent)
+    r = eng.generate(PROMPT, max_tokens=20)
+    assert r.stats["cache_source"] == "ssd" and r.tokens == cold_tokens
+    eng.close()
