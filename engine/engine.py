@@ -421,8 +421,11 @@ class Engine:
         return next((self.models.get(n) for n in self.models.names() if self.models.get(n).namespace == ns), None)
 
     def _resolve_entry(self, *, session=None, checkpoint=None, last=False, model=None):
-        """The cache entry a user means by --session / --checkpoint / --last (restored if on SSD)."""
-        if sum(x is not None and x is not False for x in (session, checkpoint, last or None)) > 1:
+        """The cache entry a user means by --session / --checkpoint / --last (the default).
+
+        Restored from SSD when it is no longer resident.
+        """
+        if (session is not None) + (checkpoint is not None) + bool(last) > 1:
             raise ValueError("choose one of session, checkpoint or last")
         if checkpoint is not None:
             record = self.names.get(checkpoint)
@@ -447,7 +450,7 @@ class Engine:
         """Pin the session's latest (or the last generation's) checkpoint under a name, durably."""
         check_name(name)
         self.poll()
-        entry = self._resolve_entry(session=session, last=session is None, model=model)
+        entry = self._resolve_entry(session=session, model=model)
         entry.pinned.add(name)
         store = self.cache.store
         if store is not None:
@@ -529,12 +532,12 @@ class Engine:
 
     def kv_info(self, *, session=None, checkpoint=None, last=False, layer=None) -> list[dict]:
         """Per-layer, per-array shapes, dtype, bytes, offset, hash prefix and value statistics."""
-        entry = self._resolve_entry(session=session, checkpoint=checkpoint, last=last or (session is None and checkpoint is None))
+        entry = self._resolve_entry(session=session, checkpoint=checkpoint, last=last)
         return kv_inspect.kv_info(entry.checkpoint, layer)
 
     def kv_export(self, *, session=None, checkpoint=None, last=False, layer=None) -> dict:
         """The KV tensors as numpy copies ('layer{i}.keys' ...); bfloat16 becomes float32."""
-        entry = self._resolve_entry(session=session, checkpoint=checkpoint, last=last or (session is None and checkpoint is None))
+        entry = self._resolve_entry(session=session, checkpoint=checkpoint, last=last)
         return kv_inspect.kv_export(entry.checkpoint, layer)
 
     def _preview(self, ns: str, tokens: tuple, limit: int = 80) -> str:
@@ -594,16 +597,23 @@ class Engine:
         }
 
     def cache_clear(self, ssd: bool = False) -> dict:
-        """Drop RAM entries (and SSD files with ssd=True); named checkpoints stay on SSD."""
-        self.flush(timeout=30) if not ssd else None
+        """Drop RAM entries (and SSD files with ssd=True); named checkpoints stay on SSD.
+
+        Clearing RAM alone first persists what is not on SSD yet, so it only
+        frees memory; nothing reachable is lost.
+        """
+        store = self.cache.store
+        if not ssd:
+            self.flush(timeout=30)
         ram = len(self.cache.entries())
-        files = self.cache.store.stats()["files"] if (ssd and self.cache.store) else 0
-        self.cache.clear(ssd=ssd)
+        files_before = store.stats()["files"] if store else 0
+        kept = self.cache.clear(ssd=ssd)
         if ssd:
             for record in self.inflight.list():
                 self.inflight.finish(record["request"])
-        self.events.emit("cache_cleared", ram_entries=ram, ssd=ssd)
-        return {"ram_entries": ram, "ssd_files": files - (self.cache.store.stats()["files"] if (ssd and self.cache.store) else 0)}
+        files_removed = files_before - (store.stats()["files"] if store else 0)
+        self.events.emit("cache_cleared", ram_entries=ram - kept, ssd=ssd)
+        return {"ram_entries": ram - kept, "kept_not_durable": kept, "ssd_files": files_removed}
 
     def cache_gc(self) -> dict:
         """Remove what nothing can use: quarantined files, stale temp files, dangling names and resume records."""

@@ -345,10 +345,25 @@ class TieredPromptCache(PromptCache):
             out.update({f"ssd_{k}": v for k, v in self.store.stats().items()})
         return out
 
-    def clear(self, ssd: bool = False) -> None:
-        super().clear()
-        if ssd and self.store is not None:
-            self.store.clear()
+    def clear(self, ssd: bool = False) -> int:
+        """Empty RAM (and, with ssd=True, the SSD tier but for named files).
+
+        Clearing RAM alone keeps entries whose SSD copy is not committed (a
+        failed write, say): clearing frees memory, it does not lose state.
+        Returns how many entries were kept for that reason.
+        """
+        if ssd or self.store is None:
+            super().clear()
+            if ssd and self.store is not None:
+                self.store.clear()
+            return 0
+        kept = 0
+        for e in self.entries():
+            if self.store.has_durable_prefix(e.tokens, e.ns):
+                self.remove(e, reason="cleared")
+            else:
+                kept += 1
+        return kept
 
     def close(self) -> None:
         if self.writer is not None:

@@ -665,10 +665,13 @@ class MLXCacheMagics(Magics):
             for f in failed:
                 print(f"  failed: {f}")
         elif args.action == "clear":
-            r = eng.cache_clear(ssd=args.ssd) or {}
-            print(f"cleared {r.get('ram_entries', 0)} RAM entries"
-                  + (f" and {r.get('ssd_files', 0)} SSD files (named checkpoints kept)" if args.ssd
+            r = eng.cache_clear(ssd=args.ssd)
+            print(f"cleared {r['ram_entries']} RAM entries"
+                  + (f" and {r['ssd_files']} SSD files (named checkpoints kept)" if args.ssd
                      else " (SSD files kept)"))
+            if r["kept_not_durable"]:
+                print(f"kept {r['kept_not_durable']} entries in RAM: their SSD writes have not succeeded "
+                      "(see %cache flush)")
         elif args.action == "gc":
             r = eng.cache_gc()
             if isinstance(r, dict) and r:

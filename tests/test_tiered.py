@@ -312,3 +312,20 @@ def test_idle_entries_are_demoted_once_durable(tiny_model_dir, tmp_path, cold_to
     r = eng.generate(PROMPT, max_tokens=20)
     assert r.stats["cache_source"] == "ssd" and r.tokens == cold_tokens
     eng.close()
+
+
+def test_clearing_ram_keeps_what_is_not_on_ssd(tiny_model_dir, tmp_path):
+    cache = tmp_path / "cache"
+    eng = new_engine(cache, tiny_model_dir)
+    blocker = cache / "checkpoints" / eng.models.get().namespace
+    shutil.rmtree(blocker, ignore_errors=True)
+    blocker.write_text("not a directory")
+    eng.generate(PROMPT, max_tokens=6)
+    report = eng.cache_clear()
+    assert report["kept_not_durable"] == len(eng.cache.entries()) >= 1
+    blocker.unlink()
+    eng.flush()
+    report = eng.cache_clear()
+    assert report["kept_not_durable"] == 0 and eng.cache.entries() == []
+    assert eng.generate(PROMPT, max_tokens=6).stats["cache_source"] == "ssd"
+    eng.close()
