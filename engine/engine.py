@@ -28,6 +28,7 @@ from .storage.store import token_key
 from .tiered import TieredPromptCache
 
 DEFAULT_PREFILL_CHUNK = 512
+TRIMMABLE_CACHES = ("KVCache", "QuantizedKVCache")  # mlx-lm classes that can always be cut back
 
 
 def default_cache_dir() -> Path:
@@ -255,6 +256,7 @@ class Engine:
         source = lease.source if lease else None
         t_lookup = time.perf_counter() - t0
         boundary = _InflightBoundary(self, m, rid, tokens, emitted, checkpoint_every) if checkpoint_every else None
+        decoded = DecodeResult()
         try:
             with self.cache.generating():
                 t1 = time.perf_counter()
@@ -268,13 +270,17 @@ class Engine:
                         progress=(lambda done, total: on_progress("prefill", done, total)) if on_progress else None,
                     )
                 prefill_s = time.perf_counter() - t1
-                decoded, stream, times = self._decode(
-                    m, caches, tokens, emitted, params, ns, use_cache, on_text, t0, boundary
+                stream, times = self._decode(
+                    m, caches, tokens, emitted, params, ns, use_cache, on_text, t0, boundary, decoded
                 )
+        except KeyboardInterrupt:
+            if use_cache:  # keep what was computed: a rerun continues from there
+                self._publish_interrupted(tokens + emitted + decoded.tokens, caches, ns, session)
+            raise  # the in-flight resume record (if any) stays
         finally:
             if lease:
                 lease.release()
-        self.inflight.finish(rid)  # completion invalidates the resume point (an interrupt skips this)
+        self.inflight.finish(rid)  # completion invalidates the resume point
         if use_cache:
             final = tokens + decoded.tokens[: len(emitted) + decoded.forwarded]
             entry = self.cache.put(Checkpoint.capture(final, caches), ns, session=session)
@@ -302,14 +308,40 @@ class Engine:
         self.events.emit("resume", request=rid, emitted=len(emitted), source=source)
         return self.cache._lend(entry, len(boundary), source), list(emitted)
 
-    def _decode(self, m: LoadedModel, caches, tokens, emitted, params, ns, use_cache, on_text, t0, boundary):
+    def _publish_interrupted(self, known: list, caches: list, ns: str, session: str | None) -> None:
+        """Publish the state an interrupted generation reached (prefill or decode).
+
+        An interrupt can land between layers, so the caches are cut back to
+        the shortest layer and to the tokens known to be in them. Only for
+        caches that can be cut (plain and quantized KV).
+        """
+        if not caches or not all(type(c).__name__ in TRIMMABLE_CACHES for c in caches):
+            return
+        n = min(min(c.offset for c in caches), len(known))
+        if n < 1:
+            return
+        for c in caches:
+            c.trim(c.offset - n)
+        self.cache.put(Checkpoint.capture(known[:n], caches), ns, session=session)
+        self.cache.queue_dirty()
+        self.events.emit("interrupted", ns=ns, tokens=n)
+
+    def _decode(self, m: LoadedModel, caches, tokens, emitted, params, ns, use_cache, on_text, t0, boundary, decoded):
         stream = TextStream(m.tokenizer, params.stop)
         for token in emitted:  # a resumed generation shows what it had already said
             piece = stream.add(token)
             if piece and on_text:
                 on_text(piece)
         times: list[float] = []
-        snapshot_needed = use_cache and not emitted and self.cache.get_exact(tokens, ns) is None
+        # Plain KV caches can always be cut back, so the final checkpoint (or
+        # the interrupted one) covers the prompt; others (a rotating window
+        # that may wrap) need the prompt boundary published on its own.
+        snapshot_needed = (
+            use_cache
+            and not emitted
+            and not all(type(c).__name__ in TRIMMABLE_CACHES for c in caches)
+            and self.cache.get_exact(tokens, ns) is None
+        )
 
         def on_token(token: int, step: int) -> bool:
             times.append(time.perf_counter())
@@ -328,8 +360,9 @@ class Engine:
             return stream.stopped
 
         pending = emitted[-1:] if emitted else tokens[-1:]
-        decoded: DecodeResult = decode(
-            m.model, caches, pending, params, eos_ids=m.eos_token_ids, first_step=len(emitted), on_token=on_token
+        decode(
+            m.model, caches, pending, params,
+            eos_ids=m.eos_token_ids, first_step=len(emitted), on_token=on_token, into=decoded,
         )
         if len(times) < len(decoded.tokens):  # the eos token is not passed to on_token
             times.append(time.perf_counter())
@@ -337,7 +370,7 @@ class Engine:
         tail = stream.finish()
         if tail and on_text:
             on_text(tail)
-        return decoded, stream, (t0, times)
+        return stream, (t0, times)
 
     def _stats_for(self, ns, tokens, cached, source, prefilled, prefill_s, lookup_s, decoded, times) -> dict:
         t0, token_times = times

@@ -108,20 +108,22 @@ def decode(
     eos_ids: set,
     first_step: int = 0,
     on_token: Callable[[int, int], bool] | None = None,
+    into: DecodeResult | None = None,
 ) -> DecodeResult:
     """Forward `pending` (the tokens not yet in the caches) and sample until done.
 
     Pipelined like mlx-lm: step i+1 is queued before token i is read, so the
     caches may hold one emitted token more than a plain loop would;
     `forwarded` says exactly how many. `on_token(token, step)` returns True to
-    stop. Step numbers start at `first_step` (resume).
+    stop. Step numbers start at `first_step` (resume). Results accumulate in
+    `into` when given, so a caller still sees them after an interrupt.
     """
 
     def forward(inputs: mx.array, step: int) -> mx.array:
         logits = model(inputs, cache=caches)[:, -1, :]
         return sample(logits, params, step)
 
-    result = DecodeResult()
+    result = into if into is not None else DecodeResult()
     remaining = params.max_tokens - first_step
     y = forward(mx.array(list(pending))[None], first_step)
     mx.eval(y)

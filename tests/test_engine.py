@@ -157,3 +157,37 @@ def test_smollm_hit_equals_cold(default_model_dir, tmp_path):
     assert hit.stats["cache_source"] == "ram"
     assert hit.tokens == cold.tokens
     eng.close()
+
+
+def _interrupt_after(n):
+    calls = []
+
+    def callback(*args):
+        calls.append(args)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+
+    return callback
+
+
+def test_interrupted_decode_keeps_the_prompt_and_what_was_generated(engine):
+    cold = engine.generate(PROMPTS[0], max_tokens=24, use_cache=False)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(PROMPTS[0], max_tokens=24, on_text=_interrupt_after(5))
+    again = engine.generate(PROMPTS[0], max_tokens=24)
+    assert again.stats["cache_source"] == "ram"
+    assert again.stats["cached_tokens"] == again.stats["prompt_tokens"] - 1
+    assert again.tokens == cold.tokens
+
+
+def test_interrupted_prefill_keeps_the_chunks_done(tiny_model_dir, tmp_path):
+    eng = Engine(cache_dir=tmp_path / "c", ssd=False, prefill_chunk=16)
+    eng.load_model(tiny_model_dir)
+    prompt = "A long document to prefill in small chunks. " * 6
+    cold = eng.generate(prompt, max_tokens=8, use_cache=False)
+    with pytest.raises(KeyboardInterrupt):
+        eng.generate(prompt, max_tokens=8, on_progress=_interrupt_after(3))  # after 3 chunks
+    again = eng.generate(prompt, max_tokens=8)
+    assert again.stats["cache_source"] == "ram" and again.stats["cached_tokens"] == 48
+    assert again.tokens == cold.tokens
+    eng.close()
