@@ -23,6 +23,7 @@ class LayerState:
     kind: str  # mlx-lm cache class name
     arrays: tuple  # evaluated mx.arrays
     meta: dict  # JSON-able scalars
+    parents: tuple = ()  # KVCache: the whole live buffers the arrays are views of (for hand_over)
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "meta": dict(self.meta), "arrays": len(self.arrays)}
@@ -65,7 +66,7 @@ def _capture_layer(c: Any, length: int | None = None) -> LayerState:
         n = int(c.offset) if length is None else length
         if c.keys is None:
             return LayerState(kind, (), {"offset": 0})
-        return LayerState(kind, (_seq(c.keys, n), _seq(c.values, n)), {"offset": n})
+        return LayerState(kind, (_seq(c.keys, n), _seq(c.values, n)), {"offset": n}, (c.keys, c.values))
     if kind == "RotatingKVCache":
         n, idx = (int(c.offset) if length is None else length), int(c._idx)
         meta = {"offset": n, "keep": int(c.keep), "max_size": int(c.max_size), "idx": idx}
@@ -224,6 +225,31 @@ class Checkpoint:
         if not self.can_serve(n):
             raise ValueError(f"checkpoint of {len(self.tokens)} tokens cannot serve {n}")
         return [_lend_layer(l, n) for l in self.layers]
+
+    @property
+    def can_hand_over(self) -> bool:
+        """Whether `hand_over` applies: plain KV layers still holding their live buffers."""
+        return bool(self.layers) and not self.attachments and all(
+            l.kind == "KVCache" and len(l.parents) == 2 for l in self.layers
+        )
+
+    def hand_over(self, n: int) -> list:
+        """KVCache objects over the whole live buffers, at offset n (n <= len).
+
+        For a borrower that takes this checkpoint's place: once the caller
+        drops the checkpoint, the buffers have one owner and decoding appends
+        in place; no copy of the prefix on the first step. MLX copies on
+        write while anyone else (a queued SSD write) still refers to them.
+        """
+        if not self.can_hand_over or not 0 < n <= len(self.tokens):
+            raise ValueError(f"cannot hand over {n} tokens of this checkpoint")
+        caches = []
+        for layer in self.layers:
+            c = lm_cache.KVCache()
+            c.keys, c.values = layer.parents
+            c.offset = n
+            caches.append(c)
+        return caches
 
     def prefix(self, n: int) -> "Checkpoint":
         """A checkpoint of the first n tokens sharing this one's memory."""

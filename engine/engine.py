@@ -250,7 +250,8 @@ class Engine:
         emitted: list[int] = resumed[1] if resumed else []
         lease = resumed[0] if resumed else None
         if lease is None and use_cache:
-            lease = self.cache.take(tokens, ns, session=session, progress=on_progress)
+            # move=True: an entry this generation will supersede hands over its buffers
+            lease = self.cache.take(tokens, ns, session=session, progress=on_progress, move=True)
         caches = lease.caches if lease else make_prompt_cache(m.model)
         cached = min(lease.length, len(tokens)) if lease else 0
         source = lease.source if lease else None
@@ -273,17 +274,22 @@ class Engine:
                 stream, times = self._decode(
                     m, caches, tokens, emitted, params, ns, use_cache, on_text, t0, boundary, decoded
                 )
-        except KeyboardInterrupt:
-            if use_cache:  # keep what was computed: a rerun continues from there
-                self._publish_interrupted(tokens + emitted + decoded.tokens, caches, ns, session)
-            raise  # the in-flight resume record (if any) stays
+        except BaseException:
+            # Keep what was computed (a rerun continues from there), also the
+            # state a moved entry handed over. The in-flight record stays.
+            if use_cache:
+                try:
+                    self._publish_interrupted(tokens + emitted + decoded.tokens, caches, ns, session)
+                except Exception:
+                    pass  # never mask the original error
+            raise
         finally:
             if lease:
                 lease.release()
         self.inflight.finish(rid)  # completion invalidates the resume point
         if use_cache:
             final = tokens + decoded.tokens[: len(emitted) + decoded.forwarded]
-            entry = self.cache.put(Checkpoint.capture(final, caches), ns, session=session)
+            entry = self.cache.put(Checkpoint.capture(final, caches), ns, session=session, prompt_tokens=len(tokens))
             self._last_key = (ns, tuple(final)) if entry is not None else self._last_key
             self.cache.queue_dirty()  # the prompt snapshot too, unless the final one superseded it
         del caches

@@ -58,6 +58,7 @@ class Entry:
     write_state: str = "none"  # tiered: none | dirty | pending | committed | failed
     write_error: str | None = None
     hits: int = 0
+    prompt_tokens: int | None = None  # a generation's final state: how much of it was the prompt
 
     @property
     def tokens(self) -> tuple:
@@ -75,11 +76,13 @@ class Entry:
 class Lease:
     """A borrower's share of an entry: fresh cache objects over views."""
 
-    def __init__(self, entry: Entry, length: int, source: str, release: Callable[[Entry], None]):
+    def __init__(
+        self, entry: Entry, length: int, source: str, release: Callable[[Entry], None], caches: list | None = None
+    ):
         self.entry = entry
         self.length = length
         self.source = source  # "ram" | "ssd"
-        self.caches = entry.checkpoint.lend(length)
+        self.caches = entry.checkpoint.lend(length) if caches is None else caches
         self._release = release
 
     def release(self) -> None:
@@ -96,7 +99,7 @@ class PromptCache:
         self._entries: dict[tuple, Entry] = {}  # (ns, tokens) -> entry
         self._sessions: dict[tuple, Entry] = {}  # (ns, session) -> latest entry
         self.used_bytes = 0
-        self.counters = {"hits": 0, "misses": 0, "evictions": 0, "supersessions": 0, "oversized": 0}
+        self.counters = {"hits": 0, "misses": 0, "evictions": 0, "supersessions": 0, "oversized": 0, "handovers": 0}
 
     # --- lookup ---
 
@@ -130,7 +133,7 @@ class PromptCache:
                 best, best_n = e, n
         return best, best_n
 
-    def take(self, prompt: Sequence[int], ns: str, session: str | None = None) -> Lease | None:
+    def take(self, prompt: Sequence[int], ns: str, session: str | None = None, move: bool = False) -> Lease | None:
         entry, n = self.best(prompt, ns, session)
         if entry is None:
             self.counters["misses"] += 1
@@ -138,13 +141,46 @@ class PromptCache:
             return None
         self.counters["hits"] += 1
         self._emit("hit", ns=ns, source="ram", tokens=n, prompt_tokens=len(prompt))
-        return self._lend(entry, n, "ram")
+        return self._lend(entry, n, "ram", move)
 
-    def _lend(self, entry: Entry, n: int, source: str) -> Lease:
+    def _lend(self, entry: Entry, n: int, source: str, move: bool = False) -> Lease:
+        """Views for the borrower; with move=True, the entry's own buffers when it may give them up.
+
+        A moved entry leaves the cache (the borrower's generation publishes
+        its successor), so its first decode step appends in place instead of
+        copying the whole prefix into a new buffer.
+        """
         entry.touch()
         entry.hits += 1
+        if move and self._may_move(entry, n):
+            caches = entry.checkpoint.hand_over(n)
+            self._remove(entry)
+            self.counters["handovers"] += 1
+            self._emit("handover", ns=entry.ns, tokens=len(entry.tokens), used=n)
+            stub = Entry(entry.ns, Checkpoint(entry.tokens, (), 0), entry.token_array, sessions=set(entry.sessions))
+            return Lease(stub, n, source, self._return, caches=caches)
         entry.borrowers += 1
         return Lease(entry, n, source, self._return)
+
+    def _may_move(self, entry: Entry, n: int) -> bool:
+        """Whether an entry hands its buffers to this borrower (nobody else holds them).
+
+        Yes when the borrower extends all of it: its final checkpoint then
+        supersedes the entry. Also when it reuses the entry's whole prompt (a
+        rerun of the same cell: the tail is the old generated text, which the
+        rerun replaces) and losing that tail from RAM costs little
+        (`_tail_expendable`). Never for a shared prefix alone (several
+        questions about one document): the other question's state stays.
+        """
+        if not entry.checkpoint.can_hand_over or entry.borrowers or entry.pinned:
+            return False
+        if n == len(entry.tokens):
+            return True
+        reruns_prompt = entry.prompt_tokens is not None and n >= entry.prompt_tokens - 1
+        return reruns_prompt and self._tail_expendable(entry)
+
+    def _tail_expendable(self, entry: Entry) -> bool:
+        return True  # RAM only: the tail is a cached old answer, nothing else has it either way
 
     def _return(self, entry: Entry) -> None:
         entry.borrowers = max(0, entry.borrowers - 1)
@@ -158,10 +194,15 @@ class PromptCache:
         *,
         session: str | None = None,
         evict: bool = True,
+        prompt_tokens: int | None = None,
     ) -> Entry | None:
-        """Publish a finished checkpoint. Returns its entry, or None if not kept."""
+        """Publish a finished checkpoint. Returns its entry, or None if not kept.
+
+        prompt_tokens: for a generation's final state, how many of its tokens
+        were the prompt (the rest is generated text).
+        """
         key = (ns, checkpoint.tokens)
-        entry = Entry(ns, checkpoint, as_token_array(checkpoint.tokens))
+        entry = Entry(ns, checkpoint, as_token_array(checkpoint.tokens), prompt_tokens=prompt_tokens)
         old = self._entries.get(key)
         if old is not None:  # exact duplicate: replaced, keeping its references
             entry.pinned, entry.sessions = old.pinned, old.sessions

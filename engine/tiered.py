@@ -97,6 +97,7 @@ class TieredPromptCache(PromptCache):
         ns: str,
         session: str | None = None,
         progress: Callable[[str, int, int], None] | None = None,
+        move: bool = False,
     ) -> Lease | None:
         self.poll()
         entry, n_ram = self.best(prompt, ns, session)
@@ -110,7 +111,7 @@ class TieredPromptCache(PromptCache):
             return None
         self.counters["hits"] += 1
         self._emit("hit", ns=ns, source="ram", tokens=n_ram, prompt_tokens=len(prompt))
-        return self._lend(entry, n_ram, "ram")
+        return self._lend(entry, n_ram, "ram", move)
 
     def _restore_longer(self, prompt, ns, n_ram, progress) -> Lease | None:
         from .storage.store import CheckpointUnavailable
@@ -147,6 +148,14 @@ class TieredPromptCache(PromptCache):
         lease = self._lend(entry, n, "ssd")
         self.enforce_budget()
         return lease
+
+    def _may_move(self, entry: Entry, n: int) -> bool:
+        # A queued write still reads these buffers: lend views instead.
+        return entry.write_state != "pending" and super()._may_move(entry, n)
+
+    def _tail_expendable(self, entry: Entry) -> bool:
+        # With SSD on, only a durable entry's tail may leave RAM (a restore away).
+        return self.store is None or self.store.has_durable_prefix(entry.tokens, entry.ns)
 
     def adopt(self, cp: Checkpoint, ns: str) -> Entry:
         """Publish a checkpoint restored from SSD: resident at once, already durable.
@@ -205,7 +214,14 @@ class TieredPromptCache(PromptCache):
     # --- publication and persistence ---
 
     def put(
-        self, checkpoint: Checkpoint, ns: str, *, session: str | None = None, evict: bool = True, defer_write: bool = False
+        self,
+        checkpoint: Checkpoint,
+        ns: str,
+        *,
+        session: str | None = None,
+        evict: bool = True,
+        defer_write: bool = False,
+        prompt_tokens: int | None = None,
     ) -> Entry | None:
         """Publish in RAM; with write-behind, queue its persistence.
 
@@ -213,7 +229,7 @@ class TieredPromptCache(PromptCache):
         snapshot that the generation's final checkpoint supersedes a moment
         later is then never written at all.
         """
-        entry = super().put(checkpoint, ns, session=session, evict=False)
+        entry = super().put(checkpoint, ns, session=session, evict=False, prompt_tokens=prompt_tokens)
         if entry is not None and self.store is not None:
             entry.write_state = "dirty"
             if self.write_behind and not defer_write:

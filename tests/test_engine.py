@@ -191,3 +191,31 @@ def test_interrupted_prefill_keeps_the_chunks_done(tiny_model_dir, tmp_path):
     assert again.stats["cache_source"] == "ram" and again.stats["cached_tokens"] == 48
     assert again.tokens == cold.tokens
     eng.close()
+
+
+def test_a_borrower_that_supersedes_its_donor_takes_over_its_buffers(engine):
+    prompt = "A long prompt the same cell reruns. " * 8
+    cold = engine.generate(prompt, max_tokens=8, use_cache=False)
+    engine.generate(prompt, max_tokens=8)
+    before = engine.stats()["handovers"]
+    hit = engine.generate(prompt, max_tokens=8)  # uses > 75% of the entry: its buffers move, no prefix copy
+    assert engine.stats()["handovers"] == before + 1
+    assert hit.stats["cache_source"] == "ram" and hit.tokens == cold.tokens
+    assert engine.generate(prompt, max_tokens=8).tokens == cold.tokens  # republished by the borrower
+    # A short shared prefix (the chat template) never moves a donor away.
+    handovers = engine.stats()["handovers"]
+    other = engine.generate("Something else entirely.", max_tokens=4)
+    assert other.stats["cache_source"] == "ram" and engine.stats()["handovers"] == handovers
+    assert engine.cache.get_exact(tuple(engine.encode_prompt(prompt) + hit.tokens[:7]), engine.models.get().namespace)
+
+
+def test_questions_about_one_document_do_not_move_each_others_state(engine):
+    doc = "A shared document about tides and harbors. " * 6
+    a = engine.generate(doc + "Question A?", max_tokens=6)
+    handovers = engine.stats()["handovers"]
+    b = engine.generate(doc + "Question B?", max_tokens=6)
+    assert b.stats["cache_source"] == "ram" and b.stats["cached_tokens"] > 200
+    assert engine.stats()["handovers"] == handovers
+    ns = engine.models.get().namespace
+    a_tokens = engine.encode_prompt(doc + "Question A?") + a.tokens[:5]
+    assert engine.cache.get_exact(a_tokens, ns) is not None, "question A's state stays in RAM"

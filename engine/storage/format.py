@@ -450,7 +450,10 @@ def read_tensors(path, header: Header, allocate: Callable) -> dict:
     fd = os.open(path, os.O_RDONLY)
     try:
         if hasattr(os, "posix_fadvise"):
+            # Start the kernel's readahead of the whole file now: a cold read
+            # then overlaps the hashing instead of alternating with it.
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
         pool = _pool()
         for t in header.tensors:
             buf = allocate(t.name, t.dtype, t.shape)
