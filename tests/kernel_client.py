@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -103,3 +104,14 @@ def counts(f: str) -> dict:
 def generated_text(res: dict) -> str:
     """The streamed text: stdout minus the model-loading line."""
     return "\n".join(ln for ln in res["stream"].splitlines() if not ln.startswith("[mlxcache]"))
+
+
+def inflight_progress(cache_dir: Path) -> int:
+    """Tokens emitted by the newest in-flight resume record under a cache directory."""
+    best = 0
+    for p in (cache_dir / "inflight").glob("*.json"):
+        try:
+            best = max(best, len(json.loads(p.read_text()).get("emitted", [])))
+        except (OSError, ValueError):
+            pass
+    return best

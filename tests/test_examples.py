@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 
-from kernel_client import Kernel, counts, footer  # noqa: E402
+from kernel_client import Kernel, counts, footer, inflight_progress  # noqa: E402
 
 from mlxcache_kernel.runner import cell_outputs_text, execute_notebook  # noqa: E402
 
@@ -135,16 +135,6 @@ def test_example_on_smollm2(name, ksm, default_model_dir, tmp_path):
 # --- kill -9 during a checkpointed generation, then exact resume ---
 
 
-def _inflight_progress(cache_dir: Path) -> int:
-    best = 0
-    for p in (cache_dir / "inflight").glob("*.json"):
-        try:
-            best = max(best, len(json.loads(p.read_text()).get("emitted", [])))
-        except (OSError, ValueError):
-            pass
-    return best
-
-
 def kill9_and_resume(spec_prefix: Path, model_dir, tmp_path: Path, *, sampling: str, max_tokens: int, every: int,
                      kill_after: int, prompt: str) -> None:
     """Reference run; then a run killed with SIGKILL once an in-flight checkpoint of at least
@@ -172,9 +162,9 @@ def kill9_and_resume(spec_prefix: Path, model_dir, tmp_path: Path, *, sampling: 
     try:
         victim.kc.execute(cell)
         deadline = time.monotonic() + 300
-        while _inflight_progress(cache) < kill_after and time.monotonic() < deadline:
+        while inflight_progress(cache) < kill_after and time.monotonic() < deadline:
             time.sleep(0.02)
-        reached = _inflight_progress(cache)
+        reached = inflight_progress(cache)
         assert reached >= kill_after, "no in-flight checkpoint was committed during the generation"
         victim.kill9()
     finally:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 
-from kernel_client import Kernel, counts, footer, generated_text  # noqa: E402
+from kernel_client import Kernel, counts, footer, generated_text, inflight_progress  # noqa: E402
 
 from mlxcache_kernel import kernelspec  # noqa: E402
 
@@ -154,16 +154,6 @@ def test_shutdown_flushes_pending_writes(start_kernel):
     assert c["ssd"] == c["prompt"] - 1
 
 
-def _inflight_progress(cache_dir: Path) -> int:
-    best = 0
-    for p in (cache_dir / "inflight").glob("*.json"):
-        try:
-            best = max(best, len(json.loads(p.read_text()).get("emitted", [])))
-        except (OSError, ValueError):
-            pass
-    return best
-
-
 def test_interrupt_then_resume_exactly(start_kernel, endless_model_dir):
     """An interrupted --checkpoint-every generation resumes, in the same kernel, to the uninterrupted text."""
     k = start_kernel()
@@ -177,9 +167,9 @@ def test_interrupt_then_resume_exactly(start_kernel, endless_model_dir):
 
     msg_id = k.kc.execute(cell)
     deadline = time.monotonic() + 120
-    while _inflight_progress(cache) < 64 and time.monotonic() < deadline:
+    while inflight_progress(cache) < 64 and time.monotonic() < deadline:
         time.sleep(0.05)
-    reached = _inflight_progress(cache)
+    reached = inflight_progress(cache)
     assert reached >= 64
     k.km.interrupt_kernel()
     reply = k.kc.get_shell_msg(timeout=60)
