@@ -43,6 +43,8 @@ class TieredPromptCache(PromptCache):
         self.idle_demote_s = idle_demote_s
         self.identities: dict[str, dict] = {}
         self._generating = threading.Event()
+        self._idle = threading.Event()  # set whenever no generation runs: wakes a yielding writer
+        self._idle.set()
         self.store = self.writer = None
         self.counters.update(
             {
@@ -78,16 +80,22 @@ class TieredPromptCache(PromptCache):
 
     def _writer_should_yield(self) -> bool:
         # Generation wants both cores; a write only goes ahead meanwhile when
-        # RAM is over budget and waiting on it.
+        # RAM is over budget and waiting on it. A yielding writer sleeps until
+        # the generation ends (re-checking memory pressure twice a second)
+        # rather than polling: each wake-up would take the GIL from decode.
+        if self._generating.is_set() and not self.over_budget():
+            self._idle.wait(0.5)
         return self._generating.is_set() and not self.over_budget()
 
     @contextmanager
     def generating(self):
         self._generating.set()
+        self._idle.clear()
         try:
             yield
         finally:
             self._generating.clear()
+            self._idle.set()
 
     # --- lookup ---
 
