@@ -122,14 +122,10 @@ def test_example_on_tiny_model(name, ksm, tiny_model_dir, tmp_path):
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_example_on_smollm2(name, ksm, default_model_dir, tmp_path):
     env = {**os.environ, "MLXCACHE_CACHE_DIR": str(tmp_path / "cache"), "MLXCACHE_DEFAULT_MODEL": "smollm2"}
-    t0 = time.perf_counter()
     nb, texts = run_example(name, ksm, env)
-    elapsed = time.perf_counter() - t0
     check_notebook(name, nb, texts)
     full = "\n".join(texts)
     assert "SmolLM2" in full  # %model load reports the converted model's path
-    if name == "quickstart.ipynb":
-        assert elapsed < 240, f"quickstart took {elapsed:.0f} s"
 
 
 # --- kill -9 during a checkpointed generation, then exact resume ---
