@@ -585,7 +585,8 @@ class Engine:
             m = self._model_for_namespace(ns)
             if m is None:
                 return f"<{len(tokens)} tokens of an unloaded model>"
-            text = m.tokenizer.decode(list(tokens[:64]) + list(tokens[-48:]) if len(tokens) > 112 else list(tokens))
+            # The start of the prefix is what a person recognizes; no chat-template markup.
+            text = m.tokenizer.decode(list(tokens[:64]), skip_special_tokens=True)
             text = " ".join(text.split())
             if len(self._previews) > 4096:
                 self._previews.clear()
