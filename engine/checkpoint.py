@@ -205,6 +205,11 @@ class Checkpoint:
         return len(self.tokens)
 
     @property
+    def kv_bytes(self) -> int:
+        """Bytes of the state itself (exact lengths); `nbytes` is what it holds in RAM."""
+        return sum(_layer_nbytes_exact(l) for l in self.layers) + sum(int(a.nbytes) for a in self.attachments.values())
+
+    @property
     def trimmable(self) -> bool:
         return not self.attachments and all(_layer_trimmable(l) for l in self.layers)
 

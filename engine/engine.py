@@ -509,7 +509,7 @@ class Engine:
                 "namespace": entry.ns,
                 "model": m.name if m else None,
                 "tokens": list(entry.tokens),
-                "bytes": entry.nbytes,
+                "kv_bytes": entry.checkpoint.kv_bytes,
                 "durable": store is not None,
                 "session": {"id": s.id, "system": s.system, "messages": s.messages} if s else None,
             },
@@ -562,7 +562,7 @@ class Engine:
             "name": record["name"],
             "model": record.get("model"),
             "tokens": len(tokens),
-            "bytes": record.get("bytes"),
+            "kv_bytes": record.get("kv_bytes", record.get("bytes")),
             "session": (record.get("session") or {}).get("id"),
             "tier": "+".join(t for t, on in (("ram", in_ram), ("ssd", on_ssd)) if on) or "missing",
             "saved": record.get("saved"),
@@ -606,34 +606,37 @@ class Engine:
         for r in self.names.list():
             names_by_key.setdefault((r["namespace"], tuple(r["tokens"])), []).append(r["name"])
         store = self.cache.store
+        files = {(h.namespace, tuple(h.tokens)): h for h in store.entries()} if store is not None else {}
         for e in self.cache.entries():
             seen.add((e.ns, e.tokens))
-            on_ssd = store is not None and store.contains(e.tokens, e.ns)
-            rows.append(self._entry_row(e.ns, e.tokens, e.nbytes, "ram+ssd" if on_ssd else "ram", e.write_state,
-                                        e.borrowers, sorted(e.sessions), names_by_key.get((e.ns, e.tokens), []),
-                                        e.last_used_time, e.hits))
-        if store is not None:
-            for h in store.entries():
-                if (h.namespace, tuple(h.tokens)) not in seen:
-                    rows.append(self._entry_row(h.namespace, tuple(h.tokens), h.raw_bytes, "ssd", "committed", 0, [],
-                                                names_by_key.get((h.namespace, tuple(h.tokens)), []), h.last_use, 0))
+            h = files.get((e.ns, e.tokens))
+            rows.append(self._entry_row(
+                e.ns, e.tokens, "ram+ssd" if h else "ram", e.write_state, names_by_key.get((e.ns, e.tokens), []),
+                ram_bytes=e.nbytes, kv_bytes=e.checkpoint.kv_bytes, file_bytes=h.file_bytes if h else None,
+                borrowers=e.borrowers, sessions=sorted(e.sessions), last_used=e.last_used_time, hits=e.hits,
+            ))
+        for key, h in files.items():
+            if key not in seen:
+                rows.append(self._entry_row(
+                    h.namespace, key[1], "ssd", "committed", names_by_key.get(key, []),
+                    ram_bytes=None, kv_bytes=h.raw_bytes, file_bytes=h.file_bytes,
+                    borrowers=0, sessions=[], last_used=h.last_use, hits=0,
+                ))
         return sorted(rows, key=lambda r: -(r["last_used"] or 0))
 
-    def _entry_row(self, ns, tokens, nbytes, tier, write_state, borrowers, sessions, pinned, last_used, hits) -> dict:
+    def _entry_row(self, ns, tokens, tier, write_state, pinned, **fields) -> dict:
+        """One `cache_entries` row. ram_bytes: resident footprint (None when not in RAM);
+        kv_bytes: the KV state itself; file_bytes: its SSD file (None when not on SSD)."""
         m = self._model_for_namespace(ns)
         return {
             "model": m.name if m else None,
             "namespace": ns,
             "tokens": len(tokens),
             "preview": self._preview(ns, tokens),
-            "bytes": int(nbytes),
             "tier": tier,
             "write_state": write_state,
-            "borrowers": borrowers,
-            "sessions": sessions,
             "pinned": pinned,
-            "last_used": last_used,
-            "hits": hits,
+            **fields,
         }
 
     def cache_clear(self, ssd: bool = False) -> dict:
