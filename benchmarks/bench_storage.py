@@ -26,9 +26,10 @@ from mlx_lm.models import cache as lm_cache
 
 from common import default_model, prompt_tokens
 
-from mlxcache_kernel.engine.checkpoint import Checkpoint
-from mlxcache_kernel.engine.storage import format as fmt
-from mlxcache_kernel.engine.storage.store import CheckpointStore
+from mlxcache_kernel.engine.kv.checkpoint import Checkpoint
+from mlxcache_kernel.engine.cache.ssd import format as fmt
+from mlxcache_kernel.engine.cache.ssd.restore import restore
+from mlxcache_kernel.engine.cache.ssd.store import CheckpointStore
 
 LAYERS, HEADS, HEAD_DIM = 30, 3, 64
 IDENTITY = {"artifact": "bench", "config": "c", "tokenizer": "t", "kv_scheme": "fp32"}
@@ -114,16 +115,17 @@ def bench(n: int, base_kv, repeat: int, d: Path) -> dict:
 
         def write():
             info = fmt.write_checkpoint(path, identity=IDENTITY, namespace="bench", tokens=cp.tokens,
-                                        layout=cp.layout(), min_reusable_offset=0, host_tensors=hts, codec=codec)
+                                        layout=cp.layout(), min_reusable_offset=0, host_tensors=hts,
+                                        trimmable=cp.trimmable, codec=codec)
             entries[codec] = info
 
         out[f"write_{codec}_ms"] = timed(write, repeat)
         out[f"file_{codec}_bytes"] = entries[codec].file_bytes
         e = store.publish(entries[codec])
-        out[f"restore_{codec}_warm_ms"] = timed(lambda: store.restore(e), repeat)
-        out[f"restore_{codec}_cold_ms"] = timed(lambda: store.restore(e), repeat, before=lambda: drop_cache(path))
+        out[f"restore_{codec}_warm_ms"] = timed(lambda: restore(store, e), repeat)
+        out[f"restore_{codec}_cold_ms"] = timed(lambda: restore(store, e), repeat, before=lambda: drop_cache(path))
         if codec == "raw":
-            r = store.restore(e)
+            r = restore(store, e)
             assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(r.arrays(), cp.arrays()))
             out["floor_warm_read_ms"], out["floor_hash_ms"] = floor_ms(path, repeat, cold=False)
             out["floor_cold_read_ms"], _ = floor_ms(path, repeat, cold=True)

@@ -57,21 +57,19 @@ def synthetic_checkpoint(m, n_tokens: int, salt: int) -> Checkpoint:
 def bench_decode_with_writes(model_dir: str, repeats: int, backlog: int = 6, backlog_tokens: int = 2048) -> dict:
     """Decode speed while a backlog of checkpoints is being written vs with none."""
     results = {"none": [], "writes_yielding": [], "writes_not_yielding": []}
-    with tempfile.TemporaryDirectory() as d, Engine(cache_dir=d, write_behind=False) as eng:
+    with tempfile.TemporaryDirectory() as d, Engine(cache_dir=d) as eng:
         eng.load_model(model_dir)
         m = eng.models.get()
         cache = eng.cache
         entries = [cache.put(synthetic_checkpoint(m, backlog_tokens, 10_000 + i), m.namespace) for i in range(backlog)]
         probe = prompt_tokens(m.tokenizer, 64, salt="probe ")
-        yielding = cache.writer.should_yield
 
         def run(mode: str) -> float:
             if mode != "none":
-                cache.writer.should_yield = yielding if mode == "writes_yielding" else (lambda: False)
-                cache.store.clear()
+                cache.writer.yield_to_generation = mode == "writes_yielding"
+                cache.clear(ssd=True)  # empties RAM too: put the backlog back, unwritten
                 for e in entries:
-                    e.write_state = "dirty"
-                    cache._queue_write(e)
+                    cache.put(e.checkpoint, e.ns, evict=False)
             r = eng.generate_tokens(probe, SamplingParams(max_tokens=32), use_cache=False)
             pending_after = cache.writer.pending()[0]
             cache.writer.wait()

@@ -1,4 +1,4 @@
-"""In-flight generation checkpoints (reference design 5.7).
+"""In-flight generation records: how a killed generation resumes exactly.
 
 Every N decoded tokens a generation queues its cache at the boundary
 "prompt + emitted[:-1]" with the pending token emitted[-1]; once that file
@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 import time
 from pathlib import Path
 from typing import Sequence
+
+from .system import make_private_dir, write_json_atomic
 
 
 def request_id(namespace: str, tokens: Sequence[int], params: dict) -> str:
@@ -27,8 +28,7 @@ def request_id(namespace: str, tokens: Sequence[int], params: dict) -> str:
 
 class InflightRecords:
     def __init__(self, directory: Path):
-        self.dir = Path(directory)
-        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.dir = make_private_dir(directory)
         self._lock = threading.Lock()
         self._finished: set[str] = set()  # requests whose late writes must not re-create a record
 
@@ -58,13 +58,7 @@ class InflightRecords:
             current = self.load(rid)
             if current is not None and len(current["emitted"]) >= len(record["emitted"]):
                 return  # never step back to an older boundary
-            tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump({**record, "request": rid, "time": time.time()}, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            write_json_atomic(path, {**record, "request": rid, "time": time.time()})
 
     def start(self, rid: str) -> None:
         with self._lock:

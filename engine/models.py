@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .kv.codecs import kv_scheme, new_caches
 from .naming import check_user_name
+from .system import make_private_dir, write_json_atomic
 
 WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf")
 TOKENIZER_FILES = (
@@ -85,12 +87,8 @@ class IdentityMemo:
         if self.path is None:
             return
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump(memo, f)
-            os.replace(tmp, self.path)
+            make_private_dir(self.path.parent)
+            write_json_atomic(self.path, memo, durable=False)  # a lost memo only costs a re-hash
         except OSError:
             pass
 
@@ -99,7 +97,7 @@ def _fingerprint_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def model_identity(path: Path, memo: IdentityMemo, kv_scheme: str) -> dict:
+def model_identity(path: Path, memo: IdentityMemo, scheme: str) -> dict:
     weights = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
     artifact = hashlib.sha256()
     for w in weights:
@@ -113,7 +111,7 @@ def model_identity(path: Path, memo: IdentityMemo, kv_scheme: str) -> dict:
         "artifact": artifact.hexdigest(),
         "config": _fingerprint_json(config),
         "tokenizer": tokenizer.hexdigest(),
-        "kv_scheme": kv_scheme,
+        "kv_scheme": scheme,
     }
 
 
@@ -172,7 +170,6 @@ def load_model(path_or_id, name: str, memo: IdentityMemo) -> LoadedModel:
     import mlx.core as mx
     import mlx_lm
     from mlx.utils import tree_flatten
-    from mlx_lm.models.cache import make_prompt_cache
 
     path = resolve_model_path(path_or_id)
     try:
@@ -180,14 +177,13 @@ def load_model(path_or_id, name: str, memo: IdentityMemo) -> LoadedModel:
     except Exception as e:
         raise ModelError(f"could not load a model from {path}: {type(e).__name__}: {e}") from None
     config = json.loads((path / "config.json").read_text())
-    probe = make_prompt_cache(model)
     dtype = str(model.parameters_dtype()) if hasattr(model, "parameters_dtype") else _weight_dtype(model)
-    kv_scheme = "+".join(sorted({type(c).__name__ for c in probe})) + ":" + dtype.removeprefix("mlx.core.")
-    identity = model_identity(path, memo, kv_scheme)
+    scheme = kv_scheme(model, dtype.removeprefix("mlx.core."))
+    identity = model_identity(path, memo, scheme)
     info = {
         "path": str(path),
-        "layers": len(probe),
-        "kv_scheme": kv_scheme,
+        "layers": len(new_caches(model)),
+        "kv_scheme": scheme,
         "parameters_bytes": sum(int(v.nbytes) for _, v in tree_flatten(model.parameters())),
     }
     mx.eval(model.parameters())
@@ -208,6 +204,7 @@ class ModelRegistry:
     def __init__(self, memo: IdentityMemo):
         self.memo = memo
         self._models: dict[str, LoadedModel] = {}
+        self._previews: dict = {}
         self.default: str | None = None
 
     def load(self, path_or_id, name: str | None = None) -> LoadedModel:
@@ -240,6 +237,22 @@ class ModelRegistry:
 
     def names(self) -> list[str]:
         return list(self._models)
+
+    def by_namespace(self, ns: str) -> LoadedModel | None:
+        return next((m for m in self._models.values() if m.namespace == ns), None)
+
+    def preview(self, ns: str, tokens: tuple, limit: int = 80) -> str:
+        """The start of a cached prefix as text a person recognizes (no chat-template markup)."""
+        key = (ns, len(tokens), hash(tokens))
+        if key not in self._previews:
+            m = self.by_namespace(ns)
+            if m is None:
+                return f"<{len(tokens)} tokens of an unloaded model>"
+            text = " ".join(m.tokenizer.decode(list(tokens[:64]), skip_special_tokens=True).split())
+            if len(self._previews) > 4096:
+                self._previews.clear()
+            self._previews[key] = text if len(text) <= limit else text[: limit - 1] + "…"
+        return self._previews[key]
 
     def __contains__(self, name: str) -> bool:
         return name in self._models

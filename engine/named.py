@@ -9,11 +9,11 @@ never deleted by a budget (RAM may demote it once it is durable on SSD).
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 from .naming import check_user_name
+from .system import make_private_dir, write_json_atomic
 
 
 class CheckpointNameError(ValueError):
@@ -26,22 +26,14 @@ def check_name(name: str) -> str:
 
 class NamedCheckpoints:
     def __init__(self, directory: Path):
-        self.dir = Path(directory)
-        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.dir = make_private_dir(directory)
 
     def _path(self, name: str) -> Path:
         return self.dir / f"{check_name(name)}.json"
 
     def save(self, name: str, record: dict) -> dict:
         record = {**record, "name": name, "saved": time.time()}
-        path = self._path(name)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_json_atomic(self._path(name), record)
         return record
 
     def get(self, name: str) -> dict:

@@ -10,7 +10,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcache_kernel.engine import Engine, GenerationError, ModelError, SessionError
-from mlxcache_kernel.engine.checkpoint import Checkpoint
+from mlxcache_kernel.engine.kv.checkpoint import Checkpoint
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. " * 3,

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache
 
-from mlxcache_kernel.engine.checkpoint import Checkpoint, LayerState
-from mlxcache_kernel.engine.prompt_cache import PromptCache
+from mlxcache_kernel.engine.kv.checkpoint import Checkpoint, LayerState
+from mlxcache_kernel.engine.cache.ram import PromptCache
 
 BYTES_PER_TOKEN = 2 * 2 * 4  # keys + values, (1, 1, n, 2) float32
 

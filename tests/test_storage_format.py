@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from mlxcache_kernel.engine.checkpoint import Checkpoint
-from mlxcache_kernel.engine.storage import format as fmt
+from mlxcache_kernel.engine.kv.checkpoint import Checkpoint
+from mlxcache_kernel.engine.cache.ssd import format as fmt
 
 IDENTITY = {"artifact": "a" * 64, "config": "c1", "tokenizer": "t1", "kv_scheme": "fp"}
 
@@ -37,6 +37,7 @@ def write(path, cp, codec="raw", **kw):
         min_reusable_offset=cp.min_reusable_offset,
         host_tensors=cp.host_tensors(),
         codec=codec,
+        trimmable=cp.trimmable,
         **kw,
     )
 
@@ -85,7 +86,7 @@ def test_contiguous_and_empty_tensors(tmp_path):
     a = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
     hts = [HT("layers.0.0", a), HT("layers.0.1", np.zeros((1, 2, 0, 4), np.float32))]
     p = tmp_path / "x.ckpt"
-    fmt.write_checkpoint(p, identity={}, namespace="n", tokens=[1], layout=[], min_reusable_offset=0, host_tensors=hts)
+    fmt.write_checkpoint(p, identity={}, namespace="n", tokens=[1], layout=[], min_reusable_offset=0, host_tensors=hts, trimmable=True)
     _, out = read_all(p)
     assert np.array_equal(out["layers.0.0"], a) and out["layers.0.1"].shape == (1, 2, 0, 4)
 
@@ -164,16 +165,11 @@ def test_wrong_magic_and_future_version(tmp_path):
     assert "truncated" in _corrupt_reason(empty)
 
 
-def test_should_yield_and_progress(tmp_path):
+def test_pause_and_progress(tmp_path):
     cp = make_checkpoint(n_tokens=64)
     calls, seen = [], []
-
-    def should_yield():
-        calls.append(1)
-        return len(calls) in (2, 3)  # pause twice, then proceed
-
-    write(tmp_path / "x.ckpt", cp, should_yield=should_yield, progress=lambda d, t: seen.append((d, t)))
-    assert len(calls) >= 3
+    write(tmp_path / "x.ckpt", cp, pause=lambda: calls.append(len(seen)), progress=lambda d, t: seen.append((d, t)))
+    assert calls == list(range(len(seen)))  # before every chunk, nothing written yet at the first
     assert seen[-1][0] == seen[-1][1] == sum(x.nbytes for x in cp.host_tensors())
 
 
@@ -186,5 +182,5 @@ def test_failed_write_leaves_nothing(tmp_path):
     bad[0] = type(bad[0])(bad[0].name, "float16", bad[0].shape, bad[0].array)  # dtype lies about the view
     with pytest.raises(ValueError):
         fmt.write_checkpoint(tmp_path / "y.ckpt", identity={}, namespace="n", tokens=cp.tokens,
-                             layout=cp.layout(), min_reusable_offset=0, host_tensors=bad)
+                             layout=cp.layout(), min_reusable_offset=0, host_tensors=bad, trimmable=True)
     assert os.listdir(tmp_path) == ["file"]

@@ -13,16 +13,18 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from mlxcache_kernel.engine.checkpoint import Checkpoint
-from mlxcache_kernel.engine.storage import format as fmt
-from mlxcache_kernel.engine.storage import store as store_mod
-from mlxcache_kernel.engine.storage.store import CheckpointStore, CheckpointUnavailable
+from mlxcache_kernel.engine.kv.checkpoint import Checkpoint
+from mlxcache_kernel.engine.cache.ssd import format as fmt
+from mlxcache_kernel.engine.cache.ssd import store as store_mod
+from mlxcache_kernel.engine.cache.ssd.restore import restore
+from mlxcache_kernel.engine.cache.ssd.store import CheckpointStore, CheckpointUnavailable
 
 IDENTITY = {"artifact": "a" * 64, "config": "c1", "tokenizer": "t1", "kv_scheme": "fp"}
 IMPORTS = """
-from mlxcache_kernel.engine.checkpoint import Checkpoint
-from mlxcache_kernel.engine.storage import format as fmt
-from mlxcache_kernel.engine.storage.store import CheckpointStore
+from mlxcache_kernel.engine.kv.checkpoint import Checkpoint
+from mlxcache_kernel.engine.cache.ssd import format as fmt
+from mlxcache_kernel.engine.cache.ssd.store import CheckpointStore
+from mlxcache_kernel.engine.cache.ssd.restore import restore
 """
 
 
@@ -41,7 +43,8 @@ def commit(store, cp, ns="ns", identity=IDENTITY, trimmable=None, min_reusable_o
     path = store.prepare_path(ns, cp.tokens)
     info = fmt.write_checkpoint(
         path, identity=identity, namespace=ns, tokens=cp.tokens, layout=cp.layout(),
-        min_reusable_offset=min_reusable_offset, host_tensors=cp.host_tensors(), trimmable=trimmable,
+        min_reusable_offset=min_reusable_offset, host_tensors=cp.host_tensors(),
+        trimmable=cp.trimmable if trimmable is None else trimmable,
     )
     return store.publish(info)
 
@@ -68,7 +71,7 @@ def test_index_from_headers_and_restore(tmp_path):
     assert e.tokens == cp.tokens and e.trimmable and e.namespace == "ns"
     hit = s2.find(list(range(1, 30)), "ns")
     assert hit.match_len == 20
-    restored = s2.restore(hit)
+    restored = restore(s2, hit)
     assert restored.tokens == cp.tokens and restored.layout() == cp.layout()
     assert restored.arrays()[0].dtype == mx.bfloat16 and same_arrays(restored, cp)
     st = s2.stats()
@@ -137,13 +140,13 @@ def test_restore_quarantines_bad_tensor_data(tmp_path, damage):
     if damage == "truncate_tensor":
         os.truncate(e.path, h.tensors[-1].offset + 10)
     with pytest.raises(CheckpointUnavailable):
-        s.restore(hit)
+        restore(s, hit)
     assert not e.path.exists() and len(os.listdir(tmp_path / "c" / "quarantine")) == 1
     assert [x["type"] for x in ev] == ["quarantine"] and ev[0]["path"] == str(e.path)
     assert s.stats()["quarantined"] == 1 and s.stats()["files"] == 0
     assert s.find(list(range(1, 50)), "ns") is None
     with pytest.raises(CheckpointUnavailable):  # a stale entry is a miss, never a crash
-        s.restore(hit)
+        restore(s, hit)
     assert len(ev) == 1
 
 
@@ -183,7 +186,7 @@ def test_identity_mismatch(tmp_path):
     hit = s2.find(list(range(1, 30)), "other")
     s2._identities["other"] = {"artifact": "changed"}
     with pytest.raises(CheckpointUnavailable):
-        s2.restore(hit)
+        restore(s2, hit)
     assert ev[-1]["reason"] == "identity mismatch"
 
 
@@ -193,7 +196,7 @@ def test_capacity_lru(tmp_path):
     entries = [commit(s, cp) for cp in cps[:3]]
     size = entries[0].file_bytes
     s.ssd_budget_bytes = 3 * size
-    s.restore(s.find(list(cps[0].tokens) + [1], "ns"))  # entry 0 becomes most recent
+    restore(s, s.find(list(cps[0].tokens) + [1], "ns"))  # entry 0 becomes most recent
     commit(s, cps[3])
     left = {e.tokens[0] for e in s.entries()}
     assert left == {0, 2000, 3000}  # entry 1 was least recently used
@@ -231,14 +234,14 @@ def test_other_process_commit_is_found_after_refresh(tmp_path, monkeypatch):
         cp = Checkpoint.capture(list(range(1, 13)), [c])
         path = s.prepare_path("ns", cp.tokens)
         s.publish(fmt.write_checkpoint(path, identity={IDENTITY!r}, namespace="ns", tokens=cp.tokens,
-                  layout=cp.layout(), min_reusable_offset=0, host_tensors=cp.host_tensors()))
+                  layout=cp.layout(), min_reusable_offset=0, host_tensors=cp.host_tensors(), trimmable=True))
     """)
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     monkeypatch.setattr(store_mod, "REFRESH_INTERVAL_S", 0.2)
     time.sleep(0.25)
     hit = s.find(list(range(1, 20)), "ns")
     assert hit is not None and hit.match_len == 12
-    assert np.array_equal(np.array(s.restore(hit).arrays()[0]), np.ones((1, 2, 12, 8), np.float32))
+    assert np.array_equal(np.array(restore(s, hit).arrays()[0]), np.ones((1, 2, 12, 8), np.float32))
 
 
 def test_refresh_is_throttled_and_forgets_vanished_files(tmp_path, monkeypatch):
@@ -248,7 +251,7 @@ def test_refresh_is_throttled_and_forgets_vanished_files(tmp_path, monkeypatch):
     hit = s.find(list(range(1, 20)), "ns")
     assert hit is not None  # the index answers without I/O
     with pytest.raises(CheckpointUnavailable):
-        s.restore(hit)
+        restore(s, hit)
     assert s.stats()["quarantined"] == 0 and s.entries() == []
 
 
@@ -258,8 +261,9 @@ def test_kill_during_large_write_leaves_previous_intact(tmp_path):
     prev = make_checkpoint(list(range(1, 101)))
     commit(s, prev)
     # ~200 MB checkpoint; the child signals once the temp file has data, then
-    # stalls in should_yield (as during generation) until it is killed
+    # stalls in pause() (as during generation) until it is killed
     script = IMPORTS + textwrap.dedent(f"""
+        import time
         import numpy as np
         class HT:
             def __init__(self, name, a): self.name, self.dtype, self.shape, self.array = name, "float32", a.shape, a
@@ -273,10 +277,13 @@ def test_kill_during_large_write_leaves_previous_intact(tmp_path):
             if done >= 64 << 20 and not state["said"]:
                 state["said"] = True
                 print("WRITING", flush=True)
+        def stall():
+            while state["said"]:
+                time.sleep(0.05)
         path = s.prepare_path("ns", toks)
         fmt.write_checkpoint(path, identity={IDENTITY!r}, namespace="ns", tokens=toks, layout=layout,
-                             min_reusable_offset=0, host_tensors=hts, progress=progress,
-                             should_yield=lambda: state["said"])
+                             min_reusable_offset=0, host_tensors=hts, trimmable=True, progress=progress,
+                             pause=stall)
         print("DONE", flush=True)
     """)
     p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
@@ -292,7 +299,7 @@ def test_kill_during_large_write_leaves_previous_intact(tmp_path):
     [e] = s2.entries()  # the partial file is invisible
     assert e.tokens == prev.tokens
     hit = s2.find(list(range(1, 200)), "ns")
-    assert hit.match_len == 100 and same_arrays(s2.restore(hit), prev)
+    assert hit.match_len == 100 and same_arrays(restore(s2, hit), prev)
     # stale temp files are cleaned once they are old
     tmp = next(n for n in os.listdir(root / "ns") if n.endswith(".tmp"))
     os.utime(root / "ns" / tmp, (time.time() - 7200,) * 2)

@@ -17,7 +17,7 @@ import pytest
 
 from mlxcache_kernel.engine import Engine
 from mlxcache_kernel.engine.named import CheckpointNameError
-from mlxcache_kernel.engine.storage import format as fmt
+from mlxcache_kernel.engine.cache.ssd import format as fmt
 
 PROMPT = "A long shared document. " * 12 + "Question: what is it about?"
 

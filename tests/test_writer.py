@@ -14,9 +14,10 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from mlxcache_kernel.engine.checkpoint import Checkpoint
-from mlxcache_kernel.engine.storage.store import CheckpointStore
-from mlxcache_kernel.engine.storage.writer import CheckpointWriter, WriteJob
+from mlxcache_kernel.engine.kv.checkpoint import Checkpoint
+from mlxcache_kernel.engine.cache.ssd.restore import restore
+from mlxcache_kernel.engine.cache.ssd.store import CheckpointStore
+from mlxcache_kernel.engine.cache.ssd.writer import CheckpointWriter, WriteJob
 
 IDENTITY = {"artifact": "a" * 64, "config": "c1", "tokenizer": "t1", "kv_scheme": "fp"}
 
@@ -46,7 +47,7 @@ def plain_job(tokens, nbytes_per_tensor=1 << 20, key=None):
     d = nbytes_per_tensor // (4 * n)
     hts = [HT(f"layers.0.{j}", np.random.rand(1, 1, n, d).astype(np.float32)) for j in range(2)]
     layout = [{"kind": "KVCache", "meta": {"offset": n}, "arrays": 2}]
-    return WriteJob("ns", IDENTITY, tuple(tokens), layout, 0, hts, key=key)
+    return WriteJob("ns", IDENTITY, tuple(tokens), layout, 0, hts, trimmable=True, key=key)
 
 
 def test_writes_complete_and_appear_in_index(tmp_path):
@@ -54,16 +55,17 @@ def test_writes_complete_and_appear_in_index(tmp_path):
     store.register_namespace("ns", IDENTITY)
     w = CheckpointWriter(store)
     cps = [make_checkpoint(list(range(1, 11)) + [100 + i] * 5, seed=i) for i in range(3)]
-    tickets = [w.submit(WriteJob.from_checkpoint(cp, "ns", IDENTITY, key=i)) for i, cp in enumerate(cps)]
+    for i, cp in enumerate(cps):
+        w.submit(WriteJob.from_checkpoint(cp, "ns", IDENTITY, key=i))
     assert w.wait(30)
-    assert all(t.done() for t in tickets) and w.pending() == (0, 0) and w.in_progress is None
+    assert w.pending() == (0, 0) and w.in_progress is None
     done = w.poll()
     assert [c.key for c in done] == [0, 1, 2] and all(c.ok for c in done)
     assert all(c.path.exists() and c.bytes == c.path.stat().st_size and c.tokens == 15 for c in done)
     assert w.poll() == []
     hit = store.find(list(cps[1].tokens) + [7], "ns")
     assert hit.match_len == 15 and hit.path == done[1].path
-    restored = store.restore(hit)
+    restored = restore(store, hit)
     assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(restored.arrays(), cps[1].arrays()))
     w.close()
 
@@ -130,21 +132,25 @@ def test_failed_mid_write_removes_temp_file(tmp_path):
     assert r == {"bad_ok": False, "errno": 27, "left": [], "good_ok": True, "files": 1}
 
 
-def test_should_yield_pauses_progress(tmp_path):
-    gate = threading.Event()
-    gate.set()
-    w = CheckpointWriter(CheckpointStore(tmp_path), should_yield=gate.is_set)
-    t = w.submit(plain_job(range(1, 65), nbytes_per_tensor=8 << 20))
-    time.sleep(0.4)
-    assert not t.done() and w.in_progress == (0, 16 << 20)
-    assert w.pending() == (1, 16 << 20) and not w.wait(0.1)
-    urgent = plain_job(range(1, 9))
-    urgent.urgent = True  # memory pressure: ignores the gate
-    u = w.submit(urgent)
-    assert not u.done()  # queued behind the paused job (one writer thread)
-    gate.clear()
-    assert w.wait(30) and t.done() and u.done()
+def test_writer_yields_to_generation(tmp_path):
+    pressure = threading.Event()
+    w = CheckpointWriter(CheckpointStore(tmp_path), under_pressure=pressure.is_set)
+    with w.generating():
+        w.submit(plain_job(range(1, 65), nbytes_per_tensor=8 << 20))
+        time.sleep(0.4)
+        assert w.in_progress == (0, 16 << 20)  # paused before its first chunk
+        assert w.pending() == (1, 16 << 20) and not w.wait(0.1)
+        urgent = plain_job(range(1, 9))
+        urgent.urgent = True  # an in-flight checkpoint: ahead of the rest, and no yielding behind it
+        w.submit(urgent)
+        assert w.pending()[0] == 2  # queued behind the paused job (one writer thread)
+    assert w.wait(30) and w.pending() == (0, 0)
     assert [c.ok for c in w.poll()] == [True, True]
+    with w.generating():  # memory pressure: writes go ahead during a generation
+        pressure.set()
+        w.submit(plain_job(range(1, 33), nbytes_per_tensor=8 << 20))
+        assert w.wait(30)
+    assert [c.ok for c in w.poll()] == [True]
     w.close()
 
 

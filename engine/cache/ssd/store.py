@@ -14,24 +14,24 @@ Files of unregistered namespaces are indexed (they count against capacity)
 but never served; registering checks them and quarantines mismatches. A
 commit through `publish` registers its namespace if nobody did.
 
-Thread safety: all index state is under one lock. `restore` calls MLX and
-must run on the owner thread; everything else may run on any thread.
+Thread safety: all index state is under one lock; any thread may call in.
+No MLX here: `read` verifies into buffers the caller allocates (restore.py).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..prompt_cache import common_prefix_len
+from ...kv.tokens import common_prefix_len, token_key
+from ...system import make_private_dir
 from . import format as fmt
 from .format import CorruptCheckpoint, FileInfo, Header
 
@@ -39,7 +39,6 @@ NAMESPACE_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 QUARANTINE = "quarantine"
 SUFFIX = ".ckpt"
 STALE_TEMP_S = 3600.0
-_MX_NAMES = {"bool": "bool_"}
 REFRESH_INTERVAL_S = 0.5
 
 
@@ -51,10 +50,6 @@ def validate_namespace(namespace: str) -> str:
     if not isinstance(namespace, str) or not NAMESPACE_RE.fullmatch(namespace) or namespace == QUARANTINE:
         raise ValueError(f"invalid namespace {namespace!r}: use [A-Za-z0-9_-]{{1,64}}")
     return namespace
-
-
-def token_key(tokens: Sequence[int]) -> str:
-    return hashlib.sha256(np.asarray(tokens, dtype="<i8").tobytes()).hexdigest()
 
 
 @dataclass(eq=False)
@@ -95,8 +90,8 @@ class CheckpointStore:
         self._protected: set = set()  # (namespace, key) of named checkpoints: never superseded or capped
         self._clock = 0.0
         self._stats = {"quarantined": 0, "restores": 0, "restore_bytes": 0, "restore_seconds": 0.0, "evicted": 0}
-        _mkdir_private(self.root)
-        _mkdir_private(self.root / QUARANTINE)
+        make_private_dir(self.root)
+        make_private_dir(self.root / QUARANTINE)
         for d in sorted(self.root.iterdir()):
             if d.is_dir() and d.name != QUARANTINE and NAMESPACE_RE.fullmatch(d.name):
                 self._clean_stale_temps(d)
@@ -110,15 +105,17 @@ class CheckpointStore:
         self._clock = max(self._clock + 1e-6, time.time())
         return self._clock
 
-    def _clean_stale_temps(self, d: Path) -> None:
-        now = time.time()
+    def _clean_stale_temps(self, d: Path) -> int:
+        removed, now = 0, time.time()
         for name in os.listdir(d):
             if name.startswith(".") and name.endswith(".tmp"):
                 try:
                     if now - os.stat(d / name).st_mtime > STALE_TEMP_S:
                         os.unlink(d / name)
+                        removed += 1
                 except OSError:
                     pass
+        return removed
 
     def _entry_from_header(self, path: Path, h: Header) -> IndexEntry:
         key = path.name[: -len(SUFFIX)]
@@ -268,28 +265,14 @@ class CheckpointStore:
 
     # --- restore ---
 
-    def restore(self, entry: IndexEntry):
-        """Read, verify and rebuild a Checkpoint. Owner (MLX) thread only.
+    def read(self, entry: IndexEntry, allocate: Callable, build: Callable[[Header], Any]):
+        """Read and verify `entry`'s file into buffers from `allocate(name, dtype, shape)`,
+        then return `build(header)` (see restore.py).
 
         Any problem quarantines the file and raises CheckpointUnavailable.
         """
-        import mlx.core as mx
-
-        from ..checkpoint import Checkpoint
-
         t0 = time.perf_counter()
         path = entry.path
-        keep = []  # mx arrays whose memory the numpy views point into
-
-        def allocate(name, dtype, shape):
-            host = fmt.host_dtype(dtype)
-            a = mx.zeros(shape, dtype=mx.uint16 if dtype == "bfloat16" else getattr(mx, _MX_NAMES.get(dtype, dtype)))
-            mx.eval(a)
-            keep.append((name, dtype, a))
-            view = np.asarray(a)
-            assert view.dtype.itemsize == host.itemsize
-            return view
-
         try:
             h = fmt.read_header(path)
             if h.tokens != tuple(entry.tokens) or h.namespace != entry.namespace:
@@ -300,11 +283,7 @@ class CheckpointStore:
             if h.identity != want:
                 raise CorruptCheckpoint("identity mismatch")
             fmt.read_tensors(path, h, allocate)
-            tensors = {}
-            for name, dtype, a in keep:
-                tensors[name] = a.view(mx.bfloat16) if dtype == "bfloat16" else a
-            mx.eval(list(tensors.values()))
-            cp = Checkpoint.from_tensors(h.tokens, h.layout, tensors, min_reusable_offset=h.min_reusable_offset)
+            result = build(h)
         except FileNotFoundError:
             with self._lock:
                 self._entries.pop((entry.namespace, entry.key), None)
@@ -320,16 +299,13 @@ class CheckpointStore:
             self._stats["restores"] += 1
             self._stats["restore_bytes"] += h.raw_bytes
             self._stats["restore_seconds"] += time.perf_counter() - t0
-        return cp
+        return result
 
     # --- commits ---
 
     def prepare_path(self, namespace: str, tokens: Sequence[int]) -> Path:
         """Final path for a checkpoint of `tokens`; creates the namespace dir."""
-        validate_namespace(namespace)
-        d = self.root / namespace
-        _mkdir_private(d)
-        return d / (token_key(tokens) + SUFFIX)
+        return make_private_dir(self.root / validate_namespace(namespace)) / (token_key(tokens) + SUFFIX)
 
     def publish(self, info: FileInfo) -> IndexEntry:
         """Index a file the writer has renamed into place; supersede; cap."""
@@ -415,15 +391,24 @@ class CheckpointStore:
                             except OSError:
                                 pass
 
+    def gc(self) -> dict:
+        """Delete quarantined files and temp files older than an hour (crashed writers)."""
+        report = {"quarantine_removed": 0, "temp_removed": 0}
+        qdir = self.root / QUARANTINE
+        for p in qdir.iterdir() if qdir.exists() else ():
+            p.unlink(missing_ok=True)
+            report["quarantine_removed"] += 1
+        for d in self.root.iterdir():
+            if d.is_dir() and d.name != QUARANTINE:
+                report["temp_removed"] += self._clean_stale_temps(d)
+        return report
+
     def stats(self) -> dict:
         with self._lock:
             s = dict(self._stats)
             s["files"] = len(self._entries)
             s["bytes"] = sum(e.file_bytes for e in self._entries.values())
+            s["kv_bytes"] = sum(e.raw_bytes for e in self._entries.values())
             s["budget_bytes"] = self.ssd_budget_bytes
             return s
 
-
-def _mkdir_private(d: Path) -> None:
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(d, 0o700)

@@ -7,24 +7,44 @@
 - Eviction persists before it demotes: a victim without a committed SSD copy
   gets a write queued and stays resident (the budget is soft meanwhile); a
   failed write leaves it resident, usable and dirty, retried later.
-- The writer thread yields while a generation runs (`generating()`), unless
-  RAM is over budget and waiting on writes.
+- The writer yields while a generation runs (`generating()`), unless RAM
+  is over budget and waiting on writes (the rule lives in ssd/writer.py).
+
+This is the one owner of the SSD store and writer: the engine asks this
+class, never them. Each RAM entry's durability is a `WriteState`.
 """
 
 from __future__ import annotations
 
-import threading
+import contextlib
 import time
-from contextlib import contextmanager
+from enum import Enum
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .checkpoint import Checkpoint
-from .prompt_cache import Entry, Lease, PromptCache, as_token_array, common_prefix_len, usable_length
+from ..kv.checkpoint import Checkpoint
+from ..kv.tokens import as_token_array, common_prefix_len
+from .ram import Entry, Lease, PromptCache, usable_length
+from .ssd.restore import restore
+from .ssd.store import CheckpointStore, CheckpointUnavailable, IndexEntry
+from .ssd.writer import CheckpointWriter, WriteJob
 
 RETRY_FAILED_AFTER_S = 5.0
 # Reading and verifying a file costs more than prefilling a handful of tokens.
 MIN_RESTORE_TOKENS = 16
+
+
+class WriteState(str, Enum):
+    """Where a RAM entry's SSD copy stands (a str, so it prints and compares as its value)."""
+
+    NONE = "none"  # no SSD tier
+    DIRTY = "dirty"  # not written yet
+    PENDING = "pending"  # queued or being written
+    COMMITTED = "committed"  # durable on SSD
+    FAILED = "failed"  # the last write failed; retried later
+
+
+_UNWRITTEN = (WriteState.NONE, WriteState.DIRTY, WriteState.FAILED)
 
 
 class TieredPromptCache(PromptCache):
@@ -42,10 +62,8 @@ class TieredPromptCache(PromptCache):
         self.write_behind = write_behind
         self.idle_demote_s = idle_demote_s
         self.identities: dict[str, dict] = {}
-        self._generating = threading.Event()
-        self._idle = threading.Event()  # set whenever no generation runs: wakes a yielding writer
-        self._idle.set()
-        self.store = self.writer = None
+        self.store: CheckpointStore | None = None
+        self.writer: CheckpointWriter | None = None
         self.counters.update(
             {
                 "ssd_hits": 0,
@@ -61,11 +79,8 @@ class TieredPromptCache(PromptCache):
         )
         self._failed_at: dict[tuple, float] = {}
         if ssd_dir is not None:
-            from .storage.store import CheckpointStore
-            from .storage.writer import CheckpointWriter
-
             self.store = CheckpointStore(Path(ssd_dir), ssd_budget_bytes=ssd_budget_bytes, on_event=self._store_event)
-            self.writer = CheckpointWriter(self.store, should_yield=self._writer_should_yield)
+            self.writer = CheckpointWriter(self.store, under_pressure=self.over_budget)
 
     # --- wiring ---
 
@@ -78,24 +93,9 @@ class TieredPromptCache(PromptCache):
         event = dict(event)
         self._emit(event.pop("type", "store"), **event)
 
-    def _writer_should_yield(self) -> bool:
-        # Generation wants both cores; a write only goes ahead meanwhile when
-        # RAM is over budget and waiting on it. A yielding writer sleeps until
-        # the generation ends (re-checking memory pressure twice a second)
-        # rather than polling: each wake-up would take the GIL from decode.
-        if self._generating.is_set() and not self.over_budget():
-            self._idle.wait(0.5)
-        return self._generating.is_set() and not self.over_budget()
-
-    @contextmanager
     def generating(self):
-        self._generating.set()
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self._generating.clear()
-            self._idle.set()
+        """Context for a running generation: the writer yields the cores."""
+        return self.writer.generating() if self.writer is not None else contextlib.nullcontext()
 
     # --- lookup ---
 
@@ -113,17 +113,9 @@ class TieredPromptCache(PromptCache):
             restored = self._restore_longer(prompt, ns, n_ram, progress)
             if restored is not None:
                 return restored
-        if entry is None:
-            self.counters["misses"] += 1
-            self._emit("miss", ns=ns, prompt_tokens=len(prompt))
-            return None
-        self.counters["hits"] += 1
-        self._emit("hit", ns=ns, source="ram", tokens=n_ram, prompt_tokens=len(prompt))
-        return self._lend(entry, n_ram, "ram", move)
+        return self._serve(entry, n_ram, prompt, ns, move)
 
     def _restore_longer(self, prompt, ns, n_ram, progress) -> Lease | None:
-        from .storage.store import CheckpointUnavailable
-
         prompt_array = as_token_array(prompt)
         handle = self.store.find(prompt, ns)
         if handle is None:
@@ -136,7 +128,7 @@ class TieredPromptCache(PromptCache):
         try:
             if progress is not None:
                 progress("restore", 0, len(handle.tokens))
-            cp = self.store.restore(handle)
+            cp = restore(self.store, handle)
         except CheckpointUnavailable as e:
             self.counters["ssd_restore_failures"] += 1
             self._emit("restore_failed", ns=ns, tokens=len(handle.tokens), reason=str(e))
@@ -153,13 +145,13 @@ class TieredPromptCache(PromptCache):
             "hit", ns=ns, source="ssd", tokens=n, prompt_tokens=len(prompt),
             nbytes=cp.nbytes, seconds=time.perf_counter() - t0,
         )
-        lease = self._lend(entry, n, "ssd")
+        lease = self.lend(entry, n, "ssd")
         self.enforce_budget()
         return lease
 
     def _may_move(self, entry: Entry, n: int) -> bool:
         # A queued write still reads these buffers: lend views instead.
-        return entry.write_state != "pending" and super()._may_move(entry, n)
+        return entry.write_state != WriteState.PENDING and super()._may_move(entry, n)
 
     def _tail_expendable(self, entry: Entry) -> bool:
         # With SSD on, only a durable entry's tail may leave RAM (a restore away).
@@ -172,13 +164,11 @@ class TieredPromptCache(PromptCache):
         entry is then detached, good for this one borrower only.
         """
         entry = super().put(cp, ns, evict=False) or Entry(ns, cp, as_token_array(cp.tokens))
-        entry.write_state = "committed" if self.store.contains(cp.tokens, ns) else "dirty"
+        entry.write_state = WriteState.COMMITTED if self.store.contains(cp.tokens, ns) else WriteState.DIRTY
         return entry
 
     def restore_exact(self, tokens: Sequence[int], ns: str) -> tuple[Entry | None, str | None]:
         """The entry of exactly `tokens` and where it came from ("ram"|"ssd"), or (None, None)."""
-        from .storage.store import CheckpointUnavailable
-
         tokens = tuple(tokens)
         entry = self.get_exact(tokens, ns)
         if entry is not None or self.store is None:
@@ -187,7 +177,7 @@ class TieredPromptCache(PromptCache):
         if handle is None or handle.match_len != len(tokens):
             return None, None
         try:
-            cp = self.store.restore(handle)
+            cp = restore(self.store, handle)
         except CheckpointUnavailable:
             return None, None
         self.counters["ssd_hits"] += 1
@@ -195,8 +185,6 @@ class TieredPromptCache(PromptCache):
 
     def queue_inflight(self, cp: Checkpoint, ns: str, on_commit: Callable) -> None:
         """Queue an in-flight generation checkpoint: SSD only, written promptly (urgent)."""
-        from .storage.writer import WriteJob
-
         job = WriteJob.from_checkpoint(
             cp, ns, self.identities[ns], key=("inflight", ns, cp.tokens), urgent=True, on_commit=on_commit
         )
@@ -208,12 +196,12 @@ class TieredPromptCache(PromptCache):
         if self.store is None:
             return False
         if not self.store.contains(entry.tokens, entry.ns):
-            if entry.write_state in ("pending", "committed"):
-                entry.write_state = "dirty"  # its file was superseded or capped away: write it again
+            if entry.write_state in (WriteState.PENDING, WriteState.COMMITTED):
+                entry.write_state = WriteState.DIRTY  # its file was superseded or capped away: write it again
             self.writer.wait(timeout)
             self.poll()
             if not self.store.contains(entry.tokens, entry.ns):
-                entry.write_state = "dirty"
+                entry.write_state = WriteState.DIRTY
                 self._queue_write(entry)
                 self.writer.wait(timeout)
                 self.poll()
@@ -238,9 +226,9 @@ class TieredPromptCache(PromptCache):
         later is then never written at all.
         """
         entry = super().put(checkpoint, ns, session=session, evict=False, prompt_tokens=prompt_tokens)
-        if entry is not None and self.store is not None:
-            entry.write_state = "dirty"
-            if self.write_behind and not defer_write:
+        if entry is not None:
+            entry.write_state = WriteState.NONE if self.store is None else WriteState.DIRTY
+            if self.store is not None and self.write_behind and not defer_write:
                 self._queue_write(entry)
         if evict:
             self.enforce_budget()
@@ -250,17 +238,15 @@ class TieredPromptCache(PromptCache):
         """Queue persistence of every dirty entry (write-behind)."""
         if self.write_behind and self.store is not None:
             for e in self.entries():
-                if e.write_state == "dirty":
+                if e.write_state == WriteState.DIRTY:
                     self._queue_write(e)
 
     def _queue_write(self, entry: Entry) -> None:
-        from .storage.writer import WriteJob
-
-        if entry.write_state in ("pending", "committed") or entry.ns not in self.identities:
+        if entry.write_state in (WriteState.PENDING, WriteState.COMMITTED) or entry.ns not in self.identities:
             return
         job = WriteJob.from_checkpoint(entry.checkpoint, entry.ns, self.identities[entry.ns], key=(entry.ns, entry.tokens))
         self.writer.submit(job)
-        entry.write_state = "pending"
+        entry.write_state = WriteState.PENDING
         self.counters["writes_queued"] += 1
         self._emit("write_queued", ns=entry.ns, tokens=len(entry.tokens), nbytes=entry.nbytes)
 
@@ -268,11 +254,11 @@ class TieredPromptCache(PromptCache):
         if self.store is None:
             return not entry.pinned
         if self.store.has_durable_prefix(entry.tokens, entry.ns):
-            entry.write_state = "committed"
+            entry.write_state = WriteState.COMMITTED
             self.counters["demotions"] += 1
             self._emit("demote", ns=entry.ns, tokens=len(entry.tokens), nbytes=entry.nbytes, reason=reason)
             return True
-        if entry.write_state in ("none", "dirty", "failed"):
+        if entry.write_state in _UNWRITTEN:
             self._queue_write(entry)
         return False
 
@@ -292,18 +278,18 @@ class TieredPromptCache(PromptCache):
                 self.counters["bytes_written"] += int(done.bytes or 0)
                 self._failed_at.pop(done.key, None)
                 if entry is not None:
-                    entry.write_state, entry.write_error = "committed", None
+                    entry.write_state, entry.write_error = WriteState.COMMITTED, None
                 self._emit("write_committed", ns=ns, tokens=len(tokens), nbytes=done.bytes, seconds=done.seconds)
             else:
                 self.counters["writes_failed"] += 1
                 self._failed_at[done.key] = time.monotonic()
                 if entry is not None:
-                    entry.write_state, entry.write_error = "failed", str(done.error)
+                    entry.write_state, entry.write_error = WriteState.FAILED, str(done.error)
                 self._emit("write_failed", ns=ns, tokens=len(tokens), error=str(done.error))
         self.queue_dirty()
         now = time.monotonic()
         for e in self.entries():
-            if e.write_state == "failed" and now - self._failed_at.get((e.ns, e.tokens), 0) > RETRY_FAILED_AFTER_S:
+            if e.write_state == WriteState.FAILED and now - self._failed_at.get((e.ns, e.tokens), 0) > RETRY_FAILED_AFTER_S:
                 self._queue_write(e)
         self._demote_idle()
         self.enforce_budget()
@@ -324,7 +310,7 @@ class TieredPromptCache(PromptCache):
         committed_before = self.counters["writes_committed"]
         self.poll()
         for e in self.entries():
-            if e.write_state in ("none", "dirty", "failed"):
+            if e.write_state in _UNWRITTEN:
                 self._queue_write(e)
         failed_before = self.counters["writes_failed"]
         self.writer.wait(timeout)
@@ -332,7 +318,7 @@ class TieredPromptCache(PromptCache):
         failed = [
             {"tokens": len(e.tokens), "error": e.write_error}
             for e in self.entries()
-            if e.write_state == "failed"
+            if e.write_state == WriteState.FAILED
         ]
         report = {
             "committed": self.counters["writes_committed"] - committed_before,
@@ -344,30 +330,109 @@ class TieredPromptCache(PromptCache):
         self._emit("flush", **{k: v for k, v in report.items() if k != "failed"}, failed_count=len(failed))
         return report
 
+    def wait_for_writes(self, timeout: float | None = None) -> dict:
+        """Wait for writes already queued, from any thread (touches no MLX, queues nothing)."""
+        if self.writer is None:
+            return {"committed": 0, "pending": 0}
+        before = self.writer.pending()[0]
+        self.writer.wait(None if timeout is None else max(timeout, 0.0))
+        pending = self.writer.pending()[0]
+        return {"committed": max(before - pending, 0), "pending": pending}
+
+    # --- pins (named checkpoints) ---
+
+    def protect(self, ns: str, tokens: Sequence[int], on: bool = True) -> None:
+        """Exempt the SSD file of exactly `tokens` from supersession, caps and clear."""
+        if self.store is not None:
+            self.store.protect(ns, tokens, on)
+
+    def pin(self, entry: Entry, name: str) -> bool:
+        """Pin `entry` under `name` and make it durable now; False (and no pin) if the write fails."""
+        entry.pinned.add(name)
+        if self.store is None:
+            return True
+        self.protect(entry.ns, entry.tokens)
+        if self.persist(entry):
+            return True
+        entry.pinned.discard(name)
+        self.protect(entry.ns, entry.tokens, on=False)
+        return False
+
+    def unpin(self, ns: str, tokens: Sequence[int], name: str, *, still_named: bool) -> None:
+        entry = self.get_exact(tokens, ns)
+        if entry is not None:
+            entry.pinned.discard(name)
+        if not still_named:
+            self.protect(ns, tokens, on=False)
+
     # --- views ---
+
+    @property
+    def has_ssd(self) -> bool:
+        return self.store is not None
+
+    def on_ssd(self, tokens: Sequence[int], ns: str) -> bool:
+        return self.store is not None and self.store.contains(tokens, ns)
+
+    def ssd_keys(self) -> set:
+        """(namespace, token key) of every committed SSD file."""
+        return {(h.namespace, h.key) for h in self.store.entries()} if self.store is not None else set()
+
+    def rows(self) -> list[dict]:
+        """Every RAM and SSD entry as plain data (see `Engine.cache_entries`)."""
+        files = {(h.namespace, tuple(h.tokens)): h for h in self.store.entries()} if self.store else {}
+        rows = []
+        for e in self.entries():
+            h = files.pop((e.ns, e.tokens), None)
+            rows.append({
+                "ns": e.ns, "tokens": e.tokens, "tier": "ram+ssd" if h else "ram", "write_state": e.write_state.value,
+                "ram_bytes": e.nbytes, "kv_bytes": e.checkpoint.kv_bytes, "file_bytes": h.file_bytes if h else None,
+                "borrowers": e.borrowers, "sessions": sorted(e.sessions), "last_used": e.last_used_time, "hits": e.hits,
+            })
+        for (ns, tokens), h in files.items():
+            rows.append({
+                "ns": ns, "tokens": tokens, "tier": "ssd", "write_state": WriteState.COMMITTED.value,
+                "ram_bytes": None, "kv_bytes": h.raw_bytes, "file_bytes": h.file_bytes,
+                "borrowers": 0, "sessions": [], "last_used": h.last_use, "hits": 0,
+            })
+        return rows
 
     def stats(self) -> dict:
         pending_count, pending_bytes = self.writer.pending() if self.writer else (0, 0)
         in_progress = self.writer.in_progress if self.writer else None
+        entries = list(self._entries.values())
+        dirty = [e for e in entries if e.write_state == WriteState.DIRTY]
+        failed = [e for e in entries if e.write_state == WriteState.FAILED]
         out = {
             "ram_used_bytes": self.used_bytes,
+            "ram_kv_bytes": sum(e.checkpoint.kv_bytes for e in entries),
             "ram_budget_bytes": self.budget_bytes,
-            "ram_entries": len(self._entries),
+            "ram_entries": len(entries),
             "write_behind": self.write_behind,
             "ssd_enabled": self.store is not None,
             "pending_writes": pending_count,
             "pending_write_bytes": pending_bytes,
             "write_in_progress_bytes": in_progress[0] if in_progress else 0,
             "write_in_progress_total": in_progress[1] if in_progress else 0,
-            "dirty_entries": sum(e.write_state == "dirty" for e in self._entries.values()),
-            "dirty_bytes": sum(e.nbytes for e in self._entries.values() if e.write_state == "dirty"),
-            "failed_entries": sum(e.write_state == "failed" for e in self._entries.values()),
-            "failed_bytes": sum(e.nbytes for e in self._entries.values() if e.write_state == "failed"),
+            "dirty_entries": len(dirty),
+            "dirty_bytes": sum(e.nbytes for e in dirty),
+            "failed_entries": len(failed),
+            "failed_bytes": sum(e.nbytes for e in failed),
             **self.counters,
         }
         if self.store is not None:
             out.update({f"ssd_{k}": v for k, v in self.store.stats().items()})
         return out
+
+    def gc_files(self) -> dict:
+        """Remove quarantined files and stale temp files."""
+        return self.store.gc() if self.store is not None else {"quarantine_removed": 0, "temp_removed": 0}
+
+    def verify(self) -> list[dict]:
+        """Re-hash every SSD file; bad ones are quarantined and listed."""
+        if self.store is None:
+            return []
+        return [{"path": str(p), "reason": reason} for p, reason in self.store.verify_all()]
 
     def clear(self, ssd: bool = False) -> int:
         """Empty RAM (and, with ssd=True, the SSD tier but for named files).

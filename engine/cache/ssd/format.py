@@ -14,7 +14,9 @@ width), so it can be patched last without moving data. A later format
 (content-addressed blocks) gets a new version number; readers reject
 versions they do not know rather than guess.
 
-Writers run on a worker thread and see only numpy views, never MLX arrays.
+Bytes only: writers run on a worker thread and see numpy views, never MLX
+arrays; readers fill caller-provided buffers. What a layer's state means
+(`layout`, `trimmable`) is the codecs' business, stored here as given.
 """
 
 from __future__ import annotations
@@ -34,8 +36,7 @@ import numpy as np
 MAGIC = b"MLXCKPT\n"
 FORMAT_VERSION = 1
 ALIGN = 16 * 1024
-CHUNK = 4 * 1024 * 1024  # hashing/IO step between should_yield polls
-YIELD_NAP_S = 0.05  # how often a yielding writer checks whether it may go on
+CHUNK = 4 * 1024 * 1024  # hashing/IO step between pause() calls
 _PREFIX = struct.Struct("<8sIII4x32s")
 CODECS = ("raw", "zstd")
 # Measured in benchmarks/bench_storage.py: fp32 KV barely compresses (~7%)
@@ -45,31 +46,13 @@ ZSTD_LEVEL = 1
 
 # numpy dtype that carries each logical dtype's bits on disk
 _HOST_DTYPES = {
-    "float32": "<f4",
-    "float16": "<f2",
-    "bfloat16": "<u2",
-    "float64": "<f8",
-    "int8": "i1",
-    "uint8": "u1",
-    "int16": "<i2",
-    "uint16": "<u2",
-    "int32": "<i4",
-    "uint32": "<u4",
-    "int64": "<i8",
-    "uint64": "<u8",
-    "bool": "?",
+    "float32": "<f4", "float16": "<f2", "bfloat16": "<u2", "float64": "<f8", "bool": "?",
+    "int8": "i1", "uint8": "u1", "int16": "<i2", "uint16": "<u2",
+    "int32": "<i4", "uint32": "<u4", "int64": "<i8", "uint64": "<u8",
 }
 
 _REQUIRED = (
-    "identity",
-    "namespace",
-    "tokens",
-    "layout",
-    "min_reusable_offset",
-    "trimmable",
-    "attachments",
-    "created",
-    "tensors",
+    "identity", "namespace", "tokens", "layout", "min_reusable_offset", "trimmable", "attachments", "created", "tensors",
 )
 
 
@@ -133,20 +116,6 @@ class FileInfo:
     seconds: float
 
 
-def layout_trimmable(layout: Sequence[dict], attachments: Sequence[str]) -> bool:
-    """Mirror of Checkpoint.trimmable computed from the JSON layout."""
-    if attachments:
-        return False
-    for spec in layout:
-        kind, meta = spec.get("kind"), spec.get("meta", {})
-        if kind in ("KVCache", "QuantizedKVCache"):
-            continue
-        if kind == "RotatingKVCache" and meta.get("offset", 0) < meta.get("max_size", 0):
-            continue
-        return False
-    return True
-
-
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -181,24 +150,24 @@ def write_checkpoint(
     layout: list,
     min_reusable_offset: int,
     host_tensors: Sequence,
+    trimmable: bool,
     codec: str = DEFAULT_CODEC,
-    trimmable: bool | None = None,
     progress: Callable[[int, int], None] | None = None,
-    should_yield: Callable[[], bool] | None = None,
+    pause: Callable[[], None] | None = None,
 ) -> FileInfo:
     """Write one checkpoint atomically (temp file, fsync, rename, dir fsync).
 
     Runs on a worker thread; `host_tensors` are HostTensor-like objects
-    (name, dtype, shape, array). On any error the temp file is removed and
-    the exception propagates; the final path is untouched.
+    (name, dtype, shape, array). `pause()` is called before every chunk: the
+    writer's yield rule blocks there while it must not compete. On any
+    error the temp file is removed and the exception propagates; the final
+    path is untouched.
     """
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}")
     t0 = time.perf_counter()
     path = Path(path)
     attachments = [h.name.removeprefix("attachments.") for h in host_tensors if h.name.startswith("attachments.")]
-    if trimmable is None:
-        trimmable = layout_trimmable(layout, attachments)
     fields = {
         "identity": dict(identity),
         "namespace": namespace,
@@ -218,11 +187,6 @@ def write_checkpoint(
     data_start = _align(_PREFIX.size + capacity)
     total = sum(int(h.array.nbytes) for h in host_tensors)
     done = 0
-
-    def pause() -> None:
-        # Long naps: each wake-up takes the GIL from the decoding thread.
-        while should_yield is not None and should_yield():
-            time.sleep(YIELD_NAP_S)
 
     tmp = temp_path_for(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -254,7 +218,8 @@ def write_checkpoint(
                     cobj = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compressobj(size=nbytes)
                 stored = 0
                 for lo in range(0, nbytes, CHUNK):
-                    pause()
+                    if pause is not None:
+                        pause()
                     chunk = mv[lo : lo + CHUNK]
                     digest.update(chunk)
                     if cobj is None:

@@ -8,15 +8,15 @@ which is also where the job's numpy views are dropped, so MLX memory is
 only ever released on the owner thread.
 
 Restores never queue behind writes: they are synchronous owner-thread calls
-on the store.
+(`restore.py`).
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -33,7 +33,7 @@ class WriteJob:
     layout: list
     min_reusable_offset: int
     host_tensors: list
-    trimmable: bool | None = None
+    trimmable: bool
     codec: str = fmt.DEFAULT_CODEC
     key: Any = None  # caller's handle, returned in the completion
     urgent: bool = False  # ignore should_yield (memory pressure, in-flight checkpoints)
@@ -68,64 +68,71 @@ class Completion:
     entry: Any = None  # the store's IndexEntry on success
 
 
-class WriteTicket:
-    """Handle for one submitted job; completion itself arrives through poll()."""
-
-    def __init__(self, seq: int, key: Any, nbytes: int):
-        self.seq, self.key, self.nbytes = seq, key, nbytes
-        self._done = threading.Event()
-        self.completion: Completion | None = None
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return self._done.wait(timeout)
-
-
 class CheckpointWriter:
-    def __init__(self, store: CheckpointStore, *, should_yield: Callable[[], bool] | None = None):
+    """The writer thread and its yield rule.
+
+    While a generation runs (`generating()`), BLAS wants both cores: a write
+    then waits between chunks, unless it is urgent, an urgent job waits
+    behind it, or the tier above reports memory pressure (`under_pressure`,
+    RAM over budget and waiting on writes). A waiting writer sleeps on an
+    event until the generation ends, re-checking pressure twice a second:
+    each wake-up would take the GIL from decode.
+    """
+
+    def __init__(self, store: CheckpointStore, *, under_pressure: Callable[[], bool] | None = None):
         self.store = store
-        self.should_yield = should_yield
+        self.under_pressure = under_pressure or (lambda: False)
+        self.yield_to_generation = True  # off only to measure what yielding buys
+        self._generating = threading.Event()
+        self._idle = threading.Event()  # set whenever no generation runs
+        self._idle.set()
         self._cv = threading.Condition()
-        self._queue: collections.deque = collections.deque()  # (ticket, job)
-        self._done: list = []  # (ticket, job, completion), emptied by poll()
-        self._busy = None  # ticket being written
+        self._queue: collections.deque = collections.deque()  # jobs
+        self._done: list = []  # (job, completion), emptied by poll()
+        self._busy: WriteJob | None = None  # job being written
         self._progress = (0, 0)
         self._closed = False
-        self._seq = itertools.count()
         self._thread = threading.Thread(target=self._run, name="ckpt-writer", daemon=True)
         self._thread.start()
 
+    @contextmanager
+    def generating(self):
+        """Mark a generation running (owner thread): non-urgent writes wait."""
+        self._generating.set()
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._generating.clear()
+            self._idle.set()
+
     # --- owner-thread API ---
 
-    def submit(self, job: WriteJob) -> WriteTicket:
-        ticket = WriteTicket(next(self._seq), job.key, job.nbytes)
+    def submit(self, job: WriteJob) -> None:
         with self._cv:
             if self._closed:
                 raise RuntimeError("writer is closed")
             if job.urgent:  # ahead of every non-urgent job, behind earlier urgent ones
-                i = next((i for i, (_, j) in enumerate(self._queue) if not j.urgent), len(self._queue))
-                self._queue.insert(i, (ticket, job))
+                i = next((i for i, j in enumerate(self._queue) if not j.urgent), len(self._queue))
+                self._queue.insert(i, job)
             else:
-                self._queue.append((ticket, job))
+                self._queue.append(job)
             self._cv.notify_all()
-        return ticket
 
     def poll(self) -> list[Completion]:
         """Finished completions, oldest first. Call on the owner thread: the
         jobs' numpy views (and so MLX buffers) are released here."""
         with self._cv:
             done, self._done = self._done, []
-        out = [c for _, _, c in done]
+        out = [c for _, c in done]
         del done  # last references to the jobs' views go on this thread
         return out
 
     def pending(self) -> tuple[int, int]:
         """(jobs, bytes) queued or being written."""
         with self._cv:
-            items = [t for t, _ in self._queue] + ([self._busy] if self._busy else [])
-            return len(items), sum(t.nbytes for t in items)
+            items = list(self._queue) + ([self._busy] if self._busy else [])
+            return len(items), sum(j.nbytes for j in items)
 
     @property
     def in_progress(self) -> tuple[int, int] | None:
@@ -159,13 +166,17 @@ class CheckpointWriter:
 
     # --- writer thread ---
 
-    def _yield(self, job: WriteJob) -> bool:
-        if job.urgent or self.should_yield is None:
+    def _must_wait(self, job: WriteJob) -> bool:
+        if job.urgent or not self.yield_to_generation or not self._generating.is_set():
             return False
         with self._cv:  # an urgent job waiting behind this one: finish at full speed
-            if self._queue and self._queue[0][1].urgent:
+            if self._queue and self._queue[0].urgent:
                 return False
-        return bool(self.should_yield())
+        return not self.under_pressure()
+
+    def _pause(self, job: WriteJob) -> None:
+        while self._must_wait(job):
+            self._idle.wait(0.5)
 
     def _on_progress(self, done: int, total: int) -> None:
         with self._cv:
@@ -178,17 +189,15 @@ class CheckpointWriter:
                     self._cv.wait()
                 if not self._queue:
                     return
-                ticket, job = self._queue.popleft()
-                self._busy, self._progress = ticket, (0, ticket.nbytes)
+                job = self._queue.popleft()
+                self._busy, self._progress = job, (0, job.nbytes)
             completion = self._write(job)
             with self._cv:
                 # hand the job over while poll() is locked out, so our
                 # reference is never the last one to its views
-                self._done.append((ticket, job, completion))
+                self._done.append((job, completion))
                 job = None
                 self._busy = None
-                ticket.completion = completion
-                ticket._done.set()
                 self._cv.notify_all()
 
     def _write(self, job: WriteJob) -> Completion:
@@ -207,7 +216,7 @@ class CheckpointWriter:
                 codec=job.codec,
                 trimmable=job.trimmable,
                 progress=self._on_progress,
-                should_yield=lambda: self._yield(job),
+                pause=lambda: self._pause(job),
             )
             entry = self.store.publish(info)
             if job.on_commit is not None:

@@ -1,4 +1,4 @@
-"""RAM tier: checkpoints keyed by exact token prefix, per namespace.
+"""The RAM tier: checkpoints keyed by exact token prefix, per namespace.
 
 take() finds the entry with the longest usable common prefix and lends
 zero-copy views of it (the donor stays); put() publishes a finished
@@ -13,23 +13,12 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .checkpoint import Checkpoint
-
-
-def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
-    k = min(len(a), len(b))
-    if k == 0:
-        return 0
-    diff = np.flatnonzero(a[:k] != b[:k])
-    return int(diff[0]) if len(diff) else k
-
-
-def as_token_array(tokens: Sequence[int]) -> np.ndarray:
-    return np.asarray(tokens, dtype=np.int64)
+from ..kv.checkpoint import Checkpoint
+from ..kv.tokens import as_token_array, common_prefix_len
 
 
 def usable_length(checkpoint: Checkpoint, token_array: np.ndarray, prompt: np.ndarray) -> int:
@@ -55,7 +44,7 @@ class Entry:
     borrowers: int = 0
     pinned: set = field(default_factory=set)  # names of checkpoints that pin it
     sessions: set = field(default_factory=set)
-    write_state: str = "none"  # tiered: none | dirty | pending | committed | failed
+    write_state: Any = None  # set and read by the tier above (tiered.WriteState); the RAM tier ignores it
     write_error: str | None = None
     hits: int = 0
     prompt_tokens: int | None = None  # a generation's final state: how much of it was the prompt
@@ -135,15 +124,19 @@ class PromptCache:
 
     def take(self, prompt: Sequence[int], ns: str, session: str | None = None, move: bool = False) -> Lease | None:
         entry, n = self.best(prompt, ns, session)
+        return self._serve(entry, n, prompt, ns, move)
+
+    def _serve(self, entry: Entry | None, n: int, prompt: Sequence[int], ns: str, move: bool) -> Lease | None:
+        """Count a RAM hit or a miss; lend on a hit."""
         if entry is None:
             self.counters["misses"] += 1
             self._emit("miss", ns=ns, prompt_tokens=len(prompt))
             return None
         self.counters["hits"] += 1
         self._emit("hit", ns=ns, source="ram", tokens=n, prompt_tokens=len(prompt))
-        return self._lend(entry, n, "ram", move)
+        return self.lend(entry, n, "ram", move)
 
-    def _lend(self, entry: Entry, n: int, source: str, move: bool = False) -> Lease:
+    def lend(self, entry: Entry, n: int, source: str, move: bool = False) -> Lease:
         """Views for the borrower; with move=True, the entry's own buffers when it may give them up.
 
         A moved entry leaves the cache (the borrower's generation publishes

@@ -9,17 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 from .checkpoint import Checkpoint
-
-ARRAY_ROLES = {
-    "KVCache": ("keys", "values"),
-    "RotatingKVCache": ("keys", "values"),
-    "QuantizedKVCache": ("keys", "keys_scales", "keys_biases", "values", "values_scales", "values_biases"),
-}
-
-
-def array_names(kind: str, count: int) -> list[str]:
-    roles = ARRAY_ROLES.get(kind, ())
-    return [roles[i] if i < len(roles) else f"state{i}" for i in range(count)]
+from .codecs import array_names
 
 
 def _layers(cp: Checkpoint, layer: int | None) -> list[int]:

@@ -1,0 +1,1 @@
+"""The SSD tier: file format (bytes only), index and capacity, restore into MLX, background writer."""

@@ -1,0 +1,1 @@
+"""KV state: per-class codecs, the immutable checkpoint, token-prefix helpers, inspection."""

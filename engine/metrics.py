@@ -1,0 +1,131 @@
+"""Counters and the one stats schema.
+
+Every number the engine reports is named here once (`SCHEMA`), with what it
+means; `Engine.stats()` returns exactly these keys, and `%cache stats`, the
+dashboard and the benchmarks read them by these names. Bytes are named apart:
+
+- `*ram*_bytes` / `ram_used_bytes`: what RAM entries hold (padded buffers, whole parents of slices);
+- `*kv_bytes`: the KV state itself, cut to its tokens;
+- `ssd_bytes`, `bytes_written`: file bytes on disk.
+
+Reading stats never touches an MLX array.
+"""
+
+from __future__ import annotations
+
+SCHEMA = {
+    # engine
+    "blas": "the BLAS under MLX's CPU matmuls",
+    "models": "names of resident models",
+    "default_model": "the model used when none is named",
+    "sessions": "open chat sessions",
+    "cache_dir": "the cache directory",
+    "engine_generations": "generations run",
+    "engine_prompt_tokens": "prompt tokens over all generations",
+    "engine_cached_tokens": "prompt tokens served from the cache (RAM or SSD)",
+    "engine_ram_tokens": "prompt tokens served from RAM",
+    "engine_ssd_tokens": "prompt tokens served from SSD",
+    "engine_prefilled_tokens": "prompt tokens forwarded through the model",
+    "engine_prefill_s": "seconds spent prefilling",
+    "engine_prefill_s_saved": "prefill seconds the cache saved, at each model's measured prefill rate",
+    "engine_decode_tokens": "tokens generated",
+    # RAM tier
+    "ram_used_bytes": "RAM held by cache entries (their buffers as allocated)",
+    "ram_kv_bytes": "KV bytes of the RAM entries, cut to their tokens",
+    "ram_budget_bytes": "RAM budget for cache entries (None: no cap)",
+    "ram_entries": "checkpoints resident in RAM",
+    "hits": "lookups served from RAM or SSD",
+    "misses": "lookups that found nothing usable",
+    "evictions": "RAM entries evicted by the budget",
+    "supersessions": "RAM entries replaced by a longer checkpoint that serves them",
+    "oversized": "checkpoints larger than the whole budget (kept on SSD only)",
+    "handovers": "entries that gave their buffers to the generation extending them",
+    # durability (RAM -> SSD)
+    "write_behind": "whether finished checkpoints are queued for SSD at once",
+    "ssd_enabled": "whether the SSD tier is on",
+    "pending_writes": "SSD writes queued or in progress",
+    "pending_write_bytes": "bytes of those writes",
+    "write_in_progress_bytes": "bytes written so far of the write in progress",
+    "write_in_progress_total": "total bytes of the write in progress",
+    "dirty_entries": "RAM entries not yet queued for SSD",
+    "dirty_bytes": "RAM bytes of those entries",
+    "failed_entries": "RAM entries whose last SSD write failed (kept, retried)",
+    "failed_bytes": "RAM bytes of those entries",
+    "ssd_hits": "lookups served by restoring an SSD file",
+    "ssd_tokens": "tokens restored from SSD",
+    "ssd_restore_failures": "SSD restores that failed (a miss; the file is quarantined)",
+    "demotions": "RAM entries dropped because their SSD copy is durable",
+    "writes_queued": "SSD writes queued",
+    "writes_committed": "SSD writes committed (fsynced and renamed)",
+    "writes_failed": "SSD writes that failed",
+    "bytes_written": "file bytes committed to SSD",
+    "inflight_queued": "in-flight generation checkpoints queued",
+    # SSD tier (present when it is on)
+    "ssd_files": "checkpoint files on SSD",
+    "ssd_bytes": "file bytes on SSD",
+    "ssd_kv_bytes": "KV bytes in those files",
+    "ssd_budget_bytes": "SSD budget (None: no cap)",
+    "ssd_quarantined": "files found bad and moved to quarantine",
+    "ssd_restores": "files restored",
+    "ssd_restore_bytes": "KV bytes restored",
+    "ssd_restore_seconds": "seconds spent restoring (read and verify)",
+    "ssd_evicted": "files removed by supersession or the SSD budget",
+}
+
+_GENERATION_COUNTERS = (
+    "generations", "prompt_tokens", "cached_tokens", "ram_tokens", "ssd_tokens",
+    "prefilled_tokens", "prefill_s", "prefill_s_saved", "decode_tokens",
+)
+
+
+class GenerationMetrics:
+    """Engine-wide generation counters and each model's measured prefill rate."""
+
+    def __init__(self):
+        self.counters = {k: 0.0 if k.endswith("_s") or k == "prefill_s_saved" else 0 for k in _GENERATION_COUNTERS}
+        self.prefill_rate: dict[str, float] = {}  # namespace -> prompt tokens/s, smoothed
+
+    def record(self, ns: str, stats: dict) -> None:
+        c = self.counters
+        c["generations"] += 1
+        for k in ("prompt_tokens", "cached_tokens", "ram_tokens", "ssd_tokens", "prefilled_tokens", "decode_tokens"):
+            c[k] += stats[k]
+        c["prefill_s"] += stats["prefill_s"]
+        prefilled, seconds = stats["prefilled_tokens"], stats["prefill_s"]
+        if prefilled >= 16 and seconds > 0:  # a real prefill: update this model's measured rate
+            rate = prefilled / seconds
+            old = self.prefill_rate.get(ns)
+            self.prefill_rate[ns] = rate if old is None else 0.7 * old + 0.3 * rate
+        if stats["cached_tokens"] and self.prefill_rate.get(ns):
+            c["prefill_s_saved"] += stats["cached_tokens"] / self.prefill_rate[ns]
+
+    def as_stats(self) -> dict:
+        return {f"engine_{k}": v for k, v in self.counters.items()}
+
+
+def generation_stats(*, prompt_tokens, cached, source, prefilled, lookup_s, prefill_s, t0, token_times,
+                     decoded, peak_memory) -> dict:
+    """One generation's `GenerationResult.stats`.
+
+    Decode speed is (n - 1) tokens over the time from the first to the last
+    token (mlx-lm's generation_tps counts n over that interval).
+    """
+    n = len(token_times)
+    span = token_times[-1] - token_times[0] if n > 1 else 0.0
+    return {
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached,
+        "cache_source": source,
+        "ram_tokens": cached if source == "ram" else 0,
+        "ssd_tokens": cached if source == "ssd" else 0,
+        "prefilled_tokens": prefilled,
+        "lookup_s": lookup_s,
+        "prefill_s": prefill_s,
+        "prefill_tokens_per_s": (prefilled / prefill_s) if prefilled and prefill_s > 0 else None,
+        "ttft_s": token_times[0] - t0 if token_times else None,
+        "decode_tokens": len(decoded.tokens),
+        "decode_tokens_per_s": (n - 1) / span if span > 0 else None,
+        "total_s": (token_times[-1] - t0) if token_times else None,
+        "finish_reason": decoded.finish_reason,
+        "peak_memory_bytes": peak_memory,
+    }

@@ -1,0 +1,224 @@
+"""One generation, start to finish: resume or look up, prefill, decode, publish.
+
+1. An identical request that was interrupted (same namespace, prompt and
+   sampling) resumes at its newest in-flight boundary (`inflight.py`);
+   otherwise the tiered cache lends the longest usable prefix.
+2. The rest of the prompt but its last token is prefilled in chunks.
+3. Decoding streams text; every `checkpoint_every` tokens the state at a
+   boundary is queued for SSD, so a killed run resumes exactly.
+4. The final state is published (RAM, then SSD in the background). An
+   interrupted run publishes what it computed, so a rerun continues there.
+
+All of it runs on the owner (MLX) thread.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import mlx.core as mx
+
+from .generation import DecodeResult, SamplingParams, TextStream, decode, prefill
+from .inflight import request_id
+from .kv.checkpoint import Checkpoint
+from .kv.codecs import always_cuttable, new_caches
+from .kv.tokens import token_key
+from .metrics import generation_stats
+from .models import LoadedModel
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list
+    stats: dict
+    prompt_tokens: list = field(default_factory=list, repr=False)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@dataclass
+class Request:
+    model: LoadedModel
+    tokens: list
+    params: SamplingParams
+    session: str | None = None
+    use_cache: bool = True
+    on_text: Callable[[str], None] | None = None
+    on_progress: Callable[[str, int, int], None] | None = None
+    checkpoint_every: int | None = None
+
+    @property
+    def ns(self) -> str:
+        return self.model.namespace
+
+
+class Generation:
+    """The state of one generation; `run()` once."""
+
+    def __init__(self, engine: "Engine", req: Request):
+        self.engine, self.req = engine, req
+        self.cache = engine.cache
+        self.rid = request_id(req.ns, req.tokens, req.params.as_dict())
+        self.emitted: list[int] = []  # tokens a resumed run had already emitted
+        self.decoded = DecodeResult()
+        self.times: list[float] = []  # when each token was emitted
+        self.stream = TextStream(req.model.tokenizer, req.params.stop)
+
+    def run(self) -> GenerationResult:
+        req, cache = self.req, self.cache
+        if hasattr(mx, "reset_peak_memory"):
+            mx.reset_peak_memory()
+        t0 = time.perf_counter()
+        self.engine.inflight.start(self.rid)
+        lease = self._resume() if req.use_cache else None
+        if lease is None and req.use_cache:
+            # move=True: an entry this generation will supersede hands over its buffers
+            lease = cache.take(req.tokens, req.ns, session=req.session, progress=req.on_progress, move=True)
+        caches = lease.caches if lease else new_caches(req.model.model)
+        cached = min(lease.length, len(req.tokens)) if lease else 0
+        t_lookup = time.perf_counter() - t0
+        suffix = [] if self.emitted else req.tokens[cached:-1]
+        try:
+            with cache.generating():
+                t1 = time.perf_counter()
+                if suffix:
+                    progress = req.on_progress
+                    prefill(req.model.model, caches, suffix, chunk=self.engine.prefill_chunk,
+                            progress=(lambda done, total: progress("prefill", done, total)) if progress else None)
+                prefill_s = time.perf_counter() - t1
+                self._decode(caches)
+        except BaseException:
+            # Keep what was computed (a rerun continues from there), also the
+            # state a moved entry handed over. The in-flight record stays.
+            if req.use_cache:
+                try:
+                    self._publish_interrupted(req.tokens + self.emitted + self.decoded.tokens, caches)
+                except Exception:
+                    pass  # never mask the original error
+            raise
+        finally:
+            if lease:
+                lease.release()
+        self.engine.inflight.finish(self.rid)  # completion invalidates the resume point
+        if req.use_cache:
+            self._publish_final(caches)
+        del caches
+        stats = generation_stats(
+            prompt_tokens=len(req.tokens), cached=cached, source=lease.source if lease else None,
+            # the last prompt token goes in with the first decode step
+            prefilled=len(suffix) + (0 if self.emitted else 1), lookup_s=t_lookup, prefill_s=prefill_s,
+            t0=t0, token_times=self.times, decoded=self.decoded,
+            peak_memory=int(mx.get_peak_memory()) if hasattr(mx, "get_peak_memory") else None,
+        )
+        stats["resumed_from"] = len(self.emitted) or None
+        self.engine.metrics.record(req.ns, stats)
+        return GenerationResult(self.stream.text, self.decoded.tokens, stats, list(req.tokens))
+
+    # --- steps ---
+
+    def _resume(self):
+        """A lease at the in-flight boundary of an interrupted identical request, or None."""
+        record = self.engine.inflight.load(self.rid)
+        if record is None:
+            return None
+        emitted = record["emitted"]
+        boundary = tuple(self.req.tokens) + tuple(emitted[:-1])
+        entry, source = self.cache.restore_exact(boundary, self.req.ns)
+        if entry is None:
+            self.engine.events.emit("resume_failed", request=self.rid, reason="boundary checkpoint not found")
+            return None
+        self.engine.events.emit("resume", request=self.rid, emitted=len(emitted), source=source)
+        self.emitted = list(emitted)
+        return self.cache.lend(entry, len(boundary), source)
+
+    def _decode(self, caches: list) -> None:
+        req, emitted = self.req, self.emitted
+        for token in emitted:  # a resumed generation shows what it had already said
+            self._show(self.stream.add(token))
+        # Caches that can always be cut back make the final checkpoint (or the
+        # interrupted one) cover the prompt; others (a rotating window that
+        # may wrap) need the prompt boundary published on its own.
+        snapshot_needed = (
+            req.use_cache and not emitted and not always_cuttable(caches)
+            and self.cache.get_exact(req.tokens, req.ns) is None
+        )
+        every = req.checkpoint_every
+        seen = list(emitted)  # every emitted token so far, resumed ones included
+
+        def on_token(token: int, step: int) -> bool:
+            self.times.append(time.perf_counter())
+            if step == 0 and snapshot_needed:
+                # The prompt boundary, so the next turn reuses the prompt even
+                # when the generated text re-tokenizes differently (taken before
+                # on_text, which may raise KeyboardInterrupt). A copy: this
+                # generation keeps appending to its own buffers.
+                snapshot = Checkpoint.capture(req.tokens, caches, copy=True, length=len(req.tokens))
+                self.cache.put(snapshot, req.ns, defer_write=True)
+            self._show(self.stream.add(token))
+            seen.append(token)
+            if every and not self.stream.stopped and len(seen) % every == 0:
+                self._queue_inflight(caches, seen)
+            return self.stream.stopped
+
+        pending = emitted[-1:] if emitted else req.tokens[-1:]
+        decode(req.model.model, caches, pending, req.params, eos_ids=req.model.eos_token_ids,
+               first_step=len(emitted), on_token=on_token, into=self.decoded)
+        if len(self.times) < len(self.decoded.tokens):  # the eos token is not passed to on_token
+            self.times.append(time.perf_counter())
+        self.decoded.tokens = list(emitted) + self.decoded.tokens
+        self._show(self.stream.finish())
+
+    def _show(self, piece: str) -> None:
+        if piece and self.req.on_text:
+            self.req.on_text(piece)
+
+    def _queue_inflight(self, caches: list, seen: list) -> None:
+        """Queue the state at the boundary where seen[-1] is still pending, for exact resume."""
+        if not self.cache.has_ssd:
+            return
+        # The caches already hold seen[-1] (decode runs one step ahead): cut
+        # them at the boundary where it is still pending.
+        boundary = self.req.tokens + seen[:-1]
+        cp = Checkpoint.capture(boundary, caches, copy=True, length=len(boundary))
+        record = {
+            "namespace": self.req.ns,
+            "prompt_tokens": len(self.req.tokens),
+            "emitted": list(seen),
+            "boundary_key": token_key(boundary),
+        }
+        inflight, rid = self.engine.inflight, self.rid
+        self.cache.queue_inflight(cp, self.req.ns, on_commit=lambda info: inflight.write(rid, record))
+
+    def _publish_final(self, caches: list) -> None:
+        req, decoded = self.req, self.decoded
+        final = req.tokens + decoded.tokens[: len(self.emitted) + decoded.forwarded]
+        entry = self.cache.put(Checkpoint.capture(final, caches), req.ns, session=req.session,
+                               prompt_tokens=len(req.tokens))
+        if entry is not None:
+            self.engine.last_key = (req.ns, tuple(final))
+        self.cache.queue_dirty()  # the prompt snapshot too, unless the final one superseded it
+
+    def _publish_interrupted(self, known: list, caches: list) -> None:
+        """Publish the state an interrupted generation reached (prefill or decode).
+
+        An interrupt can land between layers, so the caches are cut back to
+        the shortest layer and to the tokens known to be in them. Only for
+        caches that can always be cut.
+        """
+        if not always_cuttable(caches):
+            return
+        n = min(min(c.offset for c in caches), len(known))
+        if n < 1:
+            return
+        for c in caches:
+            c.trim(c.offset - n)
+        self.cache.put(Checkpoint.capture(known[:n], caches), self.req.ns, session=self.req.session)
+        self.cache.queue_dirty()
+        self.engine.events.emit("interrupted", ns=self.req.ns, tokens=n)
