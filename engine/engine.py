@@ -155,27 +155,22 @@ class Engine:
         return result
 
     def generate_tokens(
-        self,
-        tokens: Sequence[int],
-        params: SamplingParams,
-        *,
-        model: str | None = None,
-        session: str | None = None,
-        use_cache: bool = True,
-        on_text: Callable[[str], None] | None = None,
-        on_progress: Callable[[str, int, int], None] | None = None,
-        checkpoint_every: int | None = None,
+        self, tokens: Sequence[int], params: SamplingParams, *, model: str | None = None, **options
     ) -> GenerationResult:
-        """Generate from prompt token ids: resume or cache lookup, prefill, decode, publish (run.py)."""
+        """Generate from prompt token ids: resume or cache lookup, prefill, decode, publish (run.py).
+
+        options: session, use_cache, on_text, on_progress, checkpoint_every (see `generate`).
+        """
         self._check_open()
         m = self.models.get(model)
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise GenerationError("empty prompt: no tokens to generate from")
         params.validate(_vocab_size(m))
-        if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or checkpoint_every < 1):
-            raise GenerationError(f"checkpoint_every must be an integer >= 1, got {checkpoint_every!r}")
-        req = Request(m, tokens, params, session, use_cache, on_text, on_progress, checkpoint_every)
+        req = Request(m, tokens, params, **options)
+        every = req.checkpoint_every
+        if every is not None and (not isinstance(every, int) or every < 1):
+            raise GenerationError(f"checkpoint_every must be an integer >= 1, got {every!r}")
         self.last_result = Generation(self, req).run()
         stats = self.last_result.stats
         self.events.emit("generation", **{k: v for k, v in stats.items() if not isinstance(v, (list, dict))})

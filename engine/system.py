@@ -34,11 +34,16 @@ def write_json_atomic(path, obj, *, durable: bool = True) -> None:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        unlink_quietly(tmp)
         raise
+
+
+def unlink_quietly(path) -> None:
+    """Remove a file that may already be gone (a temp file after a failed write)."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def physical_memory() -> int | None:

@@ -26,7 +26,7 @@ from ..kv.checkpoint import Checkpoint
 from ..kv.tokens import as_token_array, common_prefix_len
 from .ram import Entry, Lease, PromptCache, usable_length
 from .ssd.restore import restore
-from .ssd.store import CheckpointStore, CheckpointUnavailable, IndexEntry
+from .ssd.store import CheckpointStore, CheckpointUnavailable
 from .ssd.writer import CheckpointWriter, WriteJob
 
 RETRY_FAILED_AFTER_S = 5.0
@@ -64,19 +64,10 @@ class TieredPromptCache(PromptCache):
         self.identities: dict[str, dict] = {}
         self.store: CheckpointStore | None = None
         self.writer: CheckpointWriter | None = None
-        self.counters.update(
-            {
-                "ssd_hits": 0,
-                "ssd_tokens": 0,
-                "ssd_restore_failures": 0,
-                "demotions": 0,
-                "writes_queued": 0,
-                "writes_committed": 0,
-                "writes_failed": 0,
-                "bytes_written": 0,
-                "inflight_queued": 0,
-            }
-        )
+        self.counters.update(dict.fromkeys((
+            "ssd_hits", "ssd_tokens", "ssd_restore_failures", "demotions", "writes_queued",
+            "writes_committed", "writes_failed", "bytes_written", "inflight_queued",
+        ), 0))
         self._failed_at: dict[tuple, float] = {}
         if ssd_dir is not None:
             self.store = CheckpointStore(Path(ssd_dir), ssd_budget_bytes=ssd_budget_bytes, on_event=self._store_event)
@@ -209,23 +200,14 @@ class TieredPromptCache(PromptCache):
 
     # --- publication and persistence ---
 
-    def put(
-        self,
-        checkpoint: Checkpoint,
-        ns: str,
-        *,
-        session: str | None = None,
-        evict: bool = True,
-        defer_write: bool = False,
-        prompt_tokens: int | None = None,
-    ) -> Entry | None:
-        """Publish in RAM; with write-behind, queue its persistence.
+    def put(self, checkpoint: Checkpoint, ns: str, *, evict: bool = True, defer_write: bool = False, **kw):
+        """Publish in RAM (see PromptCache.put); with write-behind, queue its persistence.
 
         defer_write leaves the entry dirty until `queue_dirty()`: a prompt
         snapshot that the generation's final checkpoint supersedes a moment
         later is then never written at all.
         """
-        entry = super().put(checkpoint, ns, session=session, evict=False, prompt_tokens=prompt_tokens)
+        entry = super().put(checkpoint, ns, evict=False, **kw)
         if entry is not None:
             entry.write_state = WriteState.NONE if self.store is None else WriteState.DIRTY
             if self.store is not None and self.write_behind and not defer_write:

@@ -37,6 +37,19 @@ def _seq(a: mx.array, n: int) -> mx.array:
     return a[..., :n, :]
 
 
+def _lend_linear(c: Any, layer: LayerState, n: int, per_side: int) -> Any:
+    """Point a fresh linear cache at views of the first n positions.
+
+    per_side: arrays per keys and per values (1 plain, 3 quantized).
+    """
+    if layer.arrays:
+        cut = [_seq(a, n) for a in layer.arrays]
+        keys, values = cut[:per_side], cut[per_side:]
+        c.keys, c.values = (keys[0], values[0]) if per_side == 1 else (tuple(keys), tuple(values))
+    c.offset = n if layer.arrays else 0
+    return c
+
+
 class Codec:
     kind = ""
     roles: tuple = ()  # names of the arrays, for inspection
@@ -75,11 +88,7 @@ class PlainKV(Codec):
         return LayerState(self.kind, (_seq(c.keys, n), _seq(c.values, n)), {"offset": n}, (c.keys, c.values))
 
     def lend(self, layer, n):
-        c = lm_cache.KVCache()
-        if layer.arrays:
-            c.keys, c.values = _seq(layer.arrays[0], n), _seq(layer.arrays[1], n)
-        c.offset = n if layer.arrays else 0
-        return c
+        return _lend_linear(lm_cache.KVCache(), layer, n, 1)
 
     def trimmable(self, meta):
         return True
@@ -146,11 +155,7 @@ class QuantizedKV(Codec):
 
     def lend(self, layer, n):
         c = lm_cache.QuantizedKVCache(group_size=layer.meta["group_size"], bits=layer.meta["bits"])
-        if layer.arrays:
-            cut = [_seq(a, n) for a in layer.arrays]
-            c.keys, c.values = tuple(cut[:3]), tuple(cut[3:])
-        c.offset = n if layer.arrays else 0
-        return c
+        return _lend_linear(c, layer, n, 3)
 
     def trimmable(self, meta):
         return True

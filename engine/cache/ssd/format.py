@@ -33,6 +33,8 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
+from ...system import unlink_quietly
+
 MAGIC = b"MLXCKPT\n"
 FORMAT_VERSION = 1
 ALIGN = 16 * 1024
@@ -251,10 +253,7 @@ def write_checkpoint(
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        unlink_quietly(tmp)
         raise
     _fsync_dir(path.parent)
     header = _parse_header(dict(fields, tensors=[e.to_json() for e in entries]), FORMAT_VERSION, end)
