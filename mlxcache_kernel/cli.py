@@ -94,7 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_models(subparsers)
     _add_demo(subparsers)
     _add_kernel_commands(subparsers)
-    # Further commands (install, demo, ...) register here with their own _add_* function.
     return parser
 
 
