@@ -74,10 +74,14 @@ class Engine:
 
     # --- models ---
 
-    def load_model(self, path_or_id, name: str = "default") -> dict:
-        loaded = self.models.load(path_or_id, name)
+    def load_model(self, path_or_id, name: str = "default", *, kv_bits: int | None = None,
+                   kv_group_size: int = 64) -> dict:
+        """Load a model; kv_bits (4 or 8) quantizes its KV cache (RAM and SSD hold the quantized bytes)."""
+        loaded = self.models.load(path_or_id, name, kv_bits=kv_bits, kv_group_size=kv_group_size)
         self.cache.register_namespace(loaded.namespace, loaded.identity)
         self.events.emit("model_loaded", name=name, path=str(loaded.path), namespace=loaded.namespace)
+        if loaded.cache_notice:
+            self.events.emit("notice", model=name, message=loaded.cache_notice)
         return self.model_info(name)
 
     def unload_model(self, name: str) -> None:
@@ -168,9 +172,12 @@ class Engine:
             raise GenerationError("empty prompt: no tokens to generate from")
         params.validate(_vocab_size(m))
         req = Request(m, tokens, params, **options)
+        req.use_cache = req.use_cache and m.cache_notice is None  # an unknown cache class: uncached, never wrong
         every = req.checkpoint_every
         if every is not None and (not isinstance(every, int) or every < 1):
             raise GenerationError(f"checkpoint_every must be an integer >= 1, got {every!r}")
+        if every is not None and not self.cache.has_ssd:
+            raise GenerationError("checkpoint_every needs the SSD tier (the engine was started with ssd=False)")
         self.last_result = Generation(self, req).run()
         stats = self.last_result.stats
         self.events.emit("generation", **{k: v for k, v in stats.items() if not isinstance(v, (list, dict))})

@@ -109,6 +109,7 @@ def decode(
     first_step: int = 0,
     on_token: Callable[[int, int], bool] | None = None,
     into: DecodeResult | None = None,
+    sync_at: Callable[[int], bool] | None = None,
 ) -> DecodeResult:
     """Forward `pending` (the tokens not yet in the caches) and sample until done.
 
@@ -117,6 +118,9 @@ def decode(
     `forwarded` says exactly how many. `on_token(token, step)` returns True to
     stop. Step numbers start at `first_step` (resume). Results accumulate in
     `into` when given, so a caller still sees them after an interrupt.
+    At steps where `sync_at(step)` is true nothing is queued ahead: during
+    that step's `on_token` the caches hold exactly the tokens before it (a
+    boundary any cache kind can capture without cutting).
     """
 
     def forward(inputs: mx.array, step: int) -> mx.array:
@@ -135,7 +139,7 @@ def decode(
             # From the second token on, step i+1 is queued before token i is
             # read (as mlx-lm does). Not for the first token: on the CPU,
             # queueing a step costs most of a step, and TTFT would pay it.
-            if result.tokens and not last:
+            if result.tokens and not last and not (sync_at is not None and sync_at(step)):
                 next_y = forward(y[:, None], step + 1)
                 mx.async_eval(next_y)
                 result.forwarded += 1

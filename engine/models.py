@@ -1,8 +1,8 @@
 """Resident models: loading through mlx-lm, registry by name, artifact identity.
 
 A checkpoint is only valid for the exact weights, config, tokenizer and KV
-scheme that produced it. Those four fingerprints form the model identity; its
-hash is the cache namespace.
+scheme that produced it, on the same mlx and mlx-lm versions. Those
+fingerprints form the model identity; its hash is the cache namespace.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .kv.codecs import kv_scheme, new_caches
+from .kv.codecs import kv_scheme, new_caches, unsupported
 from .naming import check_user_name
 from .system import make_private_dir, write_json_atomic
 
@@ -112,7 +112,15 @@ def model_identity(path: Path, memo: IdentityMemo, scheme: str) -> dict:
         "config": _fingerprint_json(config),
         "tokenizer": tokenizer.hexdigest(),
         "kv_scheme": scheme,
+        "runtime": _runtime(),  # an mlx or mlx-lm upgrade is a miss, not a slightly different continuation
     }
+
+
+def _runtime() -> str:
+    import mlx.core as mx
+    import mlx_lm
+
+    return f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}"
 
 
 def namespace_of(identity: dict) -> str:
@@ -129,6 +137,13 @@ class LoadedModel:
     identity: dict
     namespace: str
     info: dict = field(default_factory=dict)
+    kv_bits: int | None = None
+    kv_group_size: int = 64
+    cache_notice: str | None = None  # why this model runs uncached (an unknown cache class), else None
+
+    def new_caches(self) -> list:
+        """Empty live caches in this model's KV scheme."""
+        return new_caches(self.model, self.kv_bits, self.kv_group_size)
 
     @property
     def eos_token_ids(self) -> set:
@@ -166,11 +181,24 @@ def resolve_model_path(path_or_id: str | os.PathLike) -> Path:
     return resolve_model_path(local)
 
 
-def load_model(path_or_id, name: str, memo: IdentityMemo) -> LoadedModel:
+KV_BITS = (None, 4, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+def check_kv_scheme(kv_bits, kv_group_size) -> None:
+    if kv_bits not in KV_BITS:
+        raise ModelError(f"kv_bits must be one of 4, 8 or None (float KV), got {kv_bits!r}")
+    if kv_group_size not in KV_GROUP_SIZES:
+        raise ModelError(f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {kv_group_size!r}")
+
+
+def load_model(path_or_id, name: str, memo: IdentityMemo, kv_bits: int | None = None,
+               kv_group_size: int = 64) -> LoadedModel:
     import mlx.core as mx
     import mlx_lm
     from mlx.utils import tree_flatten
 
+    check_kv_scheme(kv_bits, kv_group_size)
     path = resolve_model_path(path_or_id)
     try:
         model, tokenizer = mlx_lm.load(str(path))
@@ -178,16 +206,22 @@ def load_model(path_or_id, name: str, memo: IdentityMemo) -> LoadedModel:
         raise ModelError(f"could not load a model from {path}: {type(e).__name__}: {e}") from None
     config = json.loads((path / "config.json").read_text())
     dtype = str(model.parameters_dtype()) if hasattr(model, "parameters_dtype") else _weight_dtype(model)
-    scheme = kv_scheme(model, dtype.removeprefix("mlx.core."))
+    caches = new_caches(model, kv_bits, kv_group_size)
+    scheme = kv_scheme(caches, dtype.removeprefix("mlx.core."), kv_bits, kv_group_size)
     identity = model_identity(path, memo, scheme)
+    unknown = unsupported(caches)
+    notice = (f"the prompt cache does not support {', '.join(unknown)}: this model generates uncached"
+              if unknown else None)
     info = {
         "path": str(path),
-        "layers": len(new_caches(model)),
+        "layers": len(caches),
         "kv_scheme": scheme,
         "parameters_bytes": sum(int(v.nbytes) for _, v in tree_flatten(model.parameters())),
+        "cache_notice": notice,
     }
     mx.eval(model.parameters())
-    return LoadedModel(name, path, model, tokenizer, config, identity, namespace_of(identity), info)
+    return LoadedModel(name, path, model, tokenizer, config, identity, namespace_of(identity), info,
+                       kv_bits, kv_group_size, notice)
 
 
 def _weight_dtype(model) -> str:
@@ -207,9 +241,9 @@ class ModelRegistry:
         self._previews: dict = {}
         self.default: str | None = None
 
-    def load(self, path_or_id, name: str | None = None) -> LoadedModel:
+    def load(self, path_or_id, name: str | None = None, **kv) -> LoadedModel:
         name = check_user_name(name or "default", "model name", ModelError)
-        loaded = load_model(path_or_id, name, self.memo)
+        loaded = load_model(path_or_id, name, self.memo, **kv)
         self._models[name] = loaded
         if self.default is None or self.default not in self._models:
             self.default = name

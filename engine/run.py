@@ -23,7 +23,7 @@ import mlx.core as mx
 from .generation import DecodeResult, SamplingParams, TextStream, decode, prefill
 from .inflight import request_id
 from .kv.checkpoint import Checkpoint
-from .kv.codecs import always_cuttable, new_caches
+from .kv.codecs import always_cuttable
 from .kv.tokens import token_key
 from .metrics import generation_stats
 from .models import LoadedModel
@@ -81,7 +81,7 @@ class Generation:
         if lease is None and req.use_cache:
             # move=True: an entry this generation will supersede hands over its buffers
             lease = cache.take(req.tokens, req.ns, session=req.session, progress=req.on_progress, move=True)
-        caches = lease.caches if lease else new_caches(req.model.model)
+        caches = lease.caches if lease else req.model.new_caches()
         cached = min(lease.length, len(req.tokens)) if lease else 0
         t_lookup = time.perf_counter() - t0
         suffix = [] if self.emitted else req.tokens[cached:-1]
@@ -152,24 +152,31 @@ class Generation:
         every = req.checkpoint_every
         seen = list(emitted)  # every emitted token so far, resumed ones included
 
+        def boundary_due(step: int) -> bool:  # after this step's token: len(seen) == step + 1
+            return bool(every) and (step + 1) % every == 0 and step + 1 < req.params.max_tokens
+
         def on_token(token: int, step: int) -> bool:
             self.times.append(time.perf_counter())
             if step == 0 and snapshot_needed:
-                # The prompt boundary, so the next turn reuses the prompt even
-                # when the generated text re-tokenizes differently (taken before
-                # on_text, which may raise KeyboardInterrupt). A copy: this
+                # The prompt boundary (the caches hold exactly the prompt at
+                # step 0), so the next turn reuses the prompt even when the
+                # generated text re-tokenizes differently; taken before
+                # on_text, which may raise KeyboardInterrupt. A copy: this
                 # generation keeps appending to its own buffers.
-                snapshot = Checkpoint.capture(req.tokens, caches, copy=True, length=len(req.tokens))
-                self.cache.put(snapshot, req.ns, defer_write=True)
+                self.cache.put(Checkpoint.capture(req.tokens, caches, copy=True), req.ns, defer_write=True)
             self._show(self.stream.add(token))
             seen.append(token)
-            if every and not self.stream.stopped and len(seen) % every == 0:
+            if boundary_due(step) and not self.stream.stopped:
                 self._queue_inflight(caches, seen)
             return self.stream.stopped
 
+        if len(emitted) >= req.params.max_tokens:  # the killed run had emitted everything
+            self.decoded.tokens, self.decoded.finish_reason = list(emitted), "length"
+            self._show(self.stream.finish())
+            return
         pending = emitted[-1:] if emitted else req.tokens[-1:]
         decode(req.model.model, caches, pending, req.params, eos_ids=req.model.eos_token_ids,
-               first_step=len(emitted), on_token=on_token, into=self.decoded)
+               first_step=len(emitted), on_token=on_token, into=self.decoded, sync_at=boundary_due)
         if len(self.times) < len(self.decoded.tokens):  # the eos token is not passed to on_token
             self.times.append(time.perf_counter())
         self.decoded.tokens = list(emitted) + self.decoded.tokens
@@ -180,13 +187,13 @@ class Generation:
             self.req.on_text(piece)
 
     def _queue_inflight(self, caches: list, seen: list) -> None:
-        """Queue the state at the boundary where seen[-1] is still pending, for exact resume."""
-        if not self.cache.has_ssd:
-            return
-        # The caches already hold seen[-1] (decode runs one step ahead): cut
-        # them at the boundary where it is still pending.
+        """Queue the state at the boundary where seen[-1] is still pending, for exact resume.
+
+        decode() queued nothing ahead at this step (`sync_at`), so the caches
+        hold exactly that boundary: every cache kind captures it as it is.
+        """
         boundary = self.req.tokens + seen[:-1]
-        cp = Checkpoint.capture(boundary, caches, copy=True, length=len(boundary))
+        cp = Checkpoint.capture(boundary, caches, copy=True)
         record = {
             "namespace": self.req.ns,
             "prompt_tokens": len(self.req.tokens),

@@ -55,26 +55,21 @@ class Checkpoint:
         caches: Iterable[Any],
         *,
         copy: bool = False,
-        length: int | None = None,
         min_reusable_offset: int = 0,
         attachments: dict | None = None,
     ) -> "Checkpoint":
-        """Publish the state of live mlx-lm caches for `tokens`.
+        """Publish the exact state of live mlx-lm caches that hold `tokens`.
 
         copy=False keeps views of the live buffers: only for caches that will
         not be appended to again (the end of a generation); their whole
         parent buffers are counted. copy=True packs exact-length copies, so a
-        generation can keep decoding into its buffers at full speed.
-        `length` captures only the first `length` positions (for a decode
-        that is already one step past the boundary being published).
+        generation can keep decoding into its own buffers.
         """
         caches = list(caches)
-        layers = [capture_layer(c, length) for c in caches]
-        if copy:
-            layers = [
-                LayerState(l.kind, tuple(mx.contiguous(a) for a in l.arrays), l.meta)
-                for l in layers
-            ]
+        layers = [capture_layer(c) for c in caches]
+        if copy:  # mx.array copies (mx.contiguous would keep a contiguous view)
+            layers = [LayerState(l.kind, tuple(mx.array(a) for a in l.arrays), l.meta) for l in layers]
+        min_reusable_offset = max([min_reusable_offset] + [codec(l.kind).min_reusable_offset(l.meta) for l in layers])
         arrays = [a for l in layers for a in l.arrays]
         attachments = dict(attachments or {})
         mx.eval(arrays + list(attachments.values()))
@@ -149,8 +144,8 @@ class Checkpoint:
         if not self.can_serve(n):
             raise ValueError(f"checkpoint of {len(self.tokens)} tokens cannot serve {n}")
         layers = tuple(capture_layer(c) for c in self.lend(n))
-        exact = sum(l.kv_bytes for l in layers)
-        return Checkpoint(self.tokens[:n], layers, exact, self.min_reusable_offset, {})
+        # views keep this checkpoint's whole buffers alive: count what they hold
+        return Checkpoint(self.tokens[:n], layers, self.nbytes, self.min_reusable_offset, {})
 
     # --- host views and reconstruction (storage) ---
 

@@ -3,10 +3,16 @@
 A codec answers every question the cache asks about one layer: how to
 capture a live cache object into a `LayerState` (evaluated arrays cut to
 the tokens they encode, plus JSON-able scalars), how to lend a fresh cache
-object over views of that state, whether the state can be cut back to a
-shorter prefix (trimmable), and what its arrays are called. Everything else
+object over views of that state, whether the state can serve a shorter
+prefix of itself (trimmable), from which offset on it is valid (minimum
+reusable offset), and what its arrays are called. Everything else
 (checkpoint, RAM tier, SSD format, inspection) asks the codec by the class
 name stored in the layer (`LayerState.kind`).
+
+Immutability: mlx-lm caches update by slice assignment (`keys[..., i, :] =
+...`), which rebinds the array object it is applied to. Two owners holding
+the same array object would see each other's writes, so capture and lend
+always hand out new array objects (views: no copy until someone writes).
 """
 
 from __future__ import annotations
@@ -16,6 +22,10 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import cache as lm_cache
+
+
+class UnsupportedCache(TypeError):
+    """A cache class no codec knows: the model generates, uncached."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +47,11 @@ def _seq(a: mx.array, n: int) -> mx.array:
     return a[..., :n, :]
 
 
+def _fresh(a: mx.array) -> mx.array:
+    """A new array object over the same memory."""
+    return a[...]
+
+
 def _lend_linear(c: Any, layer: LayerState, n: int, per_side: int) -> Any:
     """Point a fresh linear cache at views of the first n positions.
 
@@ -55,7 +70,7 @@ class Codec:
     roles: tuple = ()  # names of the arrays, for inspection
     always_cuttable = False  # any live state can be cut back to any shorter prefix
 
-    def capture(self, c: Any, n: int) -> LayerState:
+    def capture(self, c: Any) -> LayerState:
         raise NotImplementedError
 
     def lend(self, layer: LayerState, n: int) -> Any:
@@ -65,9 +80,9 @@ class Codec:
         """Whether a state with these scalars can serve a shorter prefix of itself."""
         return False
 
-    def can_cut(self, c: Any) -> bool:
-        """Whether a live cache can be captured shorter than its offset."""
-        return False
+    def min_reusable_offset(self, meta: dict) -> int:
+        """The shortest prefix this state can serve (an irreversible transition sets it)."""
+        return 0
 
     def can_hand_over(self, layer: LayerState) -> bool:
         return False
@@ -82,18 +97,16 @@ class PlainKV(Codec):
     kind, roles = "KVCache", ("keys", "values")
     always_cuttable = True
 
-    def capture(self, c, n):
+    def capture(self, c):
         if c.keys is None:
             return LayerState(self.kind, (), {"offset": 0})
+        n = int(c.offset)
         return LayerState(self.kind, (_seq(c.keys, n), _seq(c.values, n)), {"offset": n}, (c.keys, c.values))
 
     def lend(self, layer, n):
         return _lend_linear(lm_cache.KVCache(), layer, n, 1)
 
     def trimmable(self, meta):
-        return True
-
-    def can_cut(self, c):
         return True
 
     def can_hand_over(self, layer):
@@ -109,48 +122,17 @@ class PlainKV(Codec):
         return c
 
 
-class RotatingKV(Codec):
-    """`RotatingKVCache`: a sliding-window ring; linear in time until it wraps."""
-
-    kind, roles = "RotatingKVCache", ("keys", "values")
-
-    def capture(self, c, n):
-        meta = {"offset": n, "keep": int(c.keep), "max_size": int(c.max_size), "idx": int(c._idx)}
-        if c.keys is None:
-            return LayerState(self.kind, (), meta)
-        if n < c.max_size:  # not wrapped: the buffer is linear in time
-            meta["idx"] = n
-            return LayerState(self.kind, (_seq(c.keys, n), _seq(c.values, n)), meta)
-        return LayerState(self.kind, (c.keys, c.values), meta)
-
-    def lend(self, layer, n):
-        m, arrays = layer.meta, layer.arrays
-        c = lm_cache.RotatingKVCache(max_size=m["max_size"], keep=m["keep"])
-        if arrays:
-            if n == m["offset"] and m["offset"] >= m["max_size"]:
-                c.keys, c.values, c._idx = arrays[0], arrays[1], m["idx"]
-            else:
-                c.keys, c.values, c._idx = _seq(arrays[0], n), _seq(arrays[1], n), n
-            c.offset = n
-        return c
-
-    def trimmable(self, meta):
-        return meta.get("offset", 0) < meta.get("max_size", 0)
-
-    def can_cut(self, c):
-        return c.offset < c.max_size
-
-
 class QuantizedKV(Codec):
     """`QuantizedKVCache`: (packed, scales, biases) for keys and for values."""
 
     kind, roles = "QuantizedKVCache", ("keys", "keys_scales", "keys_biases", "values", "values_scales", "values_biases")
     always_cuttable = True
 
-    def capture(self, c, n):
+    def capture(self, c):
+        n = int(c.offset)
         meta = {"offset": n, "group_size": int(c.group_size), "bits": int(c.bits)}
         if c.keys is None:
-            return LayerState(self.kind, (), meta)
+            return LayerState(self.kind, (), dict(meta, offset=0))
         return LayerState(self.kind, tuple(_seq(a, n) for a in (*c.keys, *c.values)), meta)
 
     def lend(self, layer, n):
@@ -160,56 +142,156 @@ class QuantizedKV(Codec):
     def trimmable(self, meta):
         return True
 
-    def can_cut(self, c):
-        return True
+
+class RotatingKV(Codec):
+    """`RotatingKVCache`: a sliding-window ring; linear in time until it wraps.
+
+    Once wrapped, the ring (with its write index) is the exact state of one
+    offset only: not trimmable.
+    """
+
+    kind, roles = "RotatingKVCache", ("keys", "values")
+
+    def capture(self, c):
+        n = int(c.offset)
+        meta = {"offset": n, "keep": int(c.keep), "max_size": int(c.max_size), "idx": int(c._idx)}
+        if c.keys is None:
+            return LayerState(self.kind, (), meta)
+        if n < c.max_size:  # not wrapped: the buffer is linear in time
+            meta["idx"] = n
+            return LayerState(self.kind, (_seq(c.keys, n), _seq(c.values, n)), meta)
+        return LayerState(self.kind, (_fresh(c.keys), _fresh(c.values)), meta)
+
+    def lend(self, layer, n):
+        m, arrays = layer.meta, layer.arrays
+        c = lm_cache.RotatingKVCache(max_size=m["max_size"], keep=m["keep"])
+        if arrays:
+            if m["offset"] >= m["max_size"]:  # wrapped: exact only (can_serve checked n)
+                c.keys, c.values, c._idx = _fresh(arrays[0]), _fresh(arrays[1]), m["idx"]
+            else:
+                c.keys, c.values, c._idx = _seq(arrays[0], n), _seq(arrays[1], n), n
+            c.offset = n
+        return c
+
+    def trimmable(self, meta):
+        return meta.get("offset", 0) < meta.get("max_size", 0)
+
+
+class ChunkedKV(Codec):
+    """`ChunkedKVCache`: keeps the current attention chunk; drops the front as chunks fill.
+
+    Trimmable only while nothing was dropped (start_position 0): a cut
+    further back would lack keys a cold run at that length still has.
+    """
+
+    kind, roles = "ChunkedKVCache", ("keys", "values")
+
+    def capture(self, c):
+        n, start = int(c.offset), int(c.start_position)
+        meta = {"offset": n, "chunk_size": int(c.chunk_size), "start_position": start}
+        if c.keys is None:
+            return LayerState(self.kind, (), meta)
+        return LayerState(self.kind, (_seq(c.keys, n - start), _seq(c.values, n - start)), meta)
+
+    def lend(self, layer, n):
+        m = layer.meta
+        c = lm_cache.ChunkedKVCache(m["chunk_size"])
+        c.start_position = m["start_position"]
+        if layer.arrays:
+            c.keys, c.values = _seq(layer.arrays[0], n - c.start_position), _seq(layer.arrays[1], n - c.start_position)
+        c.offset = n if layer.arrays else 0
+        return c
+
+    def trimmable(self, meta):
+        return meta.get("start_position", 0) == 0
 
 
 class Recurrent(Codec):
-    """`ArraysCache` / `MambaCache`: recurrent or convolution state, exact boundaries only."""
+    """`ArraysCache` / `MambaCache`: recurrent or convolution state, exact boundaries only.
+
+    Models replace these arrays (`cache[0] = ...`) rather than writing into
+    them, so sharing them between owners is safe.
+    """
 
     def __init__(self, kind: str):
         self.kind = kind
 
-    def capture(self, c, n):
+    def capture(self, c):
         present = [i for i, a in enumerate(c.cache) if a is not None]
-        return LayerState(self.kind, tuple(c.cache[i] for i in present), {"size": len(c.cache), "present": present})
+        return LayerState(self.kind, tuple(_fresh(c.cache[i]) for i in present),
+                          {"size": len(c.cache), "present": present})
 
     def lend(self, layer, n):
         c = getattr(lm_cache, self.kind)(layer.meta["size"])
         for i, a in zip(layer.meta["present"], layer.arrays):
-            c.cache[i] = a
+            c.cache[i] = _fresh(a)
         return c
 
 
-CODECS = {c.kind: c for c in (PlainKV(), RotatingKV(), QuantizedKV(), Recurrent("ArraysCache"), Recurrent("MambaCache"))}
+class Composite(Codec):
+    """`CacheList`: several caches in one layer (e.g. attention beside a recurrent mixer)."""
+
+    kind = "CacheList"
+
+    def capture(self, c):
+        parts = [capture_layer(x) for x in c.caches]
+        offsets = [p.meta["offset"] for p in parts if "offset" in p.meta]
+        meta = {"parts": [p.to_json() for p in parts]}
+        if offsets:
+            meta["offset"] = max(offsets)
+        return LayerState(self.kind, tuple(a for p in parts for a in p.arrays), meta)
+
+    def parts(self, layer: LayerState) -> list[LayerState]:
+        out, i = [], 0
+        for spec in layer.meta["parts"]:
+            k = int(spec["arrays"])
+            out.append(LayerState(spec["kind"], layer.arrays[i : i + k], dict(spec["meta"])))
+            i += k
+        return out
+
+    def lend(self, layer, n):
+        return lm_cache.CacheList(*(codec(p.kind).lend(p, n) for p in self.parts(layer)))
+
+    def trimmable(self, meta):
+        return all(codec(p["kind"]).trimmable(p["meta"]) for p in meta["parts"])
+
+    def min_reusable_offset(self, meta):
+        return max((codec(p["kind"]).min_reusable_offset(p["meta"]) for p in meta["parts"]), default=0)
+
+
+CODECS = {
+    c.kind: c
+    for c in (PlainKV(), QuantizedKV(), RotatingKV(), ChunkedKV(), Recurrent("ArraysCache"), Recurrent("MambaCache"),
+              Composite())
+}
 
 
 def codec(kind: str) -> Codec:
     try:
         return CODECS[kind]
     except KeyError:
-        raise TypeError(f"cache class {kind} is not supported by the prompt cache") from None
+        raise UnsupportedCache(f"cache class {kind} is not supported by the prompt cache") from None
 
 
 def kind_of(c: Any) -> str:
     return type(c).__name__
 
 
-def capture_layer(c: Any, length: int | None = None) -> LayerState:
-    """The state of one live cache; `length` cuts a trimmable cache shorter."""
-    co = codec(kind_of(c))
-    offset = getattr(c, "offset", None)
-    n = int(offset) if length is None and offset is not None else length
-    if length is not None and offset is not None and length != offset:
-        if not co.can_cut(c):
-            raise ValueError(f"{co.kind} at offset {offset} cannot be cut to {length} tokens")
-        if length > offset:
-            raise ValueError(f"cache holds {offset} tokens, cannot capture {length}")
-    return co.capture(c, n)
+def capture_layer(c: Any) -> LayerState:
+    """The exact state of one live cache (new array objects, no copy)."""
+    return codec(kind_of(c)).capture(c)
 
 
-def layer_trimmable(kind: str, meta: dict) -> bool:
-    return codec(kind).trimmable(meta)
+def unsupported(caches: list) -> list[str]:
+    """Names of cache classes (nested ones included) that no codec knows."""
+    out = []
+    for c in caches:
+        kind = kind_of(c)
+        if kind not in CODECS:
+            out.append(kind)
+        elif kind == "CacheList":
+            out += unsupported(list(c.caches))
+    return sorted(set(out))
 
 
 def always_cuttable(caches: list) -> bool:
@@ -227,11 +309,17 @@ def array_names(kind: str, count: int) -> list[str]:
     return [roles[i] if i < len(roles) else f"state{i}" for i in range(count)]
 
 
-def new_caches(model) -> list:
-    """Empty live caches for a model, as mlx-lm makes them."""
-    return lm_cache.make_prompt_cache(model)
+def new_caches(model, kv_bits: int | None = None, kv_group_size: int = 64) -> list:
+    """Empty live caches for a model, as mlx-lm makes them; with kv_bits, its
+    plain KV layers quantized from the first token (other kinds stay as they are)."""
+    caches = lm_cache.make_prompt_cache(model)
+    if kv_bits is None:
+        return caches
+    return [lm_cache.QuantizedKVCache(group_size=kv_group_size, bits=kv_bits) if kind_of(c) == "KVCache" else c
+            for c in caches]
 
 
-def kv_scheme(model, dtype: str) -> str:
-    """What the model's KV state is made of: cache classes and weight dtype."""
-    return "+".join(sorted({kind_of(c) for c in new_caches(model)})) + ":" + dtype
+def kv_scheme(caches: list, dtype: str, kv_bits: int | None = None, kv_group_size: int = 64) -> str:
+    """What the model's KV state is made of: cache classes, weight dtype, quantization."""
+    scheme = "+".join(sorted({kind_of(c) for c in caches})) + ":" + dtype
+    return scheme if kv_bits is None else f"{scheme}:q{kv_bits}g{kv_group_size}"
