@@ -110,18 +110,19 @@ class Engine:
         if raw:
             bos = getattr(tok, "bos_token", None)
             return list(tok.encode(prompt, add_special_tokens=not (bos and prompt.startswith(bos))))
-        if session is not None:
-            messages = self.sessions.get_or_create(session, system=system, model=m.name).render_messages(
-                prompt, system
-            )
+        s = self.sessions.get_or_create(session, system=system, model=m.name) if session is not None else None
+        if s is not None:
+            messages = s.render_messages(prompt, system)
         else:
             messages = ([{"role": "system", "content": system}] if system else []) + [
                 {"role": "user", "content": prompt}
             ]
-        if getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            return list(tok.encode(text, add_special_tokens=False))
-        return list(tok.encode("\n".join(msg["content"] for msg in messages)))
+        if not getattr(tok, "chat_template", None):
+            return list(tok.encode("\n".join(msg["content"] for msg in messages)))
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if s is not None:  # keep the ids the model generated for earlier replies
+            return s.encode_rendered(text, tok)
+        return list(tok.encode(text, add_special_tokens=False))
 
     # --- generation ---
 
@@ -155,7 +156,7 @@ class Engine:
             on_progress=on_progress, checkpoint_every=checkpoint_every,
         )
         if session is not None:
-            self.sessions.get(session).record_turn(prompt, result.text, len(tokens))
+            self.sessions.get(session).record_turn(prompt, result.text, tokens, result.tokens)
         return result
 
     def generate_tokens(
@@ -284,6 +285,7 @@ class Engine:
             s = self.sessions.get_or_create(session["id"], system=session.get("system"), model=m.name)
             s.system, s.messages = session.get("system"), [dict(x) for x in session["messages"]]
             s.last_prompt_tokens = len(tokens)
+            s.history = [(list(tokens), None)]  # the next turn keeps these ids where the text matches
             self.cache.bind_session(s.id, entry)
         self.events.emit("checkpoint_restored", name=name, tokens=len(tokens), source=source)
         return {**self._named_summary(record), "source": source}

@@ -29,18 +29,43 @@ class Session:
     messages: list = field(default_factory=list)  # {"role", "content"}
     created: float = field(default_factory=time.time)
     last_prompt_tokens: int = 0
+    # Provenance: the token ids of the last turn's prompt and of prompt +
+    # generated reply, with their decoded text once known.
+    history: list = field(default_factory=list, repr=False)  # [(ids, text or None)], longest first
 
     def render_messages(self, user_text: str, system: str | None = None) -> list:
         system = system if system is not None else self.system
         head = [{"role": "system", "content": system}] if system else []
         return head + self.messages + [{"role": "user", "content": user_text}]
 
-    def record_turn(self, user_text: str, reply: str, prompt_tokens: int) -> None:
+    def record_turn(self, user_text: str, reply: str, prompt_ids: list, generated_ids: list) -> None:
         self.messages += [
             {"role": "user", "content": user_text},
             {"role": "assistant", "content": reply},
         ]
-        self.last_prompt_tokens = prompt_tokens
+        self.last_prompt_tokens = len(prompt_ids)
+        self.history = [(list(prompt_ids) + list(generated_ids), None), (list(prompt_ids), None)]
+
+    def encode_rendered(self, text: str, tokenizer) -> list[int]:
+        """Token ids for the rendered conversation `text`.
+
+        The ids the model generated are not always how the tokenizer would
+        encode their text: re-encoding the previous reply would make the
+        cache miss from the first different token (and a recurrent model from
+        the prompt boundary). So when the rendering starts with exactly the
+        text of the last turn's ids (reply included, else prompt only), those
+        ids are kept and only the rest is encoded; the result must decode to
+        `text`, or the canonical encoding is used.
+        """
+        for i, (ids, known) in enumerate(self.history):
+            prefix = known if known is not None else tokenizer.decode(ids)
+            self.history[i] = (ids, prefix)
+            if ids and text.startswith(prefix):
+                rest = text[len(prefix):]
+                full = ids + (list(tokenizer.encode(rest, add_special_tokens=False)) if rest else [])
+                if tokenizer.decode(full) == text:
+                    return full
+        return list(tokenizer.encode(text, add_special_tokens=False))
 
     @property
     def turns(self) -> int:
@@ -83,6 +108,7 @@ class Sessions:
         s = self.get(session_id)
         s.messages.clear()
         s.last_prompt_tokens = 0
+        s.history = []
         return s
 
     def close(self, session_id: str) -> Session:
