@@ -93,6 +93,8 @@ class Generation:
                     prefill(req.model.model, caches, suffix, chunk=self.engine.prefill_chunk,
                             progress=(lambda done, total: progress("prefill", done, total)) if progress else None)
                 prefill_s = time.perf_counter() - t1
+                if req.use_cache and not self.emitted:
+                    self._snapshot_prompt(caches)
                 self._decode(caches)
         except BaseException:
             # Keep what was computed (a rerun continues from there), also the
@@ -142,13 +144,6 @@ class Generation:
         req, emitted = self.req, self.emitted
         for token in emitted:  # a resumed generation shows what it had already said
             self._show(self.stream.add(token))
-        # Caches that can always be cut back make the final checkpoint (or the
-        # interrupted one) cover the prompt; others (a rotating window that
-        # may wrap) need the prompt boundary published on its own.
-        snapshot_needed = (
-            req.use_cache and not emitted and not always_cuttable(caches)
-            and self.cache.get_exact(req.tokens, req.ns) is None
-        )
         every = req.checkpoint_every
         seen = list(emitted)  # every emitted token so far, resumed ones included
 
@@ -157,13 +152,6 @@ class Generation:
 
         def on_token(token: int, step: int) -> bool:
             self.times.append(time.perf_counter())
-            if step == 0 and snapshot_needed:
-                # The prompt boundary (the caches hold exactly the prompt at
-                # step 0), so the next turn reuses the prompt even when the
-                # generated text re-tokenizes differently; taken before
-                # on_text, which may raise KeyboardInterrupt. A copy: this
-                # generation keeps appending to its own buffers.
-                self.cache.put(Checkpoint.capture(req.tokens, caches, copy=True), req.ns, defer_write=True)
             self._show(self.stream.add(token))
             seen.append(token)
             if boundary_due(step) and not self.stream.stopped:
@@ -181,6 +169,22 @@ class Generation:
             self.times.append(time.perf_counter())
         self.decoded.tokens = list(emitted) + self.decoded.tokens
         self._show(self.stream.finish())
+
+    def _snapshot_prompt(self, caches: list) -> None:
+        """Publish the state before the prompt's last token, where a plain cut can't recover it.
+
+        Caches that can always be cut back make the final (or interrupted)
+        checkpoint serve the prompt too. A sliding window that may wrap, or
+        recurrent state, serves exact boundaries only; prefill stopped just
+        before the last prompt token, which is exactly what a rerun of this
+        cell, or a prompt extending it, needs. A copy: decoding goes on in
+        this generation's own buffers. Written only if no later checkpoint
+        covers it (`queue_dirty` after the final put).
+        """
+        boundary = self.req.tokens[:-1]
+        if not boundary or always_cuttable(caches) or self.cache.get_exact(boundary, self.req.ns) is not None:
+            return
+        self.cache.put(Checkpoint.capture(boundary, caches, copy=True), self.req.ns, defer_write=True)
 
     def _show(self, piece: str) -> None:
         if piece and self.req.on_text:
