@@ -30,7 +30,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 
-from mlxcache_kernel.widgets._format import fmt_bytes as format_bytes
+from mlxcache_kernel.widgets.format import fmt_bytes as format_bytes
 
 from .settings import MLXCache, resolve_model_spec
 

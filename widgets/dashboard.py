@@ -25,7 +25,7 @@ from typing import Callable
 
 import ipywidgets as W
 
-from ._format import esc, fmt_ago, fmt_bytes, fmt_count, fmt_seconds, preview_text
+from .format import esc, fmt_ago, fmt_bytes, fmt_count, fmt_seconds, preview_text
 
 __all__ = ["ResidencyDashboard", "render_counters", "render_entries", "render_log", "counters_from_stats"]
 

@@ -1,4 +1,8 @@
-"""Plain-text formatting shared by the widgets (no Jupyter, no MLX)."""
+"""Plain-text formatting shared by the widgets and the magics (no Jupyter, no MLX).
+
+Bytes, seconds, ages, counts, HTML escaping, one-line previews, progress lines.
+Public: the kernel's magics import it too.
+"""
 
 from __future__ import annotations
 
