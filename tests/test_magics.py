@@ -518,8 +518,9 @@ def test_dashboard_and_inspector_widgets(ip, capsys):
 
 
 def test_progress_display_in_kernel_falls_back_to_text(monkeypatch):
-    """Without the widgets package the progress display is plain text, updated in place."""
-    from mlxcache_kernel import magics
+    """Where the widget cannot be shown, the progress display is the widgets'
+    TextProgress line in one plain-text output, updated in place."""
+    from mlxcache_kernel.magics import generate
 
     shown = []
 
@@ -527,16 +528,21 @@ def test_progress_display_in_kernel_falls_back_to_text(monkeypatch):
         def update(self, obj, raw=False):
             shown.append(obj)
 
-    monkeypatch.setattr(magics, "display", lambda *a, **k: (shown.append(a[0]), Handle())[1])
-    monkeypatch.setitem(sys.modules, "mlxcache_kernel.widgets", None)
-    p = magics._Progress(enabled=True)
+    def no_widget(*args, **kwargs):
+        raise RuntimeError("no widget front end")
+
+    monkeypatch.setattr(generate, "display", lambda *a, **k: (shown.append(a[0]), Handle())[1])
+    monkeypatch.setattr(generate, "GenerationProgress", no_widget)
+    p = generate.Progress(enabled=True)
     p("prefill", 100, 100)  # finished before anything was shown: no display
     assert shown == []
     p("prefill", 512, 2000)
     p("prefill", 2000, 2000)
     p.close()
     texts = [s.get("text/plain") for s in shown if isinstance(s, dict)]
-    assert "prefill: 2000/2000 tokens" in texts and texts[-1] == ""
+    assert any(t.startswith("Prefill: 512/2,000 tokens") for t in texts), texts
+    assert any(t.startswith("Prefill: 2,000/2,000 tokens (100%)") for t in texts), texts
+    assert texts[-1] == ""
 
 
 # --- extension lifecycle ---
