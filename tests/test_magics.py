@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -410,8 +411,14 @@ def test_cache_stats_ls_flush_clear(ip, capsys):
     needs(ip, "cache_entries", "cache_clear")
     res, out, _ = run(ip, capsys, "%cache ls")
     assert res.success and "ram" in out and "committed" in out
+    # the entry's bytes are named apart: resident footprint, KV state, SSD file
+    assert out.splitlines()[0].split()[:7] == ["model", "tokens", "tier", "write_state", "ram", "kv", "file"]
     res, out, _ = run(ip, capsys, "%cache clear")
     assert res.success and "SSD files kept" in out and engine(ip).stats()["ram_entries"] == 0
+    res, out, _ = run(ip, capsys, "%cache ls")
+    row = out.splitlines()[2].split()
+    assert row[2] == "ssd" and row[4] == "–", out  # not in RAM
+    assert re.fullmatch(r"[\d.]+ \w*B [\d.]+ \w*B", " ".join(row[5:9])), out  # kv and file sizes
     again = run(ip, capsys, f"{GEN}\nfill the cache")[0].result
     assert again.stats["cache_source"] == "ssd" and "from SSD" in repr(again)
     run(ip, capsys, "%cache flush")
@@ -452,8 +459,9 @@ def test_checkpoints(ip, capsys):
     first = run(ip, capsys, f"{GEN} --session s1\nA question worth keeping")[0].result
     res, out, _ = run(ip, capsys, "%checkpoint save keep --session s1")
     assert res.success and "'keep' saved" in out
+    assert re.search(r"\(\d+ tokens, [\d.]+ \w+ KV, session 's1'\)", out), out
     res, out, _ = run(ip, capsys, "%checkpoint list")
-    assert "keep" in out
+    assert "keep" in out and "kv_bytes" in out
     # named checkpoints survive a full RAM clear and budget pressure
     run(ip, capsys, "%cache clear")
     res, out, _ = run(ip, capsys, "%checkpoint restore keep")

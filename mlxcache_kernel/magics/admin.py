@@ -21,14 +21,14 @@ __all__ = ["AdminMagics"]
 
 
 def describe_checkpoint(info) -> str:
-    """`` (12 tokens, 1.2 MiB, session 's')`` from a checkpoint summary."""
+    """`` (12 tokens, 1.2 MiB KV, session 's')`` from a checkpoint summary."""
     if not isinstance(info, dict):
         return ""
     bits = []
     if info.get("tokens") is not None:
         bits.append(f"{info['tokens']} tokens")
-    if info.get("bytes") is not None:
-        bits.append(format_bytes(info["bytes"]))
+    if info.get("kv_bytes") is not None:
+        bits.append(f"{format_bytes(info['kv_bytes'])} KV")
     if info.get("session"):
         bits.append(f"session {info['session']!r}")
     return f" ({', '.join(bits)})" if bits else ""
@@ -213,7 +213,7 @@ class AdminMagics(EngineMagics):
         """The tiered prompt cache.
 
         %cache stats            counters, RAM/SSD usage, pending writes
-        %cache ls               every RAM and SSD entry
+        %cache ls               every RAM and SSD entry (ram / kv / file bytes)
         %cache flush [--timeout S]   wait until every queued write is durable
         %cache clear [--ssd]    drop RAM entries (and with --ssd the SSD files)
         %cache gc               remove stale temporary and orphaned files

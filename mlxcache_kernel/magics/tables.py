@@ -18,7 +18,9 @@ __all__ = [
     "setting_lines", "show_table", "stat_lines",
 ]
 
-ENTRY_COLUMNS = ["model", "tokens", "tier", "write_state", "bytes", "borrowers", "sessions", "pinned",
+# %cache ls: ram, kv and file are the entry's resident footprint, its KV
+# state's logical bytes and its SSD file's size (– where it has none).
+ENTRY_COLUMNS = ["model", "tokens", "tier", "write_state", "ram", "kv", "file", "borrowers", "sessions", "pinned",
                  "hits", "last_used", "preview"]
 
 
@@ -66,7 +68,8 @@ def checkpoint_row(c: dict) -> dict:
 def entry_row(e: dict) -> dict:
     """A ``cache_entries()`` row for ENTRY_COLUMNS."""
     row = dict(e)
-    row["bytes"] = format_bytes(row.get("bytes"))
+    for col in ("ram", "kv", "file"):
+        row[col] = format_bytes(e.get(f"{col}_bytes"))
     for k in ("sessions", "pinned"):
         if isinstance(row.get(k), (list, tuple)):
             row[k] = ",".join(map(str, row[k]))
