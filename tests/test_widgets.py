@@ -472,8 +472,6 @@ def test_inspector_with_stub_engine():
 
 
 def test_inspector_real_engine(engine):
-    if not hasattr(engine, "kv_export") or not hasattr(engine, "kv_info"):
-        pytest.skip("Engine.kv_info/kv_export not in this engine yet")
     ins = KVInspector(engine)
     assert "generate something first" in ins.message.value
     engine.generate(PROMPT, max_tokens=4, session="chat")
