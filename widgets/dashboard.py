@@ -252,23 +252,11 @@ class ResidencyDashboard(W.VBox):
         self._set(self.counters_html, render_counters(self.state.counters))
         self._set(self.log_html, render_log(log))
 
-    # what the view last showed (read by tests and notebooks)
-
-    @property
-    def events_seen(self) -> int:
-        return self.state.events_seen
-
-    @property
-    def counters(self) -> dict:
-        return self.state.counters
-
-    @property
-    def last_stats(self) -> dict:
-        return self.state.stats
-
-    @property
-    def last_entries(self) -> list:
-        return self.state.entries
+    # what the view last showed (read by tests and notebooks), kept in self.state
+    events_seen = property(lambda self: self.state.events_seen, doc="engine events received")
+    counters = property(lambda self: self.state.counters, doc="the counters shown, by name")
+    last_stats = property(lambda self: self.state.stats, doc="the engine.stats() last shown")
+    last_entries = property(lambda self: self.state.entries, doc="the engine.cache_entries() last shown")
 
     def _bar(self, bar, value, maximum) -> None:
         maximum = float(maximum) if maximum else max(1.0, float(value or 0))

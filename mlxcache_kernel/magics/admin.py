@@ -13,7 +13,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from .base import EngineMagics, no_target, parse_args, usage_errors
+from .base import EngineMagics, no_target, only_for, parse_args, usage_errors
 from .tables import (ENTRY_COLUMNS, checkpoint_row, columns_of, entry_row, fmt_s, format_bytes, kv_row,
                      setting_lines, show_table, stat_lines)
 
@@ -130,8 +130,7 @@ class AdminMagics(EngineMagics):
         """
         args = parse_args(self.session, line)
         eng = self.engine
-        if args.action != "new" and (args.system is not None or args.model is not None):
-            raise UsageError(f"--system/--model only apply to %session new, not %session {args.action}")
+        only_for(args, "session", "new", "system", "model")
         if args.action == "list":
             no_target(args.id, "session list")
             rows = [s.summary() for s in eng.sessions.list()]
@@ -181,8 +180,7 @@ class AdminMagics(EngineMagics):
         """
         args = parse_args(self.checkpoint, line)
         eng = self.engine
-        if args.action != "save" and (args.session is not None or args.model is not None):
-            raise UsageError(f"--session/--model only apply to %checkpoint save, not %checkpoint {args.action}")
+        only_for(args, "checkpoint", "save", "session", "model")
         if args.action == "list":
             no_target(args.name, "checkpoint list")
             rows = [checkpoint_row(c) for c in eng.checkpoint_list()]
@@ -190,15 +188,16 @@ class AdminMagics(EngineMagics):
             return None
         if not args.name:
             raise UsageError(f"%checkpoint {args.action} needs a name")
-        if args.action == "save":
-            info = eng.checkpoint_save(args.name, session=args.session, model=args.model)
-            print(f"checkpoint {args.name!r} saved{describe_checkpoint(info)}")
-        elif args.action == "restore":
-            info = eng.checkpoint_restore(args.name)
-            print(f"checkpoint {args.name!r} restored{describe_checkpoint(info)}")
-        else:
+        if args.action == "rm":
             eng.checkpoint_remove(args.name)
             print(f"checkpoint {args.name!r} removed")
+            return None
+        if args.action == "save":
+            info = eng.checkpoint_save(args.name, session=args.session, model=args.model)
+        else:
+            info = eng.checkpoint_restore(args.name)
+        done = "saved" if args.action == "save" else "restored"
+        print(f"checkpoint {args.name!r} {done}{describe_checkpoint(info)}")
         return None
 
     # --- %cache ---

@@ -55,6 +55,13 @@ def no_target(target, action: str) -> None:
         raise UsageError(f"%{action} takes no name, got {target!r}")
 
 
+def only_for(args, magic: str, action: str, *options: str) -> None:
+    """Options (argparse dests) that only ``%magic action`` takes."""
+    if args.action != action and any(getattr(args, o) is not None for o in options):
+        names = "/".join("--" + o for o in options)
+        raise UsageError(f"{names} only apply to %{magic} {action}, not %{magic} {args.action}")
+
+
 def combined_magics(cls):
     """``magics_class`` for a class whose magics all come from its bases.
 
