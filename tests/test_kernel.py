@@ -10,11 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
+from kernel_client import Kernel, counts, footer, generated_text, inflight_progress
 
-
-from kernel_client import Kernel, counts, footer, generated_text, inflight_progress  # noqa: E402
-
-from mlxcache_kernel import kernelspec  # noqa: E402
+from mlxcache_kernel import kernelspec
 
 
 @pytest.fixture

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import os
-import sys
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
+from tiny_model import build_tiny_model
 
-
-from tiny_model import build_tiny_model  # noqa: E402
-
-from mlxcache_kernel.magics import Generation, interpolate  # noqa: E402
-from mlxcache_kernel.settings import MLXCache, parse_bool, parse_size, physical_memory  # noqa: E402
+from mlxcache_kernel.magics import Generation, interpolate
+from mlxcache_kernel.settings import MLXCache, parse_bool, parse_size, physical_memory
 
 
 @pytest.fixture(scope="session")
@@ -69,12 +67,6 @@ def usage_error(ip, capsys, code: str) -> str:
 
 def engine(ip):
     return ip.mlxcache.engine
-
-
-def needs(ip, *names):
-    missing = [n for n in names if not hasattr(engine(ip), n)]
-    if missing:
-        pytest.skip(f"the engine does not provide {', '.join(missing)} yet")
 
 
 GEN = "%%generate --max-tokens 8"
@@ -222,7 +214,7 @@ def test_model_errors(ip, capsys, tmp_path):
 
 def test_generate_streams_and_returns(ip, capsys):
     ip.user_ns["doc"] = "a short document"
-    res, out, err = run(ip, capsys, f"{GEN} --out g\nSummarize: {{doc}}")
+    res, out, err = run(ip, capsys, GEN + " --out g\nSummarize: {doc}")
     assert res.success, err
     g = ip.user_ns["g"]
     assert res.result is g and isinstance(g, Generation)
@@ -237,7 +229,7 @@ def test_generate_streams_and_returns(ip, capsys):
     fmt = ip.display_formatter.format(g)[0]
     assert fmt["text/plain"] == footer and "TTFT" in g._repr_html_()
 
-    res2, out2, _ = run(ip, capsys, f"{GEN} --out g2\nSummarize: {{doc}}")
+    res2, out2, _ = run(ip, capsys, GEN + " --out g2\nSummarize: {doc}")
     g2 = ip.user_ns["g2"]
     assert g2.text == g.text and g2.tokens == g.tokens
     assert g2.stats["cache_source"] == "ram"
@@ -373,7 +365,6 @@ def test_sessions(ip, capsys):
     assert f"[assistant] {t1.text}" in out
     res, out, _ = run(ip, capsys, "%session reset chat")
     assert res.success and engine(ip).sessions.get("chat").turns == 0
-    needs(ip, "close_session")
     res, out, _ = run(ip, capsys, "%session close chat")
     assert res.success and "chat" not in engine(ip).sessions
     # closing keeps the cached state: the same conversation start is still a hit
@@ -391,8 +382,7 @@ def test_session_errors(ip, capsys):
     assert "only apply to %session new" in usage_error(ip, capsys, "%session list --system x")
     assert "invalid choice" in usage_error(ip, capsys, "%session open x")
     assert "unknown model" in usage_error(ip, capsys, "%session new other --model ghost")
-    if hasattr(engine(ip), "close_session"):
-        assert "unknown session 'nope'" in usage_error(ip, capsys, "%session close nope")
+    assert "unknown session 'nope'" in usage_error(ip, capsys, "%session close nope")
 
 
 # --- %cache ---
@@ -407,11 +397,16 @@ def test_cache_stats_ls_flush_clear(ip, capsys):
     assert engine(ip).stats()["pending_writes"] == 0 and engine(ip).stats()["ssd_files"] >= 1
     res, out, _ = run(ip, capsys, "%cache config")
     assert "ram_budget: 256MiB" in out and "cache_dir:" in out
-    needs(ip, "cache_entries", "cache_clear")
     res, out, _ = run(ip, capsys, "%cache ls")
     assert res.success and "ram" in out and "committed" in out
+    # the entry's bytes are named apart: resident footprint, KV state, SSD file
+    assert out.splitlines()[0].split()[:7] == ["model", "tokens", "tier", "write_state", "ram", "kv", "file"]
     res, out, _ = run(ip, capsys, "%cache clear")
     assert res.success and "SSD files kept" in out and engine(ip).stats()["ram_entries"] == 0
+    res, out, _ = run(ip, capsys, "%cache ls")
+    row = out.splitlines()[2].split()
+    assert row[2] == "ssd" and row[4] == "–", out  # not in RAM
+    assert re.fullmatch(r"[\d.]+ \w*B [\d.]+ \w*B", " ".join(row[5:9])), out  # kv and file sizes
     again = run(ip, capsys, f"{GEN}\nfill the cache")[0].result
     assert again.stats["cache_source"] == "ssd" and "from SSD" in repr(again)
     run(ip, capsys, "%cache flush")
@@ -420,7 +415,6 @@ def test_cache_stats_ls_flush_clear(ip, capsys):
 
 
 def test_cache_verify_and_gc(ip, capsys):
-    needs(ip, "cache_verify", "cache_gc")
     run(ip, capsys, f"{GEN}\nsomething to persist")
     run(ip, capsys, "%cache flush")
     res, out, _ = run(ip, capsys, "%cache verify")
@@ -448,12 +442,12 @@ def test_cache_errors(ip, capsys):
 
 
 def test_checkpoints(ip, capsys):
-    needs(ip, "checkpoint_save", "checkpoint_list", "checkpoint_restore", "checkpoint_remove")
     first = run(ip, capsys, f"{GEN} --session s1\nA question worth keeping")[0].result
     res, out, _ = run(ip, capsys, "%checkpoint save keep --session s1")
     assert res.success and "'keep' saved" in out
+    assert re.search(r"\(\d+ tokens, [\d.]+ \w+ KV, session 's1'\)", out), out
     res, out, _ = run(ip, capsys, "%checkpoint list")
-    assert "keep" in out
+    assert "keep" in out and "kv_bytes" in out
     # named checkpoints survive a full RAM clear and budget pressure
     run(ip, capsys, "%cache clear")
     res, out, _ = run(ip, capsys, "%checkpoint restore keep")
@@ -466,7 +460,6 @@ def test_checkpoints(ip, capsys):
 
 
 def test_checkpoint_errors(ip, capsys):
-    needs(ip, "checkpoint_save", "checkpoint_restore", "checkpoint_remove")
     assert "needs a name" in usage_error(ip, capsys, "%checkpoint save")
     assert "only apply to %checkpoint save" in usage_error(ip, capsys, "%checkpoint list --session x")
     usage_error(ip, capsys, "%checkpoint restore nothing-here")
@@ -479,7 +472,6 @@ def test_checkpoint_errors(ip, capsys):
 
 
 def test_kv_inspect_and_export(ip, capsys):
-    needs(ip, "kv_info", "kv_export")
     run(ip, capsys, f"{GEN} --session s\nlook inside")
     res, out, _ = run(ip, capsys, "%kv inspect --last")
     assert res.success and "KVCache" in out
@@ -498,28 +490,26 @@ def test_kv_errors(ip, capsys):
     assert "--to only applies" in usage_error(ip, capsys, "%kv inspect --to x")
     assert "--layer must be" in usage_error(ip, capsys, "%kv inspect --layer -1")
     assert "variable name" in usage_error(ip, capsys, "%kv export --to 9x")
-    if hasattr(engine(ip), "kv_info"):
-        usage_error(ip, capsys, "%kv inspect --session nope")
-        run(ip, capsys, f"{GEN}\nx")
-        usage_error(ip, capsys, "%kv inspect --layer 99")
+    usage_error(ip, capsys, "%kv inspect --session nope")
+    run(ip, capsys, GEN + "\nx")
+    usage_error(ip, capsys, "%kv inspect --layer 99")
 
 
 # --- widgets ---
 
 
 def test_dashboard_and_inspector_widgets(ip, capsys):
-    pytest.importorskip("ipywidgets")
     res, _, _ = run(ip, capsys, "%dashboard")
     assert res.success, res.error_in_exec
     assert "takes no arguments" in usage_error(ip, capsys, "%dashboard now")
-    if hasattr(engine(ip), "kv_info"):
-        res, _, _ = run(ip, capsys, "%kv inspect --widget")
-        assert res.success, res.error_in_exec
+    res, _, _ = run(ip, capsys, "%kv inspect --widget")
+    assert res.success, res.error_in_exec
 
 
 def test_progress_display_in_kernel_falls_back_to_text(monkeypatch):
-    """Without the widgets package the progress display is plain text, updated in place."""
-    from mlxcache_kernel import magics
+    """Where the widget cannot be shown, the progress display is the widgets'
+    TextProgress line in one plain-text output, updated in place."""
+    from mlxcache_kernel.magics import generate
 
     shown = []
 
@@ -527,16 +517,21 @@ def test_progress_display_in_kernel_falls_back_to_text(monkeypatch):
         def update(self, obj, raw=False):
             shown.append(obj)
 
-    monkeypatch.setattr(magics, "display", lambda *a, **k: (shown.append(a[0]), Handle())[1])
-    monkeypatch.setitem(sys.modules, "mlxcache_kernel.widgets", None)
-    p = magics._Progress(enabled=True)
+    def no_widget(*args, **kwargs):
+        raise RuntimeError("no widget front end")
+
+    monkeypatch.setattr(generate, "display", lambda *a, **k: (shown.append(a[0]), Handle())[1])
+    monkeypatch.setattr(generate, "GenerationProgress", no_widget)
+    p = generate.Progress(enabled=True)
     p("prefill", 100, 100)  # finished before anything was shown: no display
     assert shown == []
     p("prefill", 512, 2000)
     p("prefill", 2000, 2000)
     p.close()
     texts = [s.get("text/plain") for s in shown if isinstance(s, dict)]
-    assert "prefill: 2000/2000 tokens" in texts and texts[-1] == ""
+    assert any(t.startswith("Prefill: 512/2,000 tokens") for t in texts), texts
+    assert any(t.startswith("Prefill: 2,000/2,000 tokens (100%)") for t in texts), texts
+    assert texts[-1] == ""
 
 
 # --- extension lifecycle ---
@@ -566,7 +561,6 @@ def test_get_engine(ip):
 
 def test_kv_export_bfloat16(ip, capsys, tmp_path):
     """A bfloat16 model's KV state exports as float32 numpy arrays (numpy has no bfloat16)."""
-    needs(ip, "kv_info", "kv_export")
     bf16 = build_tiny_model(tmp_path / "bf16", dtype="bfloat16")
     run(ip, capsys, f"%model load {bf16} --name bf16")
     res, _, _ = run(ip, capsys, f"{GEN} --model bf16\nhalf precision")

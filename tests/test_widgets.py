@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 import shutil
 import struct
-import sys
 import threading
 import time
 import zlib
@@ -17,29 +17,22 @@ import numpy as np
 import pytest
 import traitlets
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from tiny_model import build_tiny_model  # noqa: E402
-
-from mlxcache_kernel.engine import Engine  # noqa: E402
-from mlxcache_kernel.widgets import GenerationProgress, KVInspector, ResidencyDashboard, TextProgress  # noqa: E402
-from mlxcache_kernel.widgets import _png  # noqa: E402
-from mlxcache_kernel.widgets.dashboard import counters_from_stats, render_entries, render_log  # noqa: E402
-from mlxcache_kernel.widgets.inspector import norms_per_head, pick_tensors  # noqa: E402
-from mlxcache_kernel.widgets.progress import ProgressTracker  # noqa: E402
+from mlxcache_kernel.engine import Engine
+from mlxcache_kernel.widgets import GenerationProgress, KVInspector, ResidencyDashboard, TextProgress
+from mlxcache_kernel.widgets import _png
+from mlxcache_kernel.widgets.dashboard_render import render_entries, render_log
+from mlxcache_kernel.widgets.dashboard_state import counters_from_stats
+from mlxcache_kernel.widgets.inspector import norms_per_head, pick_tensors
+from mlxcache_kernel.widgets.progress import ProgressTracker
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+KERNEL_SCRIPT = Path(__file__).parent / "dashboard_in_kernel.py"
 
 
 @pytest.fixture
-def engine(tmp_path, tiny_model):
+def engine(tmp_path, tiny_model_dir):
     eng = Engine(cache_dir=tmp_path / "cache")
-    eng.load_model(str(tiny_model))
+    eng.load_model(str(tiny_model_dir))
     yield eng
     eng.close()
 
@@ -105,13 +98,13 @@ def test_dashboard_miss_write_queued_committed_hit(engine):
     db.close()
 
 
-def test_dashboard_ssd_hit_after_restart(tmp_path, tiny_model):
+def test_dashboard_ssd_hit_after_restart(tmp_path, tiny_model_dir):
     with Engine(cache_dir=tmp_path / "c") as eng:
-        eng.load_model(str(tiny_model))
+        eng.load_model(str(tiny_model_dir))
         eng.generate(PROMPT, max_tokens=4)
         eng.flush()
     with Engine(cache_dir=tmp_path / "c") as eng2:
-        eng2.load_model(str(tiny_model))
+        eng2.load_model(str(tiny_model_dir))
         db = ResidencyDashboard(eng2, throttle_s=0)
         assert db.last_stats["ssd_files"] >= 1
         assert any(e["tier"] == "ssd" for e in db.last_entries)
@@ -123,9 +116,9 @@ def test_dashboard_ssd_hit_after_restart(tmp_path, tiny_model):
         db.close()
 
 
-def test_dashboard_eviction_and_demotion_log(tmp_path, tiny_model):
+def test_dashboard_eviction_and_demotion_log(tmp_path, tiny_model_dir):
     eng = Engine(cache_dir=tmp_path / "c", ram_budget_bytes=150_000)
-    eng.load_model(str(tiny_model))
+    eng.load_model(str(tiny_model_dir))
     db = ResidencyDashboard(eng, throttle_s=0)
     for i in range(4):
         eng.generate(f"{i} unrelated prompt number {i} " * 3, max_tokens=4)
@@ -152,7 +145,7 @@ def test_dashboard_failed_write(engine):
     report = engine.flush()
     assert report["failed"]
     db.refresh()
-    assert db.counters["failures"] >= 1 and db.counters["writes_failed"] >= 1
+    assert db.counters["failures"] >= 1 and db.last_stats["writes_failed"] >= 1
     assert any(e["write_state"] == "failed" for e in db.last_entries)
     assert "mlxc-state-failed" in db.entries_html.value
     assert "mlxc-log-write_failed" in db.log_html.value
@@ -200,12 +193,12 @@ def test_events_inside_engine_calls_never_poll(engine):
 # --- thread safety ---
 
 
-def test_dashboard_background_events_never_touch_widgets_off_main(tmp_path, tiny_model):
+def test_dashboard_background_events_never_touch_widgets_off_main(tmp_path, tiny_model_dir):
     """Events from other threads (the SSD writer's, and a thread spamming the
     bus) while the main thread generates: every widget trait is set on the
     main thread, through the loop scheduler."""
     eng = Engine(cache_dir=tmp_path / "c", ssd_budget_bytes=300_000)  # SSD capacity evictions come from the writer
-    eng.load_model(str(tiny_model))
+    eng.load_model(str(tiny_model_dir))
     loop = asyncio.new_event_loop()
     try:
         db = ResidencyDashboard(
@@ -258,34 +251,10 @@ def test_dashboard_refresh_from_other_thread_is_deferred(engine):
     t.start()
     t.join()
     assert db.refreshes == n and rec.changes == []
-    assert db._dirty
+    assert db.state.dirty
     db.refresh()
     assert db.refreshes == n + 1
     db.close()
-
-
-KERNEL_CODE = r"""
-import sys, threading, time, traitlets
-sys.path.insert(0, {tests!r})
-from tiny_model import build_tiny_model
-from mlxcache_kernel.engine import Engine
-from mlxcache_kernel.widgets import ResidencyDashboard
-eng = Engine(cache_dir={cache!r})
-eng.load_model(str(build_tiny_model({model!r})))
-db = ResidencyDashboard(eng, throttle_s=0.05)
-threads = []
-def rec(change):
-    threads.append(threading.current_thread().name)
-stack = [db]
-while stack:
-    w = stack.pop(); w.observe(rec, names=traitlets.All); stack.extend(getattr(w, 'children', ()) or ())
-def bg():
-    for i in range(50):
-        eng.events.emit('evict', ns='x', tokens=i, nbytes=1, reason='budget')
-        time.sleep(0.002)
-t = threading.Thread(target=bg, name='bg'); t.start(); t.join()
-r0 = db.refreshes
-"""
 
 
 def test_dashboard_in_real_ipykernel(tmp_path):
@@ -293,18 +262,16 @@ def test_dashboard_in_real_ipykernel(tmp_path):
     loop; no trait is set off the main thread and nothing lands on stderr."""
     from jupyter_client.manager import start_new_kernel
 
-    km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
+    env = {**os.environ, "MLXCACHE_TEST_CACHE": str(tmp_path / "cache"), "MLXCACHE_TEST_MODEL": str(tmp_path / "model")}
+    km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path), env=env)
     try:
-        code = KERNEL_CODE.format(
-            tests=str(Path(__file__).parent), cache=str(tmp_path / "cache"), model=str(tmp_path / "model")
-        )
         outputs = []
 
         def run(src):
             reply = kc.execute_interactive(src, timeout=120, output_hook=outputs.append)
             assert reply["content"]["status"] == "ok", reply["content"]
 
-        run(code)
+        run(f"%run -i {KERNEL_SCRIPT}")
         time.sleep(0.5)  # the IO loop runs the scheduled refresh between cells
         run("print('R', db.refreshes - r0, 'OFF', [n for n in threads if n != threading.main_thread().name], 'ON', len(threads))")
         run("eng.generate('hello ' * 30, max_tokens=4); eng.flush(); time.sleep(0.3)")
@@ -328,13 +295,16 @@ def test_dashboard_in_real_ipykernel(tmp_path):
 def test_render_entries_escapes_and_formats():
     html = render_entries(
         [
-            {"preview": "<script>alert(1)</script>\nnext", "tokens": 1234, "bytes": 2_500_000, "tier": "ram+ssd",
+            {"preview": "<script>alert(1)</script>\nnext", "tokens": 1234, "ram_bytes": 2_500_000,
+             "kv_bytes": 1_000_000, "file_bytes": None, "tier": "ram+ssd",
              "write_state": "pending", "borrowers": 1, "sessions": ["chat"], "pinned": ["v1"],
              "last_used": time.time() - 5, "hits": 3},
         ]
     )
     assert "<script>" not in html and "&lt;script&gt;" in html
-    assert "1,234" in html and "2.4 MiB" in html and "ram+ssd" in html
+    assert "1,234" in html and "2.4 MiB" in html and "976.6 KiB" in html and "ram+ssd" in html
+    assert ">ram<" in html and ">kv<" in html and ">file<" in html
+    assert "<td class='num'>–</td>" in html  # no SSD file
     assert "mlxc-state-pending" in html and "session chat" in html and "v1" in html and "ago" in html
 
 
@@ -388,10 +358,10 @@ def test_generation_progress_widget_throttled_and_finished():
     p.update("prefill", 1, 2)  # ignored after finish
 
 
-def test_progress_from_real_prefill_and_restore(tmp_path, tiny_model):
+def test_progress_from_real_prefill_and_restore(tmp_path, tiny_model_dir):
     long_prompt = "lorem ipsum dolor sit amet " * 40
     with Engine(cache_dir=tmp_path / "c", prefill_chunk=64) as eng:
-        eng.load_model(str(tiny_model))
+        eng.load_model(str(tiny_model_dir))
         p = GenerationProgress(throttle_s=0)
         calls = []
         eng.generate(long_prompt, max_tokens=2, on_progress=lambda *a: (calls.append(a), p.update(*a)))
@@ -400,7 +370,7 @@ def test_progress_from_real_prefill_and_restore(tmp_path, tiny_model):
         p.finish()
         eng.flush()
     with Engine(cache_dir=tmp_path / "c", prefill_chunk=64) as eng:
-        eng.load_model(str(tiny_model))
+        eng.load_model(str(tiny_model_dir))
         buf = io.StringIO()
         tp = TextProgress(buf, throttle_s=0)
         phases = []
@@ -502,8 +472,6 @@ def test_inspector_with_stub_engine():
 
 
 def test_inspector_real_engine(engine):
-    if not hasattr(engine, "kv_export") or not hasattr(engine, "kv_info"):
-        pytest.skip("Engine.kv_info/kv_export not in this engine yet")
     ins = KVInspector(engine)
     assert "generate something first" in ins.message.value
     engine.generate(PROMPT, max_tokens=4, session="chat")

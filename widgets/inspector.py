@@ -20,7 +20,7 @@ import threading
 import numpy as np
 import ipywidgets as W
 
-from ._format import esc, fmt_bytes, fmt_count
+from .format import esc, fmt_bytes, fmt_count
 from ._png import colorbar_png, heatmap_png
 
 __all__ = ["KVInspector", "norms_per_head", "pick_tensors"]

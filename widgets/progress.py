@@ -20,7 +20,7 @@ import time
 
 import ipywidgets as W
 
-from ._format import esc, progress_line
+from .format import esc, progress_line
 
 __all__ = ["GenerationProgress", "TextProgress", "ProgressTracker", "make_progress"]
 

@@ -1,4 +1,8 @@
-"""Plain-text formatting shared by the widgets (no Jupyter, no MLX)."""
+"""Plain-text formatting shared by the widgets and the magics (no Jupyter, no MLX).
+
+Bytes, seconds, ages, counts, HTML escaping, one-line previews, progress lines.
+Public: the kernel's magics import it too.
+"""
 
 from __future__ import annotations
 
@@ -31,19 +35,18 @@ def fmt_seconds(s) -> str:
     return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
 
 
+# (below this many seconds, count in units of this many seconds, unit)
+_AGO_UNITS = ((60, 1, "s"), (3600, 60, "m"), (86400, 3600, "h"), (float("inf"), 86400, "d"))
+
+
 def fmt_ago(t, now: float | None = None) -> str:
     if not t:
         return "–"
     d = max(0.0, (time.time() if now is None else now) - float(t))
     if d < 1:
         return "now"
-    if d < 60:
-        return f"{d:.0f}s ago"
-    if d < 3600:
-        return f"{d / 60:.0f}m ago"
-    if d < 86400:
-        return f"{d / 3600:.0f}h ago"
-    return f"{d / 86400:.0f}d ago"
+    _, seconds, unit = next(u for u in _AGO_UNITS if d < u[0])
+    return f"{d / seconds:.0f}{unit} ago"
 
 
 def fmt_count(n) -> str:

@@ -1,0 +1,346 @@
+"""The magics that manage rather than generate: ``%model``, ``%session``,
+``%checkpoint``, ``%cache``, ``%kv`` and ``%dashboard``.
+
+Each parses its options, asks the Engine, and prints a line or shows a table
+(``tables.py``). Bad options and unknown names end in one UsageError line.
+"""
+
+from __future__ import annotations
+
+import time
+
+from IPython.core.error import UsageError
+from IPython.core.magic import line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+
+from .base import EngineMagics, no_target, only_for, parse_args, usage_errors
+from .tables import (ENTRY_COLUMNS, checkpoint_row, columns_of, entry_row, fmt_s, format_bytes, kv_row,
+                     setting_lines, show_table, stat_lines)
+
+__all__ = ["AdminMagics"]
+
+
+def describe_checkpoint(info) -> str:
+    """`` (12 tokens, 1.2 MiB KV, session 's')`` from a checkpoint summary."""
+    if not isinstance(info, dict):
+        return ""
+    bits = []
+    if info.get("tokens") is not None:
+        bits.append(f"{info['tokens']} tokens")
+    if info.get("kv_bytes") is not None:
+        bits.append(f"{format_bytes(info['kv_bytes'])} KV")
+    if info.get("session"):
+        bits.append(f"session {info['session']!r}")
+    return f" ({', '.join(bits)})" if bits else ""
+
+
+@magics_class
+class AdminMagics(EngineMagics):
+    """Models, sessions, named checkpoints, the cache, KV inspection and the dashboard."""
+
+    # --- %model ---
+
+    @magic_arguments()
+    @argument("action", choices=["load", "list", "use", "unload", "info"], help="what to do")
+    @argument("target", nargs="?", help="load: a model directory, hub id or 'smollm2' (default: the configured "
+                                        "default model); use/unload/info: a name")
+    @argument("--name", "-n", default=None, help="load: the name to register the model under (default: 'default')")
+    @line_magic
+    @usage_errors
+    def model(self, line):
+        """Load, list, select and unload resident models.
+
+        %model load [PATH] [--name N] load a model directory or hub id ('smollm2' = the bundled
+                                      SmolLM2-135M-Instruct; no PATH = the configured default model)
+        %model list                   resident models (* marks the default)
+        %model use N                  make N the default for %%generate
+        %model unload N               drop a model from memory
+        %model info [N]               identity and shape of a model
+        """
+        args = parse_args(self.model, line)
+        eng = self.engine
+        if args.name and args.action != "load":
+            raise UsageError(f"--name only applies to %model load, not %model {args.action}")
+        if args.action == "list":
+            no_target(args.target, "model list")
+            self._model_list()
+        elif args.action == "load":
+            self._model_load(args.target, args.name or "default")
+        elif args.action == "info":
+            for k, v in eng.model_info(args.target).items():
+                if isinstance(v, dict):
+                    for k2, v2 in v.items():
+                        print(f"{k}.{k2}: {v2}")
+                else:
+                    print(f"{k}: {format_bytes(v) if k.endswith('_bytes') else v}")
+        elif not args.target:
+            raise UsageError(f"%model {args.action} needs a model name; loaded: {', '.join(eng.models.names()) or 'none'}")
+        elif args.action == "use":
+            eng.models.use(args.target)
+            print(f"default model: {args.target!r}")
+        else:
+            eng.unload_model(args.target)
+            print(f"unloaded {args.target!r}" + (f"; default is now {eng.models.default!r}" if eng.models.default else ""))
+        return None
+
+    def _model_list(self) -> None:
+        eng = self.engine
+        rows = []
+        for name in eng.models.names():
+            info = eng.model_info(name)
+            rows.append({
+                "": "*" if name == eng.models.default else "",
+                "name": name,
+                "layers": info.get("layers"),
+                "kv": info.get("kv_scheme"),
+                "weights": format_bytes(info.get("parameters_bytes")),
+                "namespace": info.get("namespace"),
+                "path": info.get("path"),
+            })
+        show_table(rows, ["", "name", "layers", "kv", "weights", "namespace", "path"],
+                   empty="no models loaded (use %model load PATH)")
+
+    def _model_load(self, target: str | None, name: str) -> None:
+        target = target or self.settings.default_model_spec()
+        if not target:
+            raise UsageError("%model load needs a path: %model load PATH [--name N] "
+                             "(no default model is configured: MLXCACHE_DEFAULT_MODEL=none)")
+        info = self._load(target, name)
+        star = " (default)" if self.engine.models.default == name else ""
+        print(f"loaded {name!r}{star}: {info.get('path')} · {info.get('layers')} layers · "
+              f"{info.get('kv_scheme')} · {format_bytes(info.get('parameters_bytes'))} in {fmt_s(info['load_s'])}")
+
+    # --- %session ---
+
+    @magic_arguments()
+    @argument("action", choices=["new", "list", "show", "reset", "close"], help="what to do")
+    @argument("id", nargs="?", help="session id (letters, digits, '.', '_', '-')")
+    @argument("--system", default=None, help="new: the session's system prompt")
+    @argument("--model", "-m", default=None, help="new: the session's model")
+    @line_magic
+    @usage_errors
+    def session(self, line):
+        """Multi-turn chat sessions for %%generate --session ID.
+
+        %session new ID [--system TEXT] [--model N]
+        %session list
+        %session show ID      the conversation so far
+        %session reset ID     forget the turns (the cached states stay until evicted)
+        %session close ID     drop the session and its cache references (cached state is not deleted)
+        """
+        args = parse_args(self.session, line)
+        eng = self.engine
+        only_for(args, "session", "new", "system", "model")
+        if args.action == "list":
+            no_target(args.id, "session list")
+            rows = [s.summary() for s in eng.sessions.list()]
+            show_table(rows, ["id", "model", "turns", "last_prompt_tokens", "system"],
+                       empty="no sessions (use %session new ID, or %%generate --session ID)")
+            return None
+        if not args.id:
+            raise UsageError(f"%session {args.action} needs a session id")
+        if args.action == "new":
+            if args.model is not None:
+                eng.models.get(args.model)
+            s = eng.sessions.new(args.id, system=args.system, model=args.model)
+            print(f"session {s.id!r} created" + (f" (system: {args.system!r})" if args.system else ""))
+        elif args.action == "show":
+            s = eng.sessions.get(args.id)
+            print(f"session {s.id!r}: {s.turns} turns, model {s.model or '(default)'}, "
+                  f"last prompt {s.last_prompt_tokens} tokens")
+            if s.system:
+                print(f"[system] {s.system}")
+            for msg in s.messages:
+                print(f"[{msg['role']}] {msg['content']}")
+        elif args.action == "reset":
+            eng.sessions.reset(args.id)
+            print(f"session {args.id!r} reset")
+        else:
+            eng.close_session(args.id)
+            print(f"session {args.id!r} closed (its cached states stay until the budget evicts them)")
+        return None
+
+    # --- %checkpoint ---
+
+    @magic_arguments()
+    @argument("action", choices=["save", "list", "restore", "rm"], help="what to do")
+    @argument("name", nargs="?", help="checkpoint name")
+    @argument("--session", default=None, help="save: the session whose latest state to save "
+                                              "(default: the last generation)")
+    @argument("--model", "-m", default=None, help="save: the model (default: the current default)")
+    @line_magic
+    @usage_errors
+    def checkpoint(self, line):
+        """Named, durable checkpoints that the cache budgets never evict.
+
+        %checkpoint save NAME [--session ID]
+        %checkpoint list
+        %checkpoint restore NAME
+        %checkpoint rm NAME
+        """
+        args = parse_args(self.checkpoint, line)
+        eng = self.engine
+        only_for(args, "checkpoint", "save", "session", "model")
+        if args.action == "list":
+            no_target(args.name, "checkpoint list")
+            rows = [checkpoint_row(c) for c in eng.checkpoint_list()]
+            show_table(rows, columns_of(rows), empty="no named checkpoints (use %checkpoint save NAME)")
+            return None
+        if not args.name:
+            raise UsageError(f"%checkpoint {args.action} needs a name")
+        if args.action == "rm":
+            eng.checkpoint_remove(args.name)
+            print(f"checkpoint {args.name!r} removed")
+            return None
+        if args.action == "save":
+            info = eng.checkpoint_save(args.name, session=args.session, model=args.model)
+        else:
+            info = eng.checkpoint_restore(args.name)
+        done = "saved" if args.action == "save" else "restored"
+        print(f"checkpoint {args.name!r} {done}{describe_checkpoint(info)}")
+        return None
+
+    # --- %cache ---
+
+    @magic_arguments()
+    @argument("action", choices=["stats", "ls", "flush", "clear", "gc", "verify", "config"], help="what to do")
+    @argument("--ssd", action="store_true", help="clear: also delete the SSD tier's files")
+    @argument("--timeout", type=float, default=None, help="flush: seconds to wait at most")
+    @line_magic
+    @usage_errors
+    def cache(self, line):
+        """The tiered prompt cache.
+
+        %cache stats            counters, RAM/SSD usage, pending writes
+        %cache ls               every RAM and SSD entry (ram / kv / file bytes)
+        %cache flush [--timeout S]   wait until every queued write is durable
+        %cache clear [--ssd]    drop RAM entries (and with --ssd the SSD files)
+        %cache gc               remove stale temporary and orphaned files
+        %cache verify           re-hash every SSD file and report bad ones
+        %cache config           the settings in effect
+        """
+        args = parse_args(self.cache, line)
+        if args.ssd and args.action != "clear":
+            raise UsageError("--ssd only applies to %cache clear")
+        if args.timeout is not None and args.action != "flush":
+            raise UsageError("--timeout only applies to %cache flush")
+        getattr(self, f"_cache_{args.action}")(args)
+        return None
+
+    def _cache_config(self, args) -> None:
+        print("\n".join(setting_lines(self.settings.summary())))
+
+    def _cache_stats(self, args) -> None:
+        print("\n".join(stat_lines(self.engine.stats())))
+
+    def _cache_ls(self, args) -> None:
+        rows = [entry_row(e) for e in self.engine.cache_entries()]
+        show_table(rows, ENTRY_COLUMNS, empty="the cache is empty")
+
+    def _cache_flush(self, args) -> None:
+        r = self.engine.flush(timeout=args.timeout)
+        failed = r.get("failed") or []
+        print(f"flushed: {r.get('committed', 0)} writes committed, {r.get('pending', 0)} pending, "
+              f"{len(failed)} failed in {fmt_s(r.get('seconds'))}")
+        for f in failed:
+            print(f"  failed: {f}")
+
+    def _cache_clear(self, args) -> None:
+        r = self.engine.cache_clear(ssd=args.ssd)
+        print(f"cleared {r['ram_entries']} RAM entries"
+              + (f" and {r['ssd_files']} SSD files (named checkpoints kept)" if args.ssd else " (SSD files kept)"))
+        if r["kept_not_durable"]:
+            print(f"kept {r['kept_not_durable']} entries in RAM: their SSD writes have not succeeded "
+                  "(see %cache flush)")
+
+    def _cache_gc(self, args) -> None:
+        r = self.engine.cache_gc()
+        if not (isinstance(r, dict) and r):
+            print("gc: nothing to do")
+            return
+        shown = []
+        for k, v in r.items():
+            if isinstance(v, (list, tuple)):
+                v = ", ".join(map(str, v)) if v else "none"
+            elif k.endswith("bytes"):
+                v = format_bytes(v)
+            shown.append(f"{k.replace('_', ' ')}: {v}")
+        print("gc: " + "; ".join(shown))
+
+    def _cache_verify(self, args) -> None:
+        t0 = time.perf_counter()
+        bad = self.engine.cache_verify()
+        if not bad:
+            files = self.engine.stats().get("ssd_files", "?")
+            print(f"verify: all {files} SSD files are intact ({fmt_s(time.perf_counter() - t0)})")
+            return
+        print(f"verify: {len(bad)} bad file(s), quarantined:")
+        for b in bad:
+            print(f"  {b.get('path')}: {b.get('reason') or b.get('error')}" if isinstance(b, dict) else f"  {b}")
+
+    # --- %kv ---
+
+    @magic_arguments()
+    @argument("action", choices=["inspect", "export"], help="what to do")
+    @argument("--session", default=None, help="the session's latest checkpoint")
+    @argument("--checkpoint", default=None, help="a named checkpoint")
+    @argument("--last", action="store_true", help="the last generation's state (the default)")
+    @argument("--layer", type=int, default=None, help="only this layer")
+    @argument("--to", default=None, help="export: the variable to receive {name: numpy array}")
+    @argument("--widget", action="store_true", help="inspect: open the interactive KV inspector")
+    @line_magic
+    @usage_errors
+    def kv(self, line):
+        """Look inside cached KV state.
+
+        %kv inspect [--session ID | --checkpoint NAME | --last] [--layer L] [--widget]
+        %kv export  [--session ID | --checkpoint NAME | --last] [--layer L] --to VAR
+        """
+        args = parse_args(self.kv, line)
+        chosen = [x for x in (args.session is not None, args.checkpoint is not None, args.last) if x]
+        if len(chosen) > 1:
+            raise UsageError("choose one of --session, --checkpoint and --last")
+        if args.layer is not None and args.layer < 0:
+            raise UsageError(f"--layer must be >= 0, got {args.layer}")
+        if args.action == "export" and args.widget:
+            raise UsageError("--widget only applies to %kv inspect")
+        if args.action == "inspect" and args.to:
+            raise UsageError("--to only applies to %kv export")
+        eng = self.engine
+        which = dict(session=args.session, checkpoint=args.checkpoint, last=not (args.session or args.checkpoint),
+                     layer=args.layer)
+        if args.action == "inspect" and args.widget:
+            from mlxcache_kernel.widgets import KVInspector
+
+            self._show_widget(KVInspector(eng))
+        elif args.action == "inspect":
+            rows = [kv_row(r) for r in eng.kv_info(**which)]
+            show_table(rows, columns_of(rows), empty="no KV state")
+        else:
+            self._kv_export(which, args.to)
+        return None
+
+    def _kv_export(self, which: dict, to: str | None) -> None:
+        if not to:
+            raise UsageError("%kv export needs --to VAR")
+        if not to.isidentifier():
+            raise UsageError(f"--to needs a variable name, got {to!r}")
+        arrays = self.engine.kv_export(**which)
+        self.shell.user_ns[to] = arrays
+        total = sum(int(getattr(a, "nbytes", 0)) for a in arrays.values())
+        print(f"{to} = {{{len(arrays)} arrays}} ({format_bytes(total)})")
+
+    # --- %dashboard ---
+
+    @line_magic
+    @usage_errors
+    def dashboard(self, line):
+        """Show the live residency dashboard (RAM/SSD entries, writes, hits)."""
+        if line.strip():
+            raise UsageError(f"%dashboard takes no arguments, got {line.strip()!r}")
+        try:
+            from mlxcache_kernel.widgets import ResidencyDashboard
+        except ImportError as e:
+            raise UsageError(f"the dashboard needs ipywidgets: {e}") from None
+        self._show_widget(ResidencyDashboard(self.engine))
+        return None

@@ -1,0 +1,312 @@
+"""``%%generate``: prompt interpolation, the generation itself, its streamed
+output and progress display, and the footer of the result.
+
+Prompt interpolation: ``{name}`` is replaced by ``str(value)`` when ``name``
+is a plain identifier bound in the user namespace to a value (not a module,
+function or class, and not one of IPython's hidden names such as
+``In``/``Out``). Every other brace stays as written, so documents, JSON and
+code can be pasted as they are; the cell is never ``str.format``-ed.
+``{{name}}`` writes a literal ``{name}`` (the one escape, for the rare text
+that mentions a defined variable in braces); any other ``{{``/``}}`` is left
+untouched. ``--literal`` turns interpolation off.
+
+Progress of a long prefill or SSD restore is the widgets' own display
+(``GenerationProgress``, or ``TextProgress`` in one output line when the
+widget cannot be shown); the generated text streams to stdout.
+"""
+
+from __future__ import annotations
+
+import html
+import inspect
+import re
+import sys
+import time
+import types
+
+from IPython.core.error import UsageError
+from IPython.core.magic import cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.display import display
+
+from mlxcache_kernel.widgets.progress import GenerationProgress, TextProgress
+
+from .base import EngineMagics, parse_args, usage_errors
+from .tables import fmt_s
+
+__all__ = ["Generation", "GenerateMagics", "interpolate"]
+
+_FIELD = re.compile(r"\{\{([A-Za-z_][A-Za-z0-9_]*)\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_NOT_VALUES = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, type)
+
+
+def interpolate(text: str, namespace: dict, hidden: set | frozenset = frozenset()) -> str:
+    """Substitute ``{name}`` for values bound in ``namespace``; ``{{name}}`` -> ``{name}``."""
+
+    def sub(m: re.Match) -> str:
+        if m.group(1) is not None:
+            return "{" + m.group(1) + "}"
+        name = m.group(2)
+        if name.startswith("_") or name in hidden or name not in namespace:
+            return m.group(0)
+        value = namespace[name]
+        if isinstance(value, _NOT_VALUES):
+            return m.group(0)
+        return str(value)
+
+    return _FIELD.sub(sub, text)
+
+
+class Generation:
+    """What ``%%generate`` returns (and stores in ``--out``).
+
+    ``.text``, ``.tokens`` (generated ids), ``.stats`` (dict), ``.prompt`` (the
+    interpolated cell), ``.model``, ``.session``. Displays as the cell footer;
+    ``str()`` is the text.
+    """
+
+    def __init__(self, result, *, prompt: str, model: str | None, session: str | None, use_cache: bool):
+        self.result = result
+        self.text = result.text
+        self.tokens = list(result.tokens)
+        self.stats = dict(result.stats)
+        self.prompt = prompt
+        self.model = model
+        self.session = session
+        self.use_cache = use_cache
+
+    def __str__(self) -> str:
+        return self.text
+
+    def footer(self) -> str:
+        s = self.stats
+        n = s.get("prompt_tokens", 0)
+        prompt = (
+            f"{n} prompt tokens: {s.get('ram_tokens', 0)} from RAM, {s.get('ssd_tokens', 0)} from SSD, "
+            f"{s.get('prefilled_tokens', n)} prefilled" + ("" if self.use_cache else " (cache off)")
+        )
+        tps = s.get("decode_tokens_per_s")
+        parts = [
+            prompt,
+            f"TTFT {fmt_s(s.get('ttft_s'))}",
+            f"{s.get('decode_tokens', len(self.tokens))} tokens at {tps:.1f} tok/s" if tps
+            else f"{s.get('decode_tokens', len(self.tokens))} tokens",
+            f"finish: {s.get('finish_reason', '?')}",
+        ]
+        resumed = s.get("resumed_from")
+        if resumed:
+            parts.insert(1, f"resumed from an in-flight checkpoint at token {resumed}")
+        tail = f"model {self.model}" + (f", session {self.session}" if self.session else "")
+        return "[mlxcache] " + " · ".join(parts) + f" · {tail}"
+
+    def __repr__(self) -> str:
+        return self.footer()
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        p.text(self.footer())
+
+    def _repr_html_(self) -> str:
+        return (
+            "<div style='font-size:85%;color:#666;border-top:1px solid #ddd;padding-top:2px'>"
+            f"{html.escape(self.footer())}</div>"
+        )
+
+
+class DisplayLine:
+    """A text stream for ``TextProgress`` that shows its current line in one
+    output, updated in place (a carriage return starts the line over)."""
+
+    def __init__(self):
+        self.handle = display({"text/plain": ""}, raw=True, display_id=True)
+
+    def write(self, text: str) -> None:
+        self.handle.update({"text/plain": text.rsplit("\r", 1)[-1].rstrip()}, raw=True)
+
+    def flush(self) -> None:
+        pass
+
+
+class Progress:
+    """The engine's ``on_progress`` for one cell: a display created on the first
+    unfinished update (the widget, or a TextProgress line where the widget
+    cannot be shown), replaced by nothing at ``close()``.
+
+    Only in a kernel (a front end that can update displays in place); a
+    terminal IPython gets no progress display.
+    """
+
+    TEXT_THROTTLE_S = 0.25
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.view = None  # GenerationProgress or TextProgress
+        self.handle = None  # the display holding it
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.view is None:
+            if done >= total:  # already finished (a short prompt): nothing to watch
+                return
+            self._open()
+        self.view.update(phase, done, total)
+
+    def _open(self) -> None:
+        try:
+            self.view = GenerationProgress()
+            self.handle = display(self.view, display_id=True)
+        except Exception:
+            line = DisplayLine()
+            self.view, self.handle = TextProgress(line, throttle_s=self.TEXT_THROTTLE_S), line.handle
+
+    def close(self) -> None:
+        if self.view is not None:
+            try:
+                self.view.finish()
+                if isinstance(self.view, GenerationProgress):
+                    self.view.close()
+            except Exception:
+                pass
+            self.view = None
+        if self.handle is not None:
+            # Replace the output in place, so a saved notebook holds no dead widget view.
+            self.handle.update({"text/plain": ""}, raw=True)
+            self.handle = None
+
+
+class Stream:
+    """Writes generated text to the cell output as it arrives (main thread)."""
+
+    def __init__(self):
+        self.chars = 0
+        self.last_char = "\n"
+        self.last_flush = time.monotonic()
+
+    def __call__(self, piece: str) -> None:
+        if not piece:
+            return
+        out = sys.stdout
+        out.write(piece)
+        self.chars += len(piece)
+        self.last_char = piece[-1]
+        now = time.monotonic()
+        if now - self.last_flush > 0.1:
+            self.last_flush = now
+            try:
+                out.flush()
+            except Exception:
+                pass
+
+    def end(self) -> None:
+        if self.chars and self.last_char != "\n":
+            sys.stdout.write("\n")
+        try:
+            sys.stdout.flush()
+        except Exception:
+            pass
+
+
+def _in_kernel(shell) -> bool:
+    return getattr(shell, "kernel", None) is not None
+
+
+@magics_class
+class GenerateMagics(EngineMagics):
+    """``%%generate`` over the Engine."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.last: Generation | None = None
+
+    @magic_arguments()
+    @argument("--model", "-m", default=None, help="model name (default: the current default model)")
+    @argument("--max-tokens", "-n", type=int, default=256, help="most tokens to generate (default 256)")
+    @argument("--temperature", "-t", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    @argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
+    @argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = all (default)")
+    @argument("--seed", "-s", type=int, default=0, help="sampling seed; same seed, same text (default 0)")
+    @argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    @argument("--session", default=None, help="chat session id: the cell is the next user turn")
+    @argument("--system", default=None, help="system prompt")
+    @argument("--raw", action="store_true", help="send the cell as is, without the chat template")
+    @argument("--out", "-o", default=None, help="store the result (.text, .tokens, .stats) in this variable")
+    @argument("--checkpoint-every", type=int, default=None,
+              help="commit an in-flight checkpoint every N generated tokens, so an identical request "
+                   "after a crash, kill or interrupt resumes from it")
+    @argument("--no-cache", action="store_true", help="neither look up nor publish prompt caches")
+    @argument("--literal", action="store_true", help="no {name} interpolation")
+    @cell_magic
+    @usage_errors
+    def generate(self, line, cell):
+        """Generate text from the prompt in the cell body; tokens stream into the output.
+
+        {name} in the cell is replaced by the value of `name` in the notebook
+        namespace when it is bound (other braces stay as written; {{name}}
+        writes a literal {name}). The footer tells how many prompt tokens came
+        from RAM, from SSD or were prefilled, the time to first token and the
+        decode speed. Returns (and with --out stores) the result: .text,
+        .tokens, .stats.
+        """
+        args = parse_args(self.generate, line)
+        if args.out is not None and not args.out.isidentifier():
+            raise UsageError(f"--out needs a variable name, got {args.out!r}")
+        if args.checkpoint_every is not None and args.checkpoint_every < 1:
+            raise UsageError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
+        if args.checkpoint_every is not None and args.no_cache:
+            raise UsageError("--checkpoint-every needs the cache; drop --no-cache")
+        prompt = self._prompt(cell, literal=args.literal)
+        self._ensure_model(args.model)
+        eng = self.engine
+        model_name = args.model or eng.models.default
+        eng.models.get(model_name)  # unknown model -> one line, before any output
+        kwargs = dict(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=args.seed,
+            session=args.session,
+            model=model_name,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            stop=tuple(args.stop),
+            system=args.system,
+            raw=args.raw,
+            use_cache=not args.no_cache,
+        )
+        if args.checkpoint_every is not None:
+            if "checkpoint_every" not in inspect.signature(eng.generate).parameters:
+                raise UsageError("this engine does not support --checkpoint-every yet")
+            kwargs["checkpoint_every"] = args.checkpoint_every
+        result = self._run(prompt, kwargs, resumable=args.checkpoint_every is not None)
+        gen = Generation(result, prompt=prompt, model=model_name, session=args.session, use_cache=not args.no_cache)
+        self.last = gen
+        if args.out:
+            self.shell.user_ns[args.out] = gen
+        return gen
+
+    def _prompt(self, cell: str, *, literal: bool) -> str:
+        """The cell body, interpolated unless ``literal``; never empty."""
+        if not cell or not cell.strip():
+            raise UsageError("empty prompt: write the prompt in the cell body below %%generate")
+        prompt = cell.strip("\n")
+        if not literal:
+            prompt = interpolate(prompt, self.shell.user_ns, set(getattr(self.shell, "user_ns_hidden", {})))
+        if not prompt.strip():
+            raise UsageError("empty prompt after interpolation")
+        return prompt
+
+    def _run(self, prompt: str, kwargs: dict, *, resumable: bool):
+        """Generate with streamed text and a progress display, both closed however it ends."""
+        progress, stream = Progress(enabled=_in_kernel(self.shell)), Stream()
+        interrupted = False
+        try:
+            return self.engine.generate(prompt, on_text=stream, on_progress=progress, **kwargs)
+        except KeyboardInterrupt:
+            interrupted = True
+            raise
+        finally:
+            progress.close()
+            stream.end()
+            if interrupted:
+                print("[mlxcache] interrupted; the cache is intact"
+                      + (" and the newest in-flight checkpoint is kept" if resumable else ""),
+                      file=sys.stderr)

@@ -1,0 +1,164 @@
+"""How the residency dashboard looks: HTML for its counters, entries table,
+event log and the labels beside its bars, from plain dicts (`engine.stats()`,
+`engine.cache_entries()` rows, event records).
+
+Pure functions: no widgets, no engine calls.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .dashboard_state import COUNTERS
+from .format import esc, fmt_ago, fmt_bytes, fmt_count, fmt_seconds, preview_text
+
+__all__ = ["CSS", "render_counters", "render_entries", "render_log", "ram_label", "ssd_label", "ssd_enabled",
+           "write_label", "write_progress"]
+
+MAX_ROWS = 50
+
+CSS = """
+<style>
+.mlxc-dashboard table.mlxc-t {border-collapse: collapse; font-size: 12px; width: 100%;}
+.mlxc-dashboard table.mlxc-t th, .mlxc-dashboard table.mlxc-t td {padding: 2px 6px; text-align: left;
+  border-bottom: 1px solid var(--jp-border-color2, #ddd); white-space: nowrap;}
+.mlxc-dashboard table.mlxc-t td.num, .mlxc-dashboard table.mlxc-t th.num {text-align: right;}
+.mlxc-dashboard td.mlxc-preview {font-family: var(--jp-code-font-family, monospace); white-space: pre;
+  max-width: 32em; overflow: hidden; text-overflow: ellipsis;}
+.mlxc-dashboard .mlxc-counters {display: flex; flex-wrap: wrap; gap: 4px 16px; font-size: 12px;}
+.mlxc-dashboard .mlxc-counter b {font-family: var(--jp-code-font-family, monospace);}
+.mlxc-dashboard .mlxc-state-failed {color: #c62828; font-weight: bold;}
+.mlxc-dashboard .mlxc-state-pending {color: #ef6c00;}
+.mlxc-dashboard .mlxc-state-dirty {color: #f9a825;}
+.mlxc-dashboard .mlxc-state-committed {color: #2e7d32;}
+.mlxc-dashboard .mlxc-h {font-weight: bold; font-size: 12px; margin-top: 4px;}
+.mlxc-dashboard .mlxc-scroll {max-height: 15em; overflow-y: auto;}
+</style>
+"""
+
+
+def render_counters(c: dict) -> str:
+    items = []
+    for label, key, _, kind in COUNTERS:
+        v = c.get(key)
+        text = fmt_bytes(v) if kind == "b" else fmt_seconds(v) if kind == "s" else fmt_count(v)
+        items.append(
+            f"<span class='mlxc-counter' data-name='{key}' data-value='{esc(v)}'>{esc(label)}: <b>{esc(text)}</b></span>"
+        )
+    return CSS + "<div class='mlxc-counters'>" + "".join(items) + "</div>"
+
+
+def _who(e: dict) -> str:
+    parts = [f"session {s}" for s in (e.get("sessions") or [])]
+    parts += [f"📌 {p}" for p in (e.get("pinned") or [])]
+    return ", ".join(parts) or "–"
+
+
+def render_entries(entries: list[dict], now: float | None = None) -> str:
+    """The entries table; ram / kv / file are the row's ram_bytes, kv_bytes and file_bytes."""
+    if not entries:
+        return "<div class='mlxc-h'>Entries</div><div class='mlxc-entries mlxc-empty'>no cached prefixes yet</div>"
+    rows = sorted(entries, key=lambda e: e.get("last_used") or 0, reverse=True)
+    head = (
+        "<tr><th>prefix</th><th class='num'>tokens</th><th class='num'>ram</th><th class='num'>kv</th>"
+        "<th class='num'>file</th><th>tier</th><th>write</th><th class='num'>borrowers</th>"
+        "<th>session / pinned</th><th class='num'>hits</th><th>last use</th></tr>"
+    )
+    body = []
+    for e in rows[:MAX_ROWS]:
+        state = e.get("write_state") or "none"
+        sizes = "".join(f"<td class='num'>{esc(fmt_bytes(e.get(k)))}</td>" for k in ("ram_bytes", "kv_bytes", "file_bytes"))
+        body.append(
+            "<tr class='mlxc-entry'>"
+            f"<td class='mlxc-preview' title='{esc(preview_text(e.get('preview'), 400))}'>{esc(preview_text(e.get('preview'), 90))}</td>"
+            f"<td class='num'>{fmt_count(e.get('tokens'))}</td>{sizes}"
+            f"<td>{esc(e.get('tier'))}</td>"
+            f"<td class='mlxc-state-{esc(state)}'>{esc(state)}</td>"
+            f"<td class='num'>{fmt_count(e.get('borrowers') or 0)}</td>"
+            f"<td>{esc(_who(e))}</td>"
+            f"<td class='num'>{fmt_count(e.get('hits') or 0)}</td>"
+            f"<td>{esc(fmt_ago(e.get('last_used'), now))}</td>"
+            "</tr>"
+        )
+    more = f"<div>… and {len(rows) - MAX_ROWS} more</div>" if len(rows) > MAX_ROWS else ""
+    return (
+        f"<div class='mlxc-h'>Entries ({len(rows)})</div>"
+        f"<div class='mlxc-scroll'><table class='mlxc-t mlxc-entries'>{head}{''.join(body)}</table></div>{more}"
+    )
+
+
+def _describe(ev: dict) -> str:
+    t = ev.get("type")
+    bits = []
+    if ev.get("tokens") is not None:
+        bits.append(f"{fmt_count(ev['tokens'])} tokens")
+    nbytes = ev.get("nbytes", ev.get("bytes"))
+    if nbytes is not None:
+        bits.append(fmt_bytes(nbytes))
+    if t == "supersede" and ev.get("by_tokens") is not None:
+        bits.append(f"by {fmt_count(ev['by_tokens'])} tokens")
+    if ev.get("path") and t in ("quarantine", "evict"):
+        bits.append(str(ev["path"]).rsplit("/", 1)[-1][:16] + "…")
+        if t == "evict":
+            bits.append("SSD")
+    if ev.get("error"):
+        bits.append(preview_text(ev["error"], 80))
+    return ", ".join(bits)
+
+
+def render_log(events) -> str:
+    rows = []
+    for ev in reversed(list(events)):
+        ts = time.strftime("%H:%M:%S", time.localtime(ev.get("time") or time.time()))
+        rows.append(
+            f"<tr class='mlxc-log-row mlxc-log-{esc(ev.get('type'))}'><td>{ts}</td><td>{esc(ev.get('type'))}</td>"
+            f"<td>{esc(ev.get('reason') or '')}</td><td>{esc(_describe(ev))}</td></tr>"
+        )
+    if not rows:
+        return "<div class='mlxc-h'>Evictions and demotions</div><div class='mlxc-log mlxc-empty'>none yet</div>"
+    return (
+        f"<div class='mlxc-h'>Evictions and demotions ({len(rows)})</div><div class='mlxc-scroll'><table class='mlxc-t mlxc-log'>"
+        "<tr><th>time</th><th>event</th><th>reason</th><th>what</th></tr>" + "".join(rows) + "</table></div>"
+    )
+
+
+def ram_label(s: dict) -> str:
+    used, budget, n = s.get("ram_used_bytes") or 0, s.get("ram_budget_bytes"), s.get("ram_entries") or 0
+    return (
+        f"<span data-used='{used}'>{fmt_bytes(used)} of {fmt_bytes(budget) if budget else 'no budget'}"
+        f" · {n} entr{'y' if n == 1 else 'ies'}</span>"
+    )
+
+
+def ssd_label(s: dict) -> str:
+    if not ssd_enabled(s):
+        return "<span>SSD tier off</span>"
+    used, cap, files = s.get("ssd_bytes") or 0, s.get("ssd_budget_bytes"), s.get("ssd_files") or 0
+    return (
+        f"<span data-used='{used}'>{fmt_bytes(used)} of {fmt_bytes(cap) if cap else 'no cap'}"
+        f" · {files} file{'' if files == 1 else 's'}</span>"
+    )
+
+
+def ssd_enabled(s: dict) -> bool:
+    return bool(s.get("ssd_enabled", "ssd_bytes" in s))
+
+
+def write_progress(s: dict) -> tuple[int, int]:
+    """(bytes written, bytes in total) of the write in progress; total 0 when none is."""
+    return s.get("write_in_progress_bytes") or 0, s.get("write_in_progress_total") or 0
+
+
+def write_label(s: dict) -> str:
+    pending, pbytes = s.get("pending_writes") or 0, s.get("pending_write_bytes") or 0
+    done, total = write_progress(s)
+    cur = f" · writing {fmt_bytes(done)} of {fmt_bytes(total)}" if total else ""
+    dirty, failed = s.get("dirty_entries") or 0, s.get("failed_entries") or 0
+    extra = ""
+    if dirty:
+        db = s.get("dirty_bytes")
+        extra += f" · {dirty} dirty" + (f" ({fmt_bytes(db)})" if db is not None else "")
+    if failed:
+        fb = s.get("failed_bytes")
+        extra += f" · <span class='mlxc-state-failed'>{failed} failed" + (f" ({fmt_bytes(fb)})" if fb is not None else "") + "</span>"
+    return f"<span data-pending='{pending}' data-failed='{failed}'>{pending} pending ({fmt_bytes(pbytes)}){cur}{extra}</span>"
