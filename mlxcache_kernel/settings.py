@@ -53,13 +53,6 @@ _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z%]*)\s*$")
 _NONE = ("", "none", "off", "unlimited", "null")
 
 
-def physical_memory() -> int | None:
-    try:
-        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
 def parse_size(value, *, what: str = "size", allow_none: bool = False) -> int | None:
     """Parse ``"2GiB"``, ``"512MB"``, ``"1048576"``, ``"25%"`` (of physical memory) or an int.
 
@@ -86,6 +79,8 @@ def parse_size(value, *, what: str = "size", allow_none: bool = False) -> int | 
         raise ValueError(f"{what}: cannot parse {value!r} (use e.g. 2GiB, 512MB, 1073741824 or 25%)")
     number, unit = float(m.group(1)), m.group(2).lower()
     if unit == "%":
+        from mlxcache_kernel.engine.system import physical_memory  # MLX loads with the engine, not before
+
         mem = physical_memory()
         if mem is None:
             raise ValueError(f"{what}: {value!r} is a share of physical memory, which is unknown here")

@@ -11,7 +11,8 @@ import pytest
 from tiny_model import build_tiny_model
 
 from mlxcache_kernel.magics import Generation, interpolate
-from mlxcache_kernel.settings import MLXCache, parse_bool, parse_size, physical_memory
+from mlxcache_kernel.engine.system import physical_memory
+from mlxcache_kernel.settings import MLXCache, parse_bool, parse_size
 
 
 @pytest.fixture(scope="session")

@@ -92,7 +92,7 @@ def _describe(ev: dict) -> str:
     bits = []
     if ev.get("tokens") is not None:
         bits.append(f"{fmt_count(ev['tokens'])} tokens")
-    nbytes = ev.get("nbytes", ev.get("bytes"))
+    nbytes = ev.get("nbytes")
     if nbytes is not None:
         bits.append(fmt_bytes(nbytes))
     if t == "supersede" and ev.get("by_tokens") is not None:

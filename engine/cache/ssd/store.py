@@ -335,7 +335,7 @@ class CheckpointStore:
         except FileNotFoundError:
             pass
         self._stats["evicted"] += 1
-        self._emit({"type": "evict", "path": str(e.path), "reason": reason, "bytes": e.file_bytes})
+        self._emit({"type": "evict", "path": str(e.path), "reason": reason, "nbytes": e.file_bytes})
 
     def _enforce_budget(self, keep: IndexEntry | None = None) -> None:
         if self.ssd_budget_bytes is None:
