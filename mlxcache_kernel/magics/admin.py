@@ -45,6 +45,10 @@ class AdminMagics(EngineMagics):
     @argument("target", nargs="?", help="load: a model directory, hub id or 'smollm2' (default: the configured "
                                         "default model); use/unload/info: a name")
     @argument("--name", "-n", default=None, help="load: the name to register the model under (default: 'default')")
+    @argument("--kv-bits", type=int, choices=[4, 8], default=None,
+              help="load: quantize the KV cache to 4 or 8 bits (RAM and SSD hold the quantized bytes)")
+    @argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
+              help="load: values per quantization group (default 64)")
     @line_magic
     @usage_errors
     def model(self, line):
@@ -52,6 +56,7 @@ class AdminMagics(EngineMagics):
 
         %model load [PATH] [--name N] load a model directory or hub id ('smollm2' = the bundled
                                       SmolLM2-135M-Instruct; no PATH = the configured default model)
+                 [--kv-bits 8]        quantized KV cache (4 or 8 bits; --kv-group-size 32|64|128)
         %model list                   resident models (* marks the default)
         %model use N                  make N the default for %%generate
         %model unload N               drop a model from memory
@@ -59,13 +64,13 @@ class AdminMagics(EngineMagics):
         """
         args = parse_args(self.model, line)
         eng = self.engine
-        if args.name and args.action != "load":
-            raise UsageError(f"--name only applies to %model load, not %model {args.action}")
+        if (args.name or args.kv_bits) and args.action != "load":
+            raise UsageError(f"--name and --kv-bits only apply to %model load, not %model {args.action}")
         if args.action == "list":
             no_target(args.target, "model list")
             self._model_list()
         elif args.action == "load":
-            self._model_load(args.target, args.name or "default")
+            self._model_load(args.target, args.name or "default", kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
         elif args.action == "info":
             for k, v in eng.model_info(args.target).items():
                 if isinstance(v, dict):
@@ -100,15 +105,17 @@ class AdminMagics(EngineMagics):
         show_table(rows, ["", "name", "layers", "kv", "weights", "namespace", "path"],
                    empty="no models loaded (use %model load PATH)")
 
-    def _model_load(self, target: str | None, name: str) -> None:
+    def _model_load(self, target: str | None, name: str, **kv) -> None:
         target = target or self.settings.default_model_spec()
         if not target:
             raise UsageError("%model load needs a path: %model load PATH [--name N] "
                              "(no default model is configured: MLXCACHE_DEFAULT_MODEL=none)")
-        info = self._load(target, name)
+        info = self._load(target, name, **kv)
         star = " (default)" if self.engine.models.default == name else ""
         print(f"loaded {name!r}{star}: {info.get('path')} · {info.get('layers')} layers · "
               f"{info.get('kv_scheme')} · {format_bytes(info.get('parameters_bytes'))} in {fmt_s(info['load_s'])}")
+        if info.get("cache_notice"):
+            print(f"note: {info['cache_notice']}")
 
     # --- %session ---
 

@@ -111,9 +111,9 @@ class EngineMagics(Magics):
         print(f"[mlxcache] loading the default model ({spec}) ...", flush=True)
         self._load(spec, "default")
 
-    def _load(self, spec: str, name: str) -> dict:
+    def _load(self, spec: str, name: str, **kv) -> dict:
         t0 = time.perf_counter()
-        info = self.engine.load_model(resolve_model_spec(spec), name=name)
+        info = self.engine.load_model(resolve_model_spec(spec), name=name, **kv)
         info["load_s"] = time.perf_counter() - t0
         return info
 
