@@ -185,6 +185,10 @@ def test_model_load_list_use_unload(ip, capsys):
     assert res.success and engine(ip).models.default == "second"
     res, out, _ = run(ip, capsys, "%model info second")
     assert "namespace" in out and "identity.artifact" in out
+    res, out, _ = run(ip, capsys, f"%model load {path} --name q8 --kv-bits 8 --kv-group-size 32")
+    assert res.success and "QuantizedKVCache:float32:q8g32" in out
+    assert engine(ip).model_info("q8")["namespace"] != engine(ip).model_info("second")["namespace"]
+    run(ip, capsys, "%model unload q8")
     res, out, _ = run(ip, capsys, "%model unload default")
     assert res.success and engine(ip).models.names() == ["second"]
     res, _, _ = run(ip, capsys, f"{GEN} --model second\nhello")
@@ -199,7 +203,9 @@ def test_model_errors(ip, capsys, tmp_path):
     assert "unknown model 'ghost'" in usage_error(ip, capsys, "%model use ghost")
     assert "unknown model 'ghost'" in usage_error(ip, capsys, "%model unload ghost")
     assert "needs a model name" in usage_error(ip, capsys, "%model use")
-    assert "--name only applies" in usage_error(ip, capsys, "%model list --name x")
+    assert "--name and --kv-bits only apply" in usage_error(ip, capsys, "%model list --name x")
+    assert "--name and --kv-bits only apply" in usage_error(ip, capsys, "%model info --kv-bits 8")
+    assert "invalid choice" in usage_error(ip, capsys, f"%model load {ip.tiny_model_dir} --kv-bits 3")
     assert "unrecognized" in usage_error(ip, capsys, "%model list --bogus")
     assert "takes no name" in usage_error(ip, capsys, "%model list extra")
     assert "takes no name" in usage_error(ip, capsys, "%session list extra")
