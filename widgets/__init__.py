@@ -2,6 +2,6 @@
 
 from .dashboard import ResidencyDashboard
 from .inspector import KVInspector
-from .progress import GenerationProgress, TextProgress, make_progress
+from .progress import GenerationProgress, TextProgress
 
-__all__ = ["ResidencyDashboard", "GenerationProgress", "TextProgress", "KVInspector", "make_progress"]
+__all__ = ["ResidencyDashboard", "GenerationProgress", "TextProgress", "KVInspector"]

@@ -22,7 +22,7 @@ import ipywidgets as W
 
 from .format import esc, progress_line
 
-__all__ = ["GenerationProgress", "TextProgress", "ProgressTracker", "make_progress"]
+__all__ = ["GenerationProgress", "TextProgress", "ProgressTracker"]
 
 
 class ProgressTracker:
@@ -173,7 +173,3 @@ class TextProgress:
     def __exit__(self, *exc) -> None:
         self.finish()
 
-
-def make_progress(widgets: bool = True, **kwargs):
-    """A GenerationProgress for widget frontends, else a TextProgress."""
-    return GenerationProgress(**kwargs) if widgets else TextProgress(**kwargs)

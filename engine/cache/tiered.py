@@ -99,6 +99,7 @@ class TieredPromptCache(PromptCache):
         move: bool = False,
     ) -> Lease | None:
         self.poll()
+        prompt = as_token_array(prompt)  # once: the RAM and SSD lookups both compare arrays
         entry, n_ram = self.best(prompt, ns, session)
         if self.store is not None:
             restored = self._restore_longer(prompt, ns, n_ram, progress)
