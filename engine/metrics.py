@@ -104,7 +104,7 @@ class GenerationMetrics:
 
 
 def generation_stats(*, prompt_tokens, cached, source, prefilled, lookup_s, prefill_s, t0, token_times,
-                     decoded, peak_memory) -> dict:
+                     decode_tokens, finish_reason, peak_memory) -> dict:
     """One generation's `GenerationResult.stats`.
 
     Decode speed is (n - 1) tokens over the time from the first to the last
@@ -123,9 +123,9 @@ def generation_stats(*, prompt_tokens, cached, source, prefilled, lookup_s, pref
         "prefill_s": prefill_s,
         "prefill_tokens_per_s": (prefilled / prefill_s) if prefilled and prefill_s > 0 else None,
         "ttft_s": token_times[0] - t0 if token_times else None,
-        "decode_tokens": len(decoded.tokens),
+        "decode_tokens": decode_tokens,
         "decode_tokens_per_s": (n - 1) / span if span > 0 else None,
         "total_s": (token_times[-1] - t0) if token_times else None,
-        "finish_reason": decoded.finish_reason,
+        "finish_reason": finish_reason,
         "peak_memory_bytes": peak_memory,
     }

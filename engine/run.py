@@ -67,7 +67,8 @@ class Generation:
         self.cache = engine.cache
         self.rid = request_id(req.ns, req.tokens, req.params.as_dict())
         self.emitted: list[int] = []  # tokens a resumed run had already emitted
-        self.decoded = DecodeResult()
+        self.decoded = DecodeResult()  # what this run decodes (after `emitted`)
+        self.decode_ran = False  # a resumed run whose record already held every token decodes nothing
         self.times: list[float] = []  # when each token was emitted
         self.stream = TextStream(req.model.tokenizer, req.params.stop)
 
@@ -116,12 +117,13 @@ class Generation:
             prompt_tokens=len(req.tokens), cached=cached, source=lease.source if lease else None,
             # the last prompt token goes in with the first decode step
             prefilled=len(suffix) + (0 if self.emitted else 1), lookup_s=t_lookup, prefill_s=prefill_s,
-            t0=t0, token_times=self.times, decoded=self.decoded,
+            t0=t0, token_times=self.times, decode_tokens=len(self.emitted) + len(self.decoded.tokens),
+            finish_reason=self.decoded.finish_reason,
             peak_memory=int(mx.get_peak_memory()) if hasattr(mx, "get_peak_memory") else None,
         )
         stats["resumed_from"] = len(self.emitted) or None
         self.engine.metrics.record(req.ns, stats)
-        return GenerationResult(self.stream.text, self.decoded.tokens, stats, list(req.tokens))
+        return GenerationResult(self.stream.text, self.emitted + self.decoded.tokens, stats, list(req.tokens))
 
     # --- steps ---
 
@@ -159,15 +161,15 @@ class Generation:
             return self.stream.stopped
 
         if len(emitted) >= req.params.max_tokens:  # the killed run had emitted everything
-            self.decoded.tokens, self.decoded.finish_reason = list(emitted), "length"
+            self.decoded.finish_reason = "length"
             self._show(self.stream.finish())
             return
         pending = emitted[-1:] if emitted else req.tokens[-1:]
+        self.decode_ran = True
         decode(req.model.model, caches, pending, req.params, eos_ids=req.model.eos_token_ids,
                first_step=len(emitted), on_token=on_token, into=self.decoded, sync_at=boundary_due)
         if len(self.times) < len(self.decoded.tokens):  # the eos token is not passed to on_token
             self.times.append(time.perf_counter())
-        self.decoded.tokens = list(emitted) + self.decoded.tokens
         self._show(self.stream.finish())
 
     def _snapshot_prompt(self, caches: list) -> None:
@@ -207,9 +209,17 @@ class Generation:
         inflight, rid = self.engine.inflight, self.rid
         self.cache.queue_inflight(cp, self.req.ns, on_commit=lambda info: inflight.write(rid, record))
 
+    def _known_tokens(self) -> list:
+        """The tokens the caches hold, as far as this run knows them (an interrupt may
+        leave fewer: `_publish_interrupted` cuts back to the shortest layer)."""
+        if not self.decode_ran:  # a finished resume: the caches hold the boundary it restored
+            return self.req.tokens + self.emitted[:-1]
+        # a fresh run forwarded its last prompt token, a resumed one its pending token, at step 0
+        return self.req.tokens + self.emitted + self.decoded.tokens[: self.decoded.forwarded]
+
     def _publish_final(self, caches: list) -> None:
-        req, decoded = self.req, self.decoded
-        final = req.tokens + decoded.tokens[: len(self.emitted) + decoded.forwarded]
+        req = self.req
+        final = self._known_tokens()
         entry = self.cache.put(Checkpoint.capture(final, caches), req.ns, session=req.session,
                                prompt_tokens=len(req.tokens))
         if entry is not None:

@@ -329,3 +329,29 @@ def test_clearing_ram_keeps_what_is_not_on_ssd(tiny_model_dir, tmp_path):
     assert report["kept_not_durable"] == 0 and eng.cache.entries() == []
     assert eng.generate(PROMPT, max_tokens=6).stats["cache_source"] == "ssd"
     eng.close()
+
+
+def test_resume_of_a_record_holding_every_token_emits_no_more(tiny_model_dir, tmp_path):
+    """A record written at the last step (older builds did) finishes the request as it stands."""
+    from mlxcache_kernel.engine import SamplingParams
+    from mlxcache_kernel.engine.inflight import InflightRecords, request_id
+    from mlxcache_kernel.engine.kv.tokens import token_key
+
+    eng = new_engine(tmp_path / "c", tiny_model_dir)
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=2)
+    prompt = eng.encode_prompt(PROMPT)
+    done = eng.generate_tokens(prompt, params)  # its final state is the boundary prompt + emitted[:-1]
+    assert done.stats["finish_reason"] == "length"
+    eng.flush()
+    ns = eng.models.get().namespace
+    boundary = prompt + done.tokens[:-1]
+    assert eng.cache.on_ssd(boundary, ns)
+    eng.close()
+    rid = request_id(ns, prompt, params.as_dict())
+    InflightRecords(tmp_path / "c" / "inflight").write(  # as a killed process would have left it
+        rid, {"namespace": ns, "prompt_tokens": len(prompt), "emitted": done.tokens, "boundary_key": token_key(boundary)})
+    eng = new_engine(tmp_path / "c", tiny_model_dir)
+    r = eng.generate_tokens(prompt, params)
+    assert r.stats["resumed_from"] == 6 and r.tokens == done.tokens and r.stats["decode_tokens"] == 6
+    assert r.text == done.text and not eng.inflight.list()
+    eng.close()
