@@ -219,3 +219,17 @@ def test_questions_about_one_document_do_not_move_each_others_state(engine):
     ns = engine.models.get().namespace
     a_tokens = engine.encode_prompt(doc + "Question A?") + a.tokens[:5]
     assert engine.cache.get_exact(a_tokens, ns) is not None, "question A's state stays in RAM"
+
+
+def test_stats_follow_the_one_schema(tiny_model_dir, tmp_path):
+    from mlxcache_kernel.engine.metrics import SCHEMA
+
+    with Engine(cache_dir=tmp_path / "ssd") as eng:
+        eng.load_model(tiny_model_dir)
+        eng.generate(PROMPTS[0], max_tokens=4)
+        eng.flush()
+        s = eng.stats()
+        assert set(s) == set(SCHEMA)
+        assert s["ram_kv_bytes"] <= s["ram_used_bytes"] and 0 < s["ssd_kv_bytes"] <= s["ssd_bytes"]
+    with Engine(cache_dir=tmp_path / "ram", ssd=False) as eng:
+        assert set(eng.stats()) <= set(SCHEMA)
