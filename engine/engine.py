@@ -8,6 +8,8 @@ which every public call drains first.
 from __future__ import annotations
 
 import os
+import sqlite3
+import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -50,26 +52,30 @@ class Engine:
         idle_demote_s: float | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
     ):
-        self.cache_dir = make_private_dir(cache_dir or default_cache_dir())
+        self.cache_dir = Path(cache_dir or default_cache_dir()).expanduser()
         self.events = EventBus()
-        self.models = ModelRegistry(IdentityMemo(self.cache_dir / "identities.json"))
         self.sessions = Sessions()
         self.prefill_chunk = int(prefill_chunk)
-        self.cache = TieredPromptCache(
-            ram_budget_bytes=default_ram_budget() if ram_budget_bytes is None else int(ram_budget_bytes),
-            ssd_dir=self.cache_dir / "checkpoints" if ssd else None,
-            ssd_budget_bytes=ssd_budget_bytes,
-            write_behind=write_behind,
-            idle_demote_s=idle_demote_s,
-            emit=self.events.emit,
-        )
+        self.ssd_disabled_reason: str | None = None  # why a requested SSD tier is off
+        budget = default_ram_budget() if ram_budget_bytes is None else int(ram_budget_bytes)
+        kw = dict(ssd_budget_bytes=ssd_budget_bytes, write_behind=write_behind, idle_demote_s=idle_demote_s,
+                  emit=self.events.emit)
+        try:
+            make_private_dir(self.cache_dir)
+            self.cache = TieredPromptCache(ram_budget_bytes=budget, ssd_dir=self.cache_dir / "checkpoints" if ssd
+                                           else None, **kw)
+        except (OSError, sqlite3.Error) as e:  # read-only, full, or another user's directory
+            self.ssd_disabled_reason = f"cache directory {self.cache_dir} is not usable ({e}): running RAM-only"
+            warnings.warn(f"mlxcache: {self.ssd_disabled_reason}", stacklevel=2)
+            self.cache = TieredPromptCache(ram_budget_bytes=budget, ssd_dir=None, **kw)
+        usable = self.ssd_disabled_reason is None
+        self.models = ModelRegistry(IdentityMemo(self.cache_dir / "identities.json" if usable else None))
         self.metrics = GenerationMetrics()
         self.last_result: GenerationResult | None = None
         self.last_key: tuple | None = None  # (namespace, tokens) of the last generation's checkpoint
-        self.names = NamedCheckpoints(self.cache_dir / "names")
-        self.inflight = InflightRecords(self.cache_dir / "inflight")
-        for ns, tokens in self.names.pinned_keys():
-            self.cache.protect(ns, tokens)
+        self.names = NamedCheckpoints(self.cache_dir / "names" if usable else None)
+        self.inflight = InflightRecords(self.cache.catalog, legacy_dir=self.cache_dir / "inflight")
+        self.cache.sync_pins({r["name"]: (r["namespace"], tuple(r["tokens"])) for r in self.names.list()})
         self._closed = False
 
     # --- models ---
@@ -206,6 +212,7 @@ class Engine:
             "default_model": self.models.default,
             "sessions": len(self.sessions.list()),
             "cache_dir": str(self.cache_dir),
+            "ssd_disabled_reason": self.ssd_disabled_reason,
             **self.metrics.as_stats(),
             **self.cache.stats(),
         }
@@ -293,7 +300,7 @@ class Engine:
     def checkpoint_remove(self, name: str) -> dict:
         record = self.names.remove(name)
         ns, tokens = record["namespace"], tuple(record["tokens"])
-        self.cache.unpin(ns, tokens, name, still_named=(ns, tokens) in self.names.pinned_keys())
+        self.cache.unpin(ns, tokens, name)
         return self._named_summary(record)
 
     def checkpoint_list(self) -> list[dict]:
@@ -363,9 +370,11 @@ class Engine:
         self.events.emit("cache_cleared", ram_entries=ram - kept, ssd=ssd)
         return {"ram_entries": ram - kept, "kept_not_durable": kept, "ssd_files": files_removed}
 
-    def cache_gc(self) -> dict:
-        """Remove what nothing can use: quarantined files, stale temp files, dangling names and resume records."""
-        report = {**self.cache.gc_files(), "dangling_names": [], "inflight_removed": 0}
+    def cache_gc(self, dry_run: bool = False) -> dict:
+        """Remove what nothing can use: quarantined files, stale temp files and resume records
+        without their checkpoint; report them (dry_run: only report). Names whose state is
+        gone are listed, not removed."""
+        report = {**self.cache.gc_files(dry_run), "dangling_names": [], "inflight_removed": 0}
         for r in self.names.list():
             ns, tokens = r["namespace"], tuple(r["tokens"])
             if self.cache.get_exact(tokens, ns) is None and not self.cache.on_ssd(tokens, ns):
@@ -373,7 +382,8 @@ class Engine:
         committed = self.cache.ssd_keys()
         for record in self.inflight.list():
             if (record.get("namespace"), record.get("boundary_key")) not in committed:
-                self.inflight.finish(record["request"])
+                if not dry_run:
+                    self.inflight.finish(record["request"])
                 report["inflight_removed"] += 1
         return report
 

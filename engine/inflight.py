@@ -3,10 +3,12 @@
 Every N decoded tokens a generation queues its cache at the boundary
 "prompt + emitted[:-1]" with the pending token emitted[-1]; once that file
 commits, the writer thread records the request's sampler state (seed, step,
-emitted tokens) here. An identical request (same namespace, prompt tokens and
-sampling settings) finds the record, restores the boundary and continues at
-step len(emitted): with (seed, step) sampling that is exactly the
-uninterrupted output. Completion removes the record; an interrupt keeps it.
+emitted tokens) in the catalogue. An identical request (same namespace,
+prompt tokens and sampling settings), in this process or another, finds the
+record, restores the boundary and continues at step len(emitted): with
+(seed, step) sampling that is exactly the uninterrupted output. Completion
+removes the record; an interrupt keeps it. Without an SSD tier there is
+nothing to resume from, and no records.
 """
 
 from __future__ import annotations
@@ -14,11 +16,10 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-import time
 from pathlib import Path
 from typing import Sequence
 
-from .system import make_private_dir, write_json_atomic
+from .cache.catalog import Catalog
 
 
 def request_id(namespace: str, tokens: Sequence[int], params: dict) -> str:
@@ -27,20 +28,26 @@ def request_id(namespace: str, tokens: Sequence[int], params: dict) -> str:
 
 
 class InflightRecords:
-    def __init__(self, directory: Path):
-        self.dir = make_private_dir(directory)
+    def __init__(self, catalog: Catalog | None, legacy_dir: Path | None = None):
+        self.catalog = catalog
         self._lock = threading.Lock()
         self._finished: set[str] = set()  # requests whose late writes must not re-create a record
+        if catalog is not None and legacy_dir is not None and legacy_dir.is_dir():
+            self._migrate(legacy_dir)
 
-    def _path(self, rid: str) -> Path:
-        if not all(c in "0123456789abcdef" for c in rid) or len(rid) != 32:
-            raise ValueError(f"bad request id {rid!r}")
-        return self.dir / f"{rid}.json"
+    def _migrate(self, legacy_dir: Path) -> None:
+        """Records of builds that kept them as JSON files move into the catalogue."""
+        for p in legacy_dir.glob("*.json"):
+            try:
+                record = json.loads(p.read_text())
+                self.catalog.inflight_put(record["request"], record)
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+            p.unlink(missing_ok=True)
 
     def load(self, rid: str) -> dict | None:
-        try:
-            record = json.loads(self._path(rid).read_text())
-        except (OSError, ValueError):
+        record = self.catalog.inflight_get(rid) if self.catalog is not None else None
+        if record is None:
             return None
         emitted = record.get("emitted")
         if record.get("request") != rid or not isinstance(emitted, list) or not emitted:
@@ -50,15 +57,14 @@ class InflightRecords:
         return record
 
     def write(self, rid: str, record: dict) -> None:
-        """Atomically replace the record (writer thread), unless the request already finished."""
-        path = self._path(rid)
+        """Replace the record (writer thread), unless the request already finished."""
         with self._lock:
-            if rid in self._finished:
+            if rid in self._finished or self.catalog is None:
                 return
             current = self.load(rid)
             if current is not None and len(current["emitted"]) >= len(record["emitted"]):
                 return  # never step back to an older boundary
-            write_json_atomic(path, {**record, "request": rid, "time": time.time()})
+            self.catalog.inflight_put(rid, {**record, "request": rid})
 
     def start(self, rid: str) -> None:
         with self._lock:
@@ -67,15 +73,9 @@ class InflightRecords:
     def finish(self, rid: str) -> None:
         with self._lock:
             self._finished.add(rid)
-            try:
-                self._path(rid).unlink()
-            except FileNotFoundError:
-                pass
+            if self.catalog is not None:
+                self.catalog.inflight_delete(rid)
 
     def list(self) -> list[dict]:
-        out = []
-        for p in self.dir.glob("*.json"):
-            record = self.load(p.stem)
-            if record is not None:
-                out.append(record)
-        return out
+        records = self.catalog.inflight_all() if self.catalog is not None else []
+        return [r for r in records if self.load(r.get("request", "")) is not None]

@@ -20,6 +20,7 @@ SCHEMA = {
     "default_model": "the model used when none is named",
     "sessions": "open chat sessions",
     "cache_dir": "the cache directory",
+    "ssd_disabled_reason": "why the SSD tier is off though it was asked for (None: it is on, or was not asked for)",
     "engine_generations": "generations run",
     "engine_prompt_tokens": "prompt tokens over all generations",
     "engine_cached_tokens": "prompt tokens served from the cache (RAM or SSD)",
@@ -60,6 +61,8 @@ SCHEMA = {
     "writes_failed": "SSD writes that failed",
     "bytes_written": "file bytes committed to SSD",
     "inflight_queued": "in-flight generation checkpoints queued",
+    "dropped_unwritable": "RAM entries let go over budget while their SSD writes kept failing",
+    "write_error": "the latest SSD write error, until a write succeeds again",
     # SSD tier (present when it is on)
     "ssd_files": "checkpoint files on SSD",
     "ssd_bytes": "file bytes on SSD",
@@ -69,7 +72,10 @@ SCHEMA = {
     "ssd_restores": "files restored",
     "ssd_restore_bytes": "KV bytes restored",
     "ssd_restore_seconds": "seconds spent restoring (read and verify)",
-    "ssd_evicted": "files removed by supersession or the SSD budget",
+    "ssd_evicted": "files removed by supersession, the SSD budget or clear",
+    "ssd_newer_format_files": "files of a newer format version, left alone",
+    "ssd_processes": "processes using this cache directory now (this one included)",
+    "ssd_processes_pending_writes": "SSD writes those processes have pending",
 }
 
 _GENERATION_COUNTERS = (

@@ -2,8 +2,10 @@
 
 A name is a small JSON record in `<cache_dir>/names/` (0600) pointing at a
 checkpoint by namespace and exact tokens, with the chat session it came from
-(if any). The KV itself lives in the tiered cache; a pinned checkpoint is
-never deleted by a budget (RAM may demote it once it is durable on SSD).
+(if any). The KV itself lives in the tiered cache; the records are the truth
+for the catalogue's pins (which every process honors: no cap, clear or
+supersession deletes a pinned file), and RAM may demote a named checkpoint
+once it is durable on SSD.
 """
 
 from __future__ import annotations
@@ -25,10 +27,14 @@ def check_name(name: str) -> str:
 
 
 class NamedCheckpoints:
-    def __init__(self, directory: Path):
-        self.dir = make_private_dir(directory)
+    """Records in `directory`; None when the cache directory cannot be written (no names then)."""
+
+    def __init__(self, directory: Path | None):
+        self.dir = make_private_dir(directory) if directory is not None else None
 
     def _path(self, name: str) -> Path:
+        if self.dir is None:
+            raise CheckpointNameError("named checkpoints need a writable cache directory (see %cache stats)")
         return self.dir / f"{check_name(name)}.json"
 
     def save(self, name: str, record: dict) -> dict:
@@ -54,13 +60,10 @@ class NamedCheckpoints:
 
     def list(self) -> list[dict]:
         out = []
-        for path in sorted(self.dir.glob("*.json")):
+        for path in sorted(self.dir.glob("*.json")) if self.dir is not None else ():
             try:
                 out.append(json.loads(path.read_text()))
             except (OSError, ValueError):
                 continue  # a damaged record is skipped, not fatal
         return out
 
-    def pinned_keys(self) -> set[tuple]:
-        """(namespace, tokens) of every named checkpoint."""
-        return {(r["namespace"], tuple(r["tokens"])) for r in self.list() if "namespace" in r}

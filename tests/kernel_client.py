@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -108,10 +107,6 @@ def generated_text(res: dict) -> str:
 
 def inflight_progress(cache_dir: Path) -> int:
     """Tokens emitted by the newest in-flight resume record under a cache directory."""
-    best = 0
-    for p in (cache_dir / "inflight").glob("*.json"):
-        try:
-            best = max(best, len(json.loads(p.read_text()).get("emitted", [])))
-        except (OSError, ValueError):
-            pass
-    return best
+    from catalog_view import inflight_records
+
+    return max((len(r.get("emitted", [])) for r in inflight_records(cache_dir)), default=0)

@@ -23,6 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from catalog_view import inflight_records
 from tiny_archs import ARCHS, build_arch_model
 
 from mlxcache_kernel.engine import Engine, SamplingParams
@@ -197,11 +198,11 @@ def test_kill9_resume_is_exact(arch_model, tmp_path, mode):
     cache = tmp_path / "c"
     script = KILL_SCRIPT.format(tests=TESTS, cache=str(cache), model=str(path), prompt=P, params=params.as_dict())
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    inflight, deadline = cache / "inflight", time.time() + 120
+    deadline = time.time() + 120
     try:
         while time.time() < deadline:
-            records = list(inflight.glob("*.json")) if inflight.exists() else []
-            if records and len(json.loads(records[0].read_text())["emitted"]) >= 9:
+            records = inflight_records(cache)
+            if records and len(records[0]["emitted"]) >= 9:
                 break
             assert proc.poll() is None, proc.communicate()[1][-3000:]
             time.sleep(0.02)
@@ -209,10 +210,10 @@ def test_kill9_resume_is_exact(arch_model, tmp_path, mode):
     finally:
         proc.kill()
         proc.wait()
-    emitted = len(json.loads(next(inflight.glob("*.json")).read_text())["emitted"])
+    emitted = len(inflight_records(cache)[0]["emitted"])
     with Engine(cache_dir=cache) as eng:
         eng.load_model(path, name="m")
         r = eng.generate_tokens(P, params, checkpoint_every=3)
         assert r.stats["resumed_from"] == emitted >= 9, arch
         assert r.tokens == expected, arch
-        assert not list(inflight.glob("*.json"))
+        assert not inflight_records(cache)

@@ -426,8 +426,7 @@ def test_cache_verify_and_gc(ip, capsys):
     run(ip, capsys, "%cache flush")
     res, out, _ = run(ip, capsys, "%cache verify")
     assert res.success and "intact" in out
-    files = [p for p in Path(engine(ip).cache_dir).rglob("*") if p.is_file() and p.stat().st_size > 16384]
-    files = [p for p in files if "checkpoint" in str(p.parent) or p.suffix not in (".json",)]
+    files = list(Path(engine(ip).cache_dir).rglob("*.ckpt"))
     assert files
     victim = max(files, key=lambda p: p.stat().st_size)
     data = bytearray(victim.read_bytes())
@@ -435,8 +434,12 @@ def test_cache_verify_and_gc(ip, capsys):
     victim.write_bytes(bytes(data))
     res, out, _ = run(ip, capsys, "%cache verify")
     assert res.success and "1 bad file" in out
+    res, out, _ = run(ip, capsys, "%cache gc --dry-run")
+    assert res.success and out.startswith("gc (dry run):") and "quarantine" in out
+    assert list((Path(engine(ip).cache_dir) / "checkpoints" / "quarantine").iterdir())
     res, out, _ = run(ip, capsys, "%cache gc")
-    assert res.success and out.startswith("gc:")
+    assert res.success and out.startswith("gc:") and "1 quarantined file" in out
+    assert not list((Path(engine(ip).cache_dir) / "checkpoints" / "quarantine").iterdir())
 
 
 def test_cache_errors(ip, capsys):

@@ -15,7 +15,6 @@ from mlx_lm.models.cache import KVCache
 
 from mlxcache_kernel.engine.kv.checkpoint import Checkpoint
 from mlxcache_kernel.engine.cache.ssd import format as fmt
-from mlxcache_kernel.engine.cache.ssd import store as store_mod
 from mlxcache_kernel.engine.cache.ssd.restore import restore
 from mlxcache_kernel.engine.cache.ssd.store import CheckpointStore, CheckpointUnavailable
 
@@ -44,7 +43,7 @@ def commit(store, cp, ns="ns", identity=IDENTITY, trimmable=None, min_reusable_o
     info = fmt.write_checkpoint(
         path, identity=identity, namespace=ns, tokens=cp.tokens, layout=cp.layout(),
         min_reusable_offset=min_reusable_offset, host_tensors=cp.host_tensors(),
-        trimmable=cp.trimmable if trimmable is None else trimmable,
+        trimmable=cp.trimmable if trimmable is None else trimmable, commit=store.commit,
     )
     return store.publish(info)
 
@@ -150,7 +149,7 @@ def test_restore_quarantines_bad_tensor_data(tmp_path, damage):
     assert len(ev) == 1
 
 
-@pytest.mark.parametrize("damage", ["magic", "json", "future", "truncated", "misnamed"])
+@pytest.mark.parametrize("damage", ["magic", "json", "truncated", "misnamed"])
 def test_bad_files_quarantined_at_index_build(tmp_path, damage):
     s, _ = _events(tmp_path)
     e = commit(s, make_checkpoint(list(range(1, 41))))
@@ -159,8 +158,6 @@ def test_bad_files_quarantined_at_index_build(tmp_path, damage):
         e.path.write_bytes(b"GARBAGE!" + data[8:])
     elif damage == "json":
         e.path.write_bytes(data[:60] + b"}" + data[61:])
-    elif damage == "future":
-        e.path.write_bytes(data[:8] + (99).to_bytes(4, "little") + data[12:])
     elif damage == "truncated":
         e.path.write_bytes(data[: len(data) // 2])
     elif damage == "misnamed":  # a valid file under another prefix's name
@@ -169,6 +166,19 @@ def test_bad_files_quarantined_at_index_build(tmp_path, damage):
     assert s2.entries() == [] and s2.stats()["quarantined"] == 1
     assert ev[0]["type"] == "quarantine" and ev[0]["reason"]
     assert len(os.listdir(tmp_path / "c" / "quarantine")) == 1
+
+
+def test_newer_format_file_is_left_alone(tmp_path):
+    s, _ = _events(tmp_path)
+    e = commit(s, make_checkpoint(list(range(1, 41))))
+    data = e.path.read_bytes()
+    e.path.write_bytes(data[:8] + (99).to_bytes(4, "little") + data[12:])  # as a newer build would write it
+    s2, ev = _events(tmp_path)
+    assert s2.entries() == [] and s2.stats()["newer_format_files"] == 1  # not served
+    assert ev == [] and e.path.read_bytes()[8:12] == (99).to_bytes(4, "little")  # not quarantined, not changed
+    s2.clear()
+    s2.gc()
+    assert e.path.exists()  # neither clear nor gc deletes what this build cannot read
 
 
 def test_identity_mismatch(tmp_path):
@@ -223,7 +233,7 @@ def test_supersession(tmp_path):
     assert s.stats()["files"] == 3 and len(os.listdir(tmp_path / "ns")) == 3
 
 
-def test_other_process_commit_is_found_after_refresh(tmp_path, monkeypatch):
+def test_other_process_commit_is_found_by_the_next_lookup(tmp_path):
     root = tmp_path / "c"
     s = new_store(root)
     script = IMPORTS + textwrap.dedent(f"""
@@ -234,17 +244,16 @@ def test_other_process_commit_is_found_after_refresh(tmp_path, monkeypatch):
         cp = Checkpoint.capture(list(range(1, 13)), [c])
         path = s.prepare_path("ns", cp.tokens)
         s.publish(fmt.write_checkpoint(path, identity={IDENTITY!r}, namespace="ns", tokens=cp.tokens,
-                  layout=cp.layout(), min_reusable_offset=0, host_tensors=cp.host_tensors(), trimmable=True))
+                  layout=cp.layout(), min_reusable_offset=0, host_tensors=cp.host_tensors(), trimmable=True,
+                  commit=s.commit))
     """)
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
-    monkeypatch.setattr(store_mod, "REFRESH_INTERVAL_S", 0.2)
-    time.sleep(0.25)
-    hit = s.find(list(range(1, 20)), "ns")
+    hit = s.find(list(range(1, 20)), "ns")  # the next lookup sees it: no rescan, no delay
     assert hit is not None and hit.match_len == 12
     assert np.array_equal(np.array(restore(s, hit).arrays()[0]), np.ones((1, 2, 12, 8), np.float32))
 
 
-def test_refresh_is_throttled_and_forgets_vanished_files(tmp_path, monkeypatch):
+def test_lookup_does_no_io_and_a_vanished_file_is_forgotten(tmp_path):
     s = new_store(tmp_path)
     e = commit(s, make_checkpoint(list(range(1, 11))))
     os.unlink(e.path)  # another process removed it
@@ -332,9 +341,11 @@ def test_verify_all_remove_clear(tmp_path):
     bad = s.verify_all()
     assert [p for p, _ in bad] == [b.path] and "SHA-256" in bad[0][1]
     assert [e.key for e in s.entries()] == [a.key]
-    s.remove(a)
-    assert s.entries() == [] and not a.path.exists()
-    commit(s, make_checkpoint(list(range(1, 21))))
     s.clear()
-    assert s.entries() == [] and os.listdir(tmp_path / "c" / "ns") == []
+    assert s.entries() == [] and os.listdir(tmp_path / "c" / "ns") == [] and not a.path.exists()
+    [evidence] = os.listdir(tmp_path / "c" / "quarantine")  # clear keeps what was found bad
+    report = s.gc(dry_run=True)
+    assert report["quarantine_removed"] == [str(tmp_path / "c" / "quarantine" / evidence)]
+    assert os.listdir(tmp_path / "c" / "quarantine") == [evidence]  # a dry run deletes nothing
+    assert s.gc()["quarantine_removed"] == report["quarantine_removed"]
     assert os.listdir(tmp_path / "c" / "quarantine") == []

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from catalog_view import inflight_records
+
 from mlxcache_kernel.engine import Engine
 from mlxcache_kernel.engine.named import CheckpointNameError
 from mlxcache_kernel.engine.cache.ssd import format as fmt
@@ -77,7 +79,6 @@ CORRUPTIONS = {
     "flipped tensor byte": lambda p: _flip(p, _tensor_offset(p)),
     "flipped header byte": lambda p: _flip(p, 200),
     "wrong magic": lambda p: _flip(p, 0),
-    "future version": lambda p: _write_at(p, 8, struct.pack("<I", 99)),
 }
 
 
@@ -85,6 +86,25 @@ def _write_at(path: Path, offset: int, data: bytes) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
         f.write(data)
+
+
+def test_newer_format_file_is_a_miss_left_alone(tiny_model_dir, tmp_path, cold_tokens):
+    """A newer build sharing the directory keeps its files: not served, not quarantined, not deleted."""
+    cache = tmp_path / "cache"
+    eng = new_engine(cache, tiny_model_dir)
+    eng.generate(PROMPT, max_tokens=20)
+    eng.close()
+    files = ckpt_files(cache)
+    for path in files:
+        _write_at(path, 8, struct.pack("<I", 99))
+    eng = new_engine(cache, tiny_model_dir)
+    r = eng.generate(PROMPT, max_tokens=20)
+    assert r.stats["cache_source"] is None and r.tokens == cold_tokens
+    assert eng.stats()["ssd_newer_format_files"] == len(files)
+    eng.cache_clear(ssd=True)
+    eng.cache_gc()
+    eng.close()
+    assert all(p.exists() for p in files) and not list((cache / "checkpoints" / "quarantine").iterdir())
 
 
 @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
@@ -253,24 +273,23 @@ def test_kill_during_checkpointed_generation_resumes_exactly(tiny_model_dir, tmp
     ref.close()
     script = RESUME_SCRIPT.format(tests=str(Path(__file__).parent), cache=str(cache), model=str(tiny_model_dir), prompt=PROMPT)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    inflight = cache / "inflight"
     deadline = time.time() + 120
     while time.time() < deadline:
-        records = list(inflight.glob("*.json")) if inflight.exists() else []
-        if records and len(json.loads(records[0].read_text())["emitted"]) >= 32:
+        records = inflight_records(cache)
+        if records and len(records[0]["emitted"]) >= 32:
             break
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    record = json.loads(next(inflight.glob("*.json")).read_text())
+    [record] = inflight_records(cache)
 
     eng = new_engine(cache, tiny_model_dir)
     r = eng.generate(PROMPT, max_tokens=120, temperature=0.8, seed=11, checkpoint_every=16)
     assert r.stats["resumed_from"] == len(record["emitted"]) >= 32
     assert r.stats["cache_source"] == "ssd"
     assert r.tokens == expected
-    assert not list(inflight.glob("*.json")), "completion removes the resume record"
+    assert not inflight_records(cache), "completion removes the resume record"
     again = eng.generate(PROMPT, max_tokens=120, temperature=0.8, seed=11)  # a new request, not a resume
     assert again.stats["resumed_from"] is None and again.tokens == expected
     eng.close()
@@ -334,6 +353,7 @@ def test_clearing_ram_keeps_what_is_not_on_ssd(tiny_model_dir, tmp_path):
 def test_resume_of_a_record_holding_every_token_emits_no_more(tiny_model_dir, tmp_path):
     """A record written at the last step (older builds did) finishes the request as it stands."""
     from mlxcache_kernel.engine import SamplingParams
+    from mlxcache_kernel.engine.cache.catalog import Catalog
     from mlxcache_kernel.engine.inflight import InflightRecords, request_id
     from mlxcache_kernel.engine.kv.tokens import token_key
 
@@ -348,8 +368,10 @@ def test_resume_of_a_record_holding_every_token_emits_no_more(tiny_model_dir, tm
     assert eng.cache.on_ssd(boundary, ns)
     eng.close()
     rid = request_id(ns, prompt, params.as_dict())
-    InflightRecords(tmp_path / "c" / "inflight").write(  # as a killed process would have left it
+    catalog = Catalog(tmp_path / "c" / "checkpoints" / "catalog.db")  # as a killed process would have left it
+    InflightRecords(catalog).write(
         rid, {"namespace": ns, "prompt_tokens": len(prompt), "emitted": done.tokens, "boundary_key": token_key(boundary)})
+    catalog.close()
     eng = new_engine(tmp_path / "c", tiny_model_dir)
     r = eng.generate_tokens(prompt, params)
     assert r.stats["resumed_from"] == 6 and r.tokens == done.tokens and r.stats["decode_tokens"] == 6

@@ -4,50 +4,34 @@
   strictly longer usable one; that file is restored, verified and published
   in RAM at once.
 - put(): publishes in RAM and, with write-behind on, queues persistence.
-- Eviction persists before it demotes: a victim without a committed SSD copy
-  gets a write queued and stays resident (the budget is soft meanwhile); a
-  failed write leaves it resident, usable and dirty, retried later.
+- Persistence, write states, pins and flush: durability.py (the base class).
 - The writer yields while a generation runs (`generating()`), unless RAM
   is over budget and waiting on writes (the rule lives in ssd/writer.py).
 
 This is the one owner of the SSD store and writer: the engine asks this
-class, never them. Each RAM entry's durability is a `WriteState`.
+class, never them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from enum import Enum
 from pathlib import Path
 from typing import Callable, Sequence
 
 from ..kv.checkpoint import Checkpoint
 from ..kv.tokens import as_token_array, common_prefix_len
-from .ram import Entry, Lease, PromptCache, usable_length
+from .durability import Durability, WriteState
+from .ram import Entry, Lease, usable_length
 from .ssd.restore import restore
 from .ssd.store import CheckpointStore, CheckpointUnavailable
-from .ssd.writer import CheckpointWriter, WriteJob
+from .ssd.writer import CheckpointWriter
 
-RETRY_FAILED_AFTER_S = 5.0
 # Reading and verifying a file costs more than prefilling a handful of tokens.
 MIN_RESTORE_TOKENS = 16
 
 
-class WriteState(str, Enum):
-    """Where a RAM entry's SSD copy stands (a str, so it prints and compares as its value)."""
-
-    NONE = "none"  # no SSD tier
-    DIRTY = "dirty"  # not written yet
-    PENDING = "pending"  # queued or being written
-    COMMITTED = "committed"  # durable on SSD
-    FAILED = "failed"  # the last write failed; retried later
-
-
-_UNWRITTEN = (WriteState.NONE, WriteState.DIRTY, WriteState.FAILED)
-
-
-class TieredPromptCache(PromptCache):
+class TieredPromptCache(Durability):
     def __init__(
         self,
         *,
@@ -58,19 +42,12 @@ class TieredPromptCache(PromptCache):
         idle_demote_s: float | None = None,
         emit: Callable[..., object] | None = None,
     ):
-        super().__init__(ram_budget_bytes, emit)
-        self.write_behind = write_behind
-        self.idle_demote_s = idle_demote_s
-        self.identities: dict[str, dict] = {}
+        super().__init__(ram_budget_bytes, emit, write_behind=write_behind, idle_demote_s=idle_demote_s)
         self.store: CheckpointStore | None = None
         self.writer: CheckpointWriter | None = None
-        self.counters.update(dict.fromkeys((
-            "ssd_hits", "ssd_tokens", "ssd_restore_failures", "demotions", "writes_queued",
-            "writes_committed", "writes_failed", "bytes_written", "inflight_queued",
-        ), 0))
-        self._failed_at: dict[tuple, float] = {}
         if ssd_dir is not None:
-            self.store = CheckpointStore(Path(ssd_dir), ssd_budget_bytes=ssd_budget_bytes, on_event=self._store_event)
+            self.store = CheckpointStore(Path(ssd_dir), ssd_budget_bytes=ssd_budget_bytes, on_event=self._store_event,
+                                         on_removed=self._file_removed)
             self.writer = CheckpointWriter(self.store, under_pressure=self.over_budget)
 
     # --- wiring ---
@@ -109,7 +86,7 @@ class TieredPromptCache(PromptCache):
 
     def _restore_longer(self, prompt, ns, n_ram, progress) -> Lease | None:
         prompt_array = as_token_array(prompt)
-        handle = self.store.find(prompt, ns)
+        handle = self.store.find(prompt, ns, min_len=max(MIN_RESTORE_TOKENS, n_ram + 1))
         if handle is None:
             return None
         handle_tokens = as_token_array(handle.tokens)
@@ -165,7 +142,7 @@ class TieredPromptCache(PromptCache):
         entry = self.get_exact(tokens, ns)
         if entry is not None or self.store is None:
             return entry, ("ram" if entry is not None else None)
-        handle = self.store.find(tokens + (-1,), ns)  # a sentinel: the usable match is at most `tokens`
+        handle = self.store.find(tokens + (-1,), ns, min_len=len(tokens))  # sentinel: at most `tokens`
         if handle is None or handle.match_len != len(tokens):
             return None, None
         try:
@@ -174,179 +151,6 @@ class TieredPromptCache(PromptCache):
             return None, None
         self.counters["ssd_hits"] += 1
         return self.adopt(cp.prefix(len(tokens)), ns), "ssd"
-
-    def queue_inflight(self, cp: Checkpoint, ns: str, on_commit: Callable) -> None:
-        """Queue an in-flight generation checkpoint: SSD only, written promptly (urgent)."""
-        job = WriteJob.from_checkpoint(
-            cp, ns, self.identities[ns], key=("inflight", ns, cp.tokens), urgent=True, on_commit=on_commit
-        )
-        self.writer.submit(job)
-        self.counters["inflight_queued"] += 1
-
-    def persist(self, entry: Entry, timeout: float | None = None) -> bool:
-        """Make exactly this entry durable now (named checkpoints); True when committed."""
-        if self.store is None:
-            return False
-        if not self.store.contains(entry.tokens, entry.ns):
-            if entry.write_state in (WriteState.PENDING, WriteState.COMMITTED):
-                entry.write_state = WriteState.DIRTY  # its file was superseded or capped away: write it again
-            self.writer.wait(timeout)
-            self.poll()
-            if not self.store.contains(entry.tokens, entry.ns):
-                entry.write_state = WriteState.DIRTY
-                self._queue_write(entry)
-                self.writer.wait(timeout)
-                self.poll()
-        return self.store.contains(entry.tokens, entry.ns)
-
-    # --- publication and persistence ---
-
-    def put(self, checkpoint: Checkpoint, ns: str, *, evict: bool = True, defer_write: bool = False, **kw):
-        """Publish in RAM (see PromptCache.put); with write-behind, queue its persistence.
-
-        defer_write leaves the entry dirty until `queue_dirty()`: a prompt
-        snapshot that the generation's final checkpoint supersedes a moment
-        later is then never written at all.
-        """
-        entry = super().put(checkpoint, ns, evict=False, **kw)
-        if entry is not None:
-            entry.write_state = WriteState.NONE if self.store is None else WriteState.DIRTY
-            if self.store is not None and self.write_behind and not defer_write:
-                self._queue_write(entry)
-        if evict:
-            self.enforce_budget()
-        return entry
-
-    def queue_dirty(self) -> None:
-        """Queue persistence of every dirty entry (write-behind)."""
-        if self.write_behind and self.store is not None:
-            for e in self.entries():
-                if e.write_state == WriteState.DIRTY:
-                    self._queue_write(e)
-
-    def _queue_write(self, entry: Entry) -> None:
-        if entry.write_state in (WriteState.PENDING, WriteState.COMMITTED) or entry.ns not in self.identities:
-            return
-        job = WriteJob.from_checkpoint(entry.checkpoint, entry.ns, self.identities[entry.ns], key=(entry.ns, entry.tokens))
-        self.writer.submit(job)
-        entry.write_state = WriteState.PENDING
-        self.counters["writes_queued"] += 1
-        self._emit("write_queued", ns=entry.ns, tokens=len(entry.tokens), nbytes=entry.nbytes)
-
-    def _may_drop(self, entry: Entry, reason: str) -> bool:
-        if self.store is None:
-            return not entry.pinned
-        if self.store.has_durable_prefix(entry.tokens, entry.ns):
-            entry.write_state = WriteState.COMMITTED
-            self.counters["demotions"] += 1
-            self._emit("demote", ns=entry.ns, tokens=len(entry.tokens), nbytes=entry.nbytes, reason=reason)
-            return True
-        if entry.write_state in _UNWRITTEN:
-            self._queue_write(entry)
-        return False
-
-    def poll(self) -> None:
-        """Apply writer completions, retry failures, demote idle entries (owner thread)."""
-        if self.writer is None:
-            return
-        for done in self.writer.poll():
-            if done.key[0] == "inflight":
-                self._emit("inflight_committed" if done.ok else "write_failed", ns=done.namespace,
-                           tokens=done.tokens, error=None if done.ok else str(done.error))
-                continue
-            ns, tokens = done.key
-            entry = self.get_exact(tokens, ns)
-            if done.ok:
-                self.counters["writes_committed"] += 1
-                self.counters["bytes_written"] += int(done.bytes or 0)
-                self._failed_at.pop(done.key, None)
-                if entry is not None:
-                    entry.write_state, entry.write_error = WriteState.COMMITTED, None
-                self._emit("write_committed", ns=ns, tokens=len(tokens), nbytes=done.bytes, seconds=done.seconds)
-            else:
-                self.counters["writes_failed"] += 1
-                self._failed_at[done.key] = time.monotonic()
-                if entry is not None:
-                    entry.write_state, entry.write_error = WriteState.FAILED, str(done.error)
-                self._emit("write_failed", ns=ns, tokens=len(tokens), error=str(done.error))
-        self.queue_dirty()
-        now = time.monotonic()
-        for e in self.entries():
-            if e.write_state == WriteState.FAILED and now - self._failed_at.get((e.ns, e.tokens), 0) > RETRY_FAILED_AFTER_S:
-                self._queue_write(e)
-        self._demote_idle()
-        self.enforce_budget()
-
-    def _demote_idle(self) -> None:
-        if self.idle_demote_s is None or self.store is None:
-            return
-        cutoff = time.time() - self.idle_demote_s
-        for e in self.entries():
-            if e.last_used_time < cutoff and not e.borrowers and not e.pinned and self._may_drop(e, "idle"):
-                self._remove(e)
-
-    def flush(self, timeout: float | None = None) -> dict:
-        """Persist every dirty or failed entry and wait; report what is durable."""
-        if self.writer is None:
-            return {"committed": 0, "failed": [], "pending": 0, "seconds": 0.0}
-        t0 = time.perf_counter()
-        committed_before = self.counters["writes_committed"]
-        self.poll()
-        for e in self.entries():
-            if e.write_state in _UNWRITTEN:
-                self._queue_write(e)
-        failed_before = self.counters["writes_failed"]
-        self.writer.wait(timeout)
-        self.poll()
-        failed = [
-            {"tokens": len(e.tokens), "error": e.write_error}
-            for e in self.entries()
-            if e.write_state == WriteState.FAILED
-        ]
-        report = {
-            "committed": self.counters["writes_committed"] - committed_before,
-            "failed": failed,
-            "failed_writes": self.counters["writes_failed"] - failed_before,
-            "pending": self.writer.pending()[0],
-            "seconds": time.perf_counter() - t0,
-        }
-        self._emit("flush", **{k: v for k, v in report.items() if k != "failed"}, failed_count=len(failed))
-        return report
-
-    def wait_for_writes(self, timeout: float | None = None) -> dict:
-        """Wait for writes already queued, from any thread (touches no MLX, queues nothing)."""
-        if self.writer is None:
-            return {"committed": 0, "pending": 0}
-        before = self.writer.pending()[0]
-        self.writer.wait(None if timeout is None else max(timeout, 0.0))
-        pending = self.writer.pending()[0]
-        return {"committed": max(before - pending, 0), "pending": pending}
-
-    # --- pins (named checkpoints) ---
-
-    def protect(self, ns: str, tokens: Sequence[int], on: bool = True) -> None:
-        """Exempt the SSD file of exactly `tokens` from supersession, caps and clear."""
-        if self.store is not None:
-            self.store.protect(ns, tokens, on)
-
-    def pin(self, entry: Entry, name: str) -> bool:
-        """Pin `entry` under `name` and make it durable now; False (and no pin) if the write fails."""
-        entry.pinned.add(name)
-        if self.store is None:
-            return True
-        self.protect(entry.ns, entry.tokens)
-        if self.persist(entry):
-            return True
-        entry.pinned.discard(name)
-        self.protect(entry.ns, entry.tokens, on=False)
-        return False
-
-    def unpin(self, ns: str, tokens: Sequence[int], name: str, *, still_named: bool) -> None:
-        entry = self.get_exact(tokens, ns)
-        if entry is not None:
-            entry.pinned.discard(name)
-        if not still_named:
-            self.protect(ns, tokens, on=False)
 
     # --- views ---
 
@@ -401,15 +205,21 @@ class TieredPromptCache(PromptCache):
             "dirty_bytes": sum(e.nbytes for e in dirty),
             "failed_entries": len(failed),
             "failed_bytes": sum(e.nbytes for e in failed),
+            "write_error": self.write_error,
             **self.counters,
         }
         if self.store is not None:
             out.update({f"ssd_{k}": v for k, v in self.store.stats().items()})
         return out
 
-    def gc_files(self) -> dict:
-        """Remove quarantined files and stale temp files."""
-        return self.store.gc() if self.store is not None else {"quarantine_removed": 0, "temp_removed": 0}
+    @property
+    def catalog(self):
+        """The shared catalogue of the SSD directory (None without an SSD tier)."""
+        return self.store.catalog if self.store is not None else None
+
+    def gc_files(self, dry_run: bool = False) -> dict:
+        """Quarantined files and stale temp files: removed (or, dry_run, only listed)."""
+        return self.store.gc(dry_run) if self.store is not None else {"quarantine_removed": [], "temp_removed": []}
 
     def verify(self) -> list[dict]:
         """Re-hash every SSD file; bad ones are quarantined and listed."""
@@ -440,4 +250,5 @@ class TieredPromptCache(PromptCache):
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+            self.store.close()
 

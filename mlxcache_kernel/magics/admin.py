@@ -213,6 +213,7 @@ class AdminMagics(EngineMagics):
     @argument("action", choices=["stats", "ls", "flush", "clear", "gc", "verify", "config"], help="what to do")
     @argument("--ssd", action="store_true", help="clear: also delete the SSD tier's files")
     @argument("--timeout", type=float, default=None, help="flush: seconds to wait at most")
+    @argument("--dry-run", action="store_true", help="gc: list what would be removed, remove nothing")
     @line_magic
     @usage_errors
     def cache(self, line):
@@ -222,7 +223,7 @@ class AdminMagics(EngineMagics):
         %cache ls               every RAM and SSD entry (ram / kv / file bytes)
         %cache flush [--timeout S]   wait until every queued write is durable
         %cache clear [--ssd]    drop RAM entries (and with --ssd the SSD files)
-        %cache gc               remove stale temporary and orphaned files
+        %cache gc [--dry-run]   remove quarantined, stale temporary and orphaned files (listed)
         %cache verify           re-hash every SSD file and report bad ones
         %cache config           the settings in effect
         """
@@ -231,6 +232,8 @@ class AdminMagics(EngineMagics):
             raise UsageError("--ssd only applies to %cache clear")
         if args.timeout is not None and args.action != "flush":
             raise UsageError("--timeout only applies to %cache flush")
+        if args.dry_run and args.action != "gc":
+            raise UsageError("--dry-run only applies to %cache gc")
         getattr(self, f"_cache_{args.action}")(args)
         return None
 
@@ -261,18 +264,15 @@ class AdminMagics(EngineMagics):
                   "(see %cache flush)")
 
     def _cache_gc(self, args) -> None:
-        r = self.engine.cache_gc()
-        if not (isinstance(r, dict) and r):
-            print("gc: nothing to do")
-            return
-        shown = []
-        for k, v in r.items():
-            if isinstance(v, (list, tuple)):
-                v = ", ".join(map(str, v)) if v else "none"
-            elif k.endswith("bytes"):
-                v = format_bytes(v)
-            shown.append(f"{k.replace('_', ' ')}: {v}")
-        print("gc: " + "; ".join(shown))
+        r = self.engine.cache_gc(dry_run=args.dry_run)
+        verb = "would remove" if args.dry_run else "removed"
+        q, t = r["quarantine_removed"], r["temp_removed"]
+        print(f"gc{' (dry run)' if args.dry_run else ''}: {verb} {len(q)} quarantined file(s), {len(t)} stale temp "
+              f"file(s), {r['inflight_removed']} resume record(s) without their checkpoint")
+        for path in q + t:
+            print(f"  {path}")
+        if r["dangling_names"]:
+            print(f"named checkpoints whose state is gone (remove with %checkpoint rm): {', '.join(r['dangling_names'])}")
 
     def _cache_verify(self, args) -> None:
         t0 = time.perf_counter()

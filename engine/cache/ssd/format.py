@@ -26,7 +26,6 @@ import json
 import os
 import struct
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -64,6 +63,10 @@ class CorruptCheckpoint(Exception):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
+
+
+class NewerFormat(Exception):
+    """A format version this build does not know: a newer build's file, left alone."""
 
 
 def host_dtype(name: str) -> np.dtype:
@@ -156,6 +159,7 @@ def write_checkpoint(
     codec: str = DEFAULT_CODEC,
     progress: Callable[[int, int], None] | None = None,
     pause: Callable[[], None] | None = None,
+    commit: Callable[[Path, "FileInfo"], None] | None = None,
 ) -> FileInfo:
     """Write one checkpoint atomically (temp file, fsync, rename, dir fsync).
 
@@ -163,7 +167,9 @@ def write_checkpoint(
     (name, dtype, shape, array). `pause()` is called before every chunk: the
     writer's yield rule blocks there while it must not compete. On any
     error the temp file is removed and the exception propagates; the final
-    path is untouched.
+    path is untouched. `commit(temp, info)` renames the finished temp file to
+    `info.path` (default: a plain rename; the store records it in the same
+    catalogue transaction).
     """
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}")
@@ -251,13 +257,14 @@ def write_checkpoint(
             f.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, capacity, len(body), hashlib.sha256(body).digest()))
             f.write(body + b" " * (capacity - len(body)))
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        header = _parse_header(dict(fields, tensors=[e.to_json() for e in entries]), FORMAT_VERSION, end)
+        info = FileInfo(path, header, end, total, time.perf_counter() - t0)
+        (commit or (lambda tmp_path, _: os.replace(tmp_path, path)))(tmp, info)
     except BaseException:
         unlink_quietly(tmp)
         raise
     _fsync_dir(path.parent)
-    header = _parse_header(dict(fields, tensors=[e.to_json() for e in entries]), FORMAT_VERSION, end)
-    return FileInfo(path, header, end, total, time.perf_counter() - t0)
+    return info
 
 
 # --- reading ----------------------------------------------------------------
@@ -321,23 +328,30 @@ def _check_table(h: Header, data_start: int) -> None:
             raise CorruptCheckpoint(f"truncated: tensor {t.name} ends at {end}, file has {h.file_size} bytes")
 
 
-def read_header(path) -> Header:
-    """Read and validate only the header (no tensor bytes)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        prefix = f.read(_PREFIX.size)
-        if len(prefix) < _PREFIX.size:
-            raise CorruptCheckpoint("truncated before the header")
-        magic, version, capacity, length, digest = _PREFIX.unpack(prefix)
-        if magic != MAGIC:
-            raise CorruptCheckpoint("wrong magic: not a checkpoint file")
-        if version != FORMAT_VERSION:
-            raise CorruptCheckpoint(f"unsupported format version {version} (this reader knows {FORMAT_VERSION})")
-        if length > capacity:
-            raise CorruptCheckpoint("header length exceeds its capacity")
-        body = f.read(length)
-        if len(body) < length or size < _PREFIX.size + capacity:
-            raise CorruptCheckpoint("truncated header")
+def read_header(source) -> Header:
+    """Read and validate only the header (no tensor bytes); `source` is a path or an open fd."""
+    if not isinstance(source, int):
+        fd = os.open(source, os.O_RDONLY)
+        try:
+            return read_header(fd)
+        finally:
+            os.close(fd)
+    size = os.fstat(source).st_size
+    prefix = os.pread(source, _PREFIX.size, 0)
+    if len(prefix) < _PREFIX.size:
+        raise CorruptCheckpoint("truncated before the header")
+    magic, version, capacity, length, digest = _PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise CorruptCheckpoint("wrong magic: not a checkpoint file")
+    if version > FORMAT_VERSION:
+        raise NewerFormat(f"format version {version} (this build reads up to {FORMAT_VERSION})")
+    if version != FORMAT_VERSION:
+        raise CorruptCheckpoint(f"unsupported format version {version} (this reader knows {FORMAT_VERSION})")
+    if length > capacity:
+        raise CorruptCheckpoint("header length exceeds its capacity")
+    body = os.pread(source, length, _PREFIX.size)
+    if len(body) < length or size < _PREFIX.size + capacity:
+        raise CorruptCheckpoint("truncated header")
     if hashlib.sha256(body).digest() != digest:
         raise CorruptCheckpoint("header checksum mismatch")
     try:
@@ -349,91 +363,3 @@ def read_header(path) -> Header:
     h = _parse_header(doc, version, size)
     _check_table(h, _align(_PREFIX.size + capacity))
     return h
-
-
-_POOL: ThreadPoolExecutor | None = None
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(2, thread_name_prefix="ckpt-read")
-    return _POOL
-
-
-def _pread_exact(fd: int, mv: memoryview, offset: int, name: str) -> None:
-    got = 0
-    while got < len(mv):
-        n = os.preadv(fd, [mv[got:]], offset + got)
-        if not n:
-            raise CorruptCheckpoint(f"truncated: tensor {name}")
-        got += n
-
-
-def _decompress_into(fd: int, t: TensorEntry, mv: memoryview) -> None:
-    import zstandard
-
-    src = bytearray(t.stored_bytes)
-    _pread_exact(fd, memoryview(src), t.offset, t.name)
-    try:
-        reader = zstandard.ZstdDecompressor().stream_reader(bytes(src))
-        got = 0
-        while got < len(mv):
-            n = reader.readinto(mv[got:])
-            if not n:
-                break
-            got += n
-        extra = reader.read(1)
-    except zstandard.ZstdError as e:
-        raise CorruptCheckpoint(f"tensor {t.name}: zstd error {e}") from None
-    if got != len(mv) or extra:
-        raise CorruptCheckpoint(f"tensor {t.name}: decompressed size mismatch")
-
-
-def _load_one(fd: int, t: TensorEntry, mv: memoryview) -> None:
-    # pread, zstd and sha256 all drop the GIL: two of these run in parallel
-    if t.codec == "raw":
-        _pread_exact(fd, mv, t.offset, t.name)
-    else:
-        _decompress_into(fd, t, mv)
-    if hashlib.sha256(mv).hexdigest() != t.sha256:
-        raise CorruptCheckpoint(f"tensor {t.name}: SHA-256 mismatch")
-
-
-def read_tensors(path, header: Header, allocate: Callable) -> dict:
-    """Read every tensor into buffers from `allocate(name, dtype, shape)`.
-
-    The buffers must be writable and C-contiguous (views of MLX-owned memory
-    on restore: one copy from the file). `allocate` runs on the calling
-    thread; reading and SHA-256 verification run on a 2-thread pool, so
-    tensor i is read and hashed while tensor i+1 is allocated. Raises
-    CorruptCheckpoint on any mismatch; buffer contents are then undefined.
-    """
-    out = {}
-    futures = []
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if hasattr(os, "posix_fadvise"):
-            # Start the kernel's readahead of the whole file now: a cold read
-            # then overlaps the hashing instead of alternating with it.
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        pool = _pool()
-        for t in header.tensors:
-            buf = allocate(t.name, t.dtype, t.shape)
-            if not (isinstance(buf, np.ndarray) and buf.flags.c_contiguous and buf.flags.writeable) or buf.nbytes != t.raw_bytes:
-                raise ValueError(f"allocate returned an unusable buffer for {t.name}")
-            mv = memoryview(buf.reshape(-1).view(np.uint8))
-            futures.append(pool.submit(_load_one, fd, t, mv))
-            out[t.name] = buf
-    finally:
-        errors = []
-        for fut in futures:  # never return (or close fd) while a pool thread uses a buffer
-            try:
-                fut.result()
-            except Exception as e:
-                errors.append(e)
-        os.close(fd)
-    if errors:
-        raise errors[0]
-    return out

@@ -1,21 +1,23 @@
-"""The SSD tier: checkpoint files under one root, indexed from their headers.
+"""The SSD tier: checkpoint files under one root, indexed by the shared catalogue.
 
-    root/<namespace>/<sha256 of token ids>.ckpt    committed checkpoints
-    root/<namespace>/.<name>.<pid>.<n>.tmp          writes in progress (ignored)
-    root/quarantine/                                 files found bad
+    root/catalog.db                                  the catalogue (../catalog.py)
+    root/<namespace>/<sha256 of token ids>.ckpt      committed checkpoints
+    root/<namespace>/.<name>.<pid>.<n>.tmp           writes in progress (ignored)
+    root/quarantine/                                 files found bad, kept as evidence
 
-The index is built at start from headers only and kept current by our own
-commits; a miss rescans one namespace directory (throttled) so files that
-another process sharing the root committed become visible. Only renamed,
-complete files are ever indexed.
+Every process sharing the root sees the same files: its in-memory index is a
+copy of the catalogue's rows, brought up to date from the change log before
+each lookup (no directory scans on the hot path). At start the files on disk
+are reconciled with the catalogue: rows whose file vanished are dropped and
+complete files without a row (a lost catalogue, an older build) are indexed
+from their headers. Files of a newer format version are left alone.
 
-Identity: the caller registers the expected identity of each namespace.
-Files of unregistered namespaces are indexed (they count against capacity)
-but never served; registering checks them and quarantines mismatches. A
-commit through `publish` registers its namespace if nobody did.
-
-Thread safety: all index state is under one lock; any thread may call in.
-No MLX here: `read` verifies into buffers the caller allocates (restore.py).
+Every deletion (supersession, the SSD cap, clear, quarantine) is a catalogue
+transaction that spares pinned and leased files; the cap counts every
+process's bytes. Identity: the caller registers the expected identity of each
+namespace; files of other namespaces count against capacity but are not served.
+Thread safety: one lock over the in-memory index; any thread may call in. No
+MLX here: `read` verifies into buffers the caller allocates (restore.py).
 """
 
 from __future__ import annotations
@@ -30,16 +32,17 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ...kv.tokens import common_prefix_len, token_key
-from ...system import make_private_dir
+from ...kv.tokens import PrefixIndex, as_token_array, common_prefix_len, token_key
+from ...system import make_private_dir, unlink_quietly
+from ..catalog import Catalog, FileRow
 from . import format as fmt
-from .format import CorruptCheckpoint, FileInfo, Header
+from .format import CorruptCheckpoint, FileInfo, Header, NewerFormat
+from .reader import read_tensors
 
 NAMESPACE_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 QUARANTINE = "quarantine"
 SUFFIX = ".ckpt"
 STALE_TEMP_S = 3600.0
-REFRESH_INTERVAL_S = 0.5
 
 
 class CheckpointUnavailable(Exception):
@@ -64,6 +67,7 @@ class IndexEntry:
     raw_bytes: int
     identity: dict
     last_use: float
+    created: float = 0.0
     match_len: int | None = None  # set on copies returned by find()
     _arr: np.ndarray | None = field(default=None, repr=False)
 
@@ -75,119 +79,155 @@ class IndexEntry:
             return False
         return n == len(self.tokens) or self.trimmable
 
+    @classmethod
+    def from_row(cls, r: FileRow) -> "IndexEntry":
+        return cls(r.namespace, r.key, Path(r.path), r.tokens, r.trimmable, r.min_reusable_offset, r.file_bytes,
+                   r.kv_bytes, r.identity, r.last_used, r.created, _arr=as_token_array(r.tokens))
+
+
+def _row(path: Path, h: Header) -> FileRow:
+    return FileRow(h.namespace, token_key(h.tokens), str(path), h.tokens, h.file_size, h.raw_bytes,
+                   h.min_reusable_offset, h.trimmable, h.version, h.created, time.time(), h.identity)
 
 
 class CheckpointStore:
-    def __init__(self, root, *, ssd_budget_bytes: int | None = None, on_event: Callable[[dict], None] | None = None):
-        self.root = Path(root)
+    def __init__(self, root, *, ssd_budget_bytes: int | None = None, on_event: Callable[[dict], None] | None = None,
+                 on_removed: Callable[[str, tuple], None] | None = None):
+        self.root = make_private_dir(root)
+        make_private_dir(self.root / QUARANTINE)
         self.ssd_budget_bytes = ssd_budget_bytes
-        self.on_event = on_event
+        self.on_event, self.on_removed = on_event, on_removed
         self._lock = threading.RLock()
         self._entries: dict[tuple, IndexEntry] = {}  # (namespace, key) -> entry
+        self._index: dict[str, PrefixIndex] = {}
         self._identities: dict[str, dict] = {}
-        self._last_refresh: dict[str, float] = {}
         self._reported: set = set()
-        self._protected: set = set()  # (namespace, key) of named checkpoints: never superseded or capped
-        self._clock = 0.0
-        self._stats = {"quarantined": 0, "restores": 0, "restore_bytes": 0, "restore_seconds": 0.0, "evicted": 0}
-        make_private_dir(self.root)
-        make_private_dir(self.root / QUARANTINE)
+        self._stats = {"quarantined": 0, "restores": 0, "restore_bytes": 0, "restore_seconds": 0.0, "evicted": 0,
+                       "newer_format_files": 0}
+        self.catalog = Catalog(self.root / "catalog.db")
+        self._reload()
+        self._reconcile()
+
+    # --- the in-memory view of the catalogue ---
+
+    def _put(self, e: IndexEntry) -> None:
+        k = (e.namespace, e.key)
+        if k in self._entries:
+            self._forget(k)
+        self._entries[k] = e
+        self._index.setdefault(e.namespace, PrefixIndex()).add(k, e._arr)
+
+    def _forget(self, k: tuple) -> IndexEntry | None:
+        e = self._entries.pop(k, None)
+        if e is not None:
+            self._index[e.namespace].remove(k, e._arr)
+        return e
+
+    def _reload(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._index.clear()
+            for r in self.catalog.files():
+                self._put(IndexEntry.from_row(r))
+
+    def sync(self) -> None:
+        """Apply what any process committed or deleted since the last call (an indexed query)."""
+        added, removed, reload = self.catalog.changes()
+        with self._lock:
+            if reload:
+                self._reload()
+                return
+            for r in added:
+                self._put(IndexEntry.from_row(r))
+            gone = [e for e in (self._forget(k) for k in removed) if e is not None]
+        for e in gone:
+            if self.on_removed is not None:
+                self.on_removed(e.namespace, e.tokens)
+
+    def _reconcile(self) -> None:
+        """Make the catalogue match the files: drop rows without a (readable, current-format)
+        file, index files without a row, quarantine files whose header is bad."""
+        on_disk = {}
         for d in sorted(self.root.iterdir()):
             if d.is_dir() and d.name != QUARANTINE and NAMESPACE_RE.fullmatch(d.name):
                 self._clean_stale_temps(d)
-                self._scan(d.name)
+                on_disk.update({(d.name, n[: -len(SUFFIX)]): d / n for n in os.listdir(d)
+                                if n.endswith(SUFFIX) and not n.startswith(".")})
+        with self.catalog.transaction() as db:
+            for k in set(self._entries) - set(on_disk):
+                self.catalog.drop_file(db, *k)
+        for k, path in sorted(on_disk.items()):
+            try:
+                h = fmt.read_header(path)
+                if h.namespace != k[0] or token_key(h.tokens) != k[1]:
+                    raise CorruptCheckpoint("file name or directory does not match its header")
+            except FileNotFoundError:
+                continue
+            except NewerFormat:  # a newer build's file: not served, not ours to judge or delete
+                self._stats["newer_format_files"] += 1
+                if k in self._entries:  # no row for it either
+                    with self.catalog.transaction() as db:
+                        self.catalog.drop_file(db, *k)
+                continue
+            except (CorruptCheckpoint, OSError) as exc:
+                self._quarantine(path, getattr(exc, "reason", None) or repr(exc), k)
+                continue
+            known = self._entries.get(k)
+            if known is None or known.file_bytes != h.file_size:
+                with self.catalog.transaction() as db:
+                    self.catalog.add_file(db, _row(path, h))
+        self.sync()
 
-    # --- index maintenance ---
-
-    def _tick(self) -> float:
-        # wall-clock LRU stamps (files found at start use their creation
-        # time), nudged so two uses never tie
-        self._clock = max(self._clock + 1e-6, time.time())
-        return self._clock
-
-    def _clean_stale_temps(self, d: Path) -> int:
-        removed, now = 0, time.time()
+    def _clean_stale_temps(self, d: Path, dry_run: bool = False) -> list[Path]:
+        stale, now = [], time.time()
         for name in os.listdir(d):
             if name.startswith(".") and name.endswith(".tmp"):
                 try:
                     if now - os.stat(d / name).st_mtime > STALE_TEMP_S:
-                        os.unlink(d / name)
-                        removed += 1
+                        stale.append(d / name)
                 except OSError:
                     pass
-        return removed
-
-    def _entry_from_header(self, path: Path, h: Header) -> IndexEntry:
-        key = path.name[: -len(SUFFIX)]
-        if h.namespace != path.parent.name:
-            raise CorruptCheckpoint("header namespace does not match its directory")
-        if token_key(h.tokens) != key:
-            raise CorruptCheckpoint("file name does not match its tokens")
-        return IndexEntry(
-            h.namespace, key, path, h.tokens, h.trimmable, h.min_reusable_offset,
-            h.file_size, h.raw_bytes, h.identity, h.created,
-        )
-
-    def _scan(self, namespace: str) -> None:
-        """Index files of one namespace not yet indexed; forget vanished ones."""
-        d = self.root / namespace
-        try:
-            names = {n for n in os.listdir(d) if n.endswith(SUFFIX) and not n.startswith(".")}
-        except FileNotFoundError:
-            names = set()
-        with self._lock:
-            self._last_refresh[namespace] = time.monotonic()
-            known = {e.key + SUFFIX: k for k, e in self._entries.items() if k[0] == namespace}
-            for name in set(known) - names:
-                del self._entries[known[name]]
-            for name in sorted(names - set(known)):
-                path = d / name
-                try:
-                    e = self._entry_from_header(path, fmt.read_header(path))
-                except FileNotFoundError:
-                    continue
-                except (CorruptCheckpoint, OSError) as exc:
-                    self._quarantine(path, getattr(exc, "reason", None) or repr(exc))
-                    continue
-                if self._identity_ok(e):
-                    self._entries[(namespace, e.key)] = e
-
-    def _identity_ok(self, e: IndexEntry) -> bool:
-        want = self._identities.get(e.namespace)
-        if want is not None and e.identity != want:
-            self._quarantine(e.path, "identity mismatch")
-            return False
-        return True
+        for p in [] if dry_run else stale:
+            unlink_quietly(p)
+        return stale
 
     def register_namespace(self, namespace: str, identity: dict) -> None:
-        """Declare the identity files of `namespace` must carry; check them."""
+        """Declare the identity files of `namespace` must carry; quarantine those that differ."""
         validate_namespace(namespace)
+        self.sync()
         with self._lock:
             self._identities[namespace] = dict(identity)
-            for k, e in list(self._entries.items()):
-                if k[0] == namespace and not self._identity_ok(e):
-                    self._entries.pop(k, None)
-            self._scan(namespace)
+            bad = [e for k, e in self._entries.items() if k[0] == namespace and e.identity != identity]
+        for e in bad:
+            self._quarantine(e.path, "identity mismatch", (e.namespace, e.key))
 
-    def _quarantine(self, path: Path, reason: str) -> None:
-        with self._lock:
-            for k, e in list(self._entries.items()):
-                if e.path == path:
-                    del self._entries[k]
-            dest = self.root / QUARANTINE / f"{path.parent.name}.{path.name}.{time.time_ns()}"
+    def _quarantine(self, path: Path, reason: str, k: tuple | None = None) -> None:
+        """Move a bad file aside (in a catalogue transaction); a failed move is reported, the file kept."""
+        dest = self.root / QUARANTINE / f"{path.parent.name}.{path.name}.{time.time_ns()}"
+        with self.catalog.transaction() as db:
+            row = self.catalog.file(*k) if k else None
+            if row is not None and row.path == str(path):
+                self.catalog.drop_file(db, *k)
             try:
                 os.replace(path, dest)
             except FileNotFoundError:
                 return  # another process moved or removed it first
-            except OSError:
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
-            self._stats["quarantined"] += 1
-            if str(path) not in self._reported:
-                self._reported.add(str(path))
-                self._emit({"type": "quarantine", "path": str(path), "reason": reason})
+            except OSError as exc:
+                self._emit({"type": "quarantine_failed", "path": str(path), "reason": reason, "error": str(exc)})
+                return
+        self._stats["quarantined"] += 1
+        if str(path) not in self._reported:
+            self._reported.add(str(path))
+            self._emit({"type": "quarantine", "path": str(path), "reason": reason})
+        self.sync()
+
+    def _drop_vanished(self, k: tuple, path: Path) -> None:
+        """A catalogued file that is gone (removed behind the catalogue's back): forget it."""
+        with self.catalog.transaction() as db:
+            row = self.catalog.file(*k)
+            if row is not None and row.path == str(path) and not os.path.exists(path):
+                self.catalog.drop_file(db, *k)
+        self.sync()
 
     def _emit(self, event: dict) -> None:
         if self.on_event is not None:
@@ -196,166 +236,156 @@ class CheckpointStore:
             except Exception:
                 pass  # an observer must not break the store
 
-    def protect(self, namespace: str, tokens: Sequence[int], on: bool = True) -> None:
-        """Exempt the file of exactly `tokens` from supersession, the capacity cap and clear()."""
-        key = (validate_namespace(namespace), token_key(tokens))
-        with self._lock:
-            (self._protected.add if on else self._protected.discard)(key)
+    # --- lookup ---
 
     def contains(self, tokens: Sequence[int], namespace: str) -> bool:
         """Whether a committed file holds exactly `tokens`."""
+        self.sync()
         with self._lock:
             return (namespace, token_key(tokens)) in self._entries
 
-    # --- lookup ---
+    def find(self, prompt_tokens: Sequence[int], namespace: str, *, max_len: int | None = None,
+             min_len: int = 1) -> IndexEntry | None:
+        """Longest usable cached prefix of `prompt_tokens` (at most len-1 tokens, at
+        least `min_len` to be worth a read).
 
-    def find(self, prompt_tokens: Sequence[int], namespace: str, *, max_len: int | None = None) -> IndexEntry | None:
-        """Longest usable cached prefix of `prompt_tokens` (at most len-1 tokens).
-
-        Returns a copy of the index entry with `match_len` set, or None. No
-        I/O on a hit; a miss rescans the namespace directory (throttled).
+        Returns a copy of the index entry with `match_len` set, or None. No file I/O.
         """
         validate_namespace(namespace)
-        hit = self._find(prompt_tokens, namespace, max_len)
-        if hit is None and time.monotonic() - self._last_refresh.get(namespace, 0.0) >= REFRESH_INTERVAL_S:
-            self._scan(namespace)
-            hit = self._find(prompt_tokens, namespace, max_len)
-        return hit
-
-    def _find(self, prompt_tokens, namespace, max_len) -> IndexEntry | None:
-        cap = len(prompt_tokens) - 1
-        if max_len is not None:
-            cap = min(cap, max_len)
-        if cap < 1:
-            return None
-        prompt = np.asarray(prompt_tokens, dtype=np.int64)
-        best, best_rank = None, None
+        self.sync()
+        cap = len(prompt_tokens) - 1 if max_len is None else min(len(prompt_tokens) - 1, max_len)
+        prompt = as_token_array(prompt_tokens)
         with self._lock:
-            if namespace not in self._identities:
+            if cap < 1 or namespace not in self._identities or namespace not in self._index:
                 return None
-            for (ns, _), e in self._entries.items():
-                if ns != namespace:
-                    continue
-                if e._arr is None:
-                    e._arr = np.asarray(e.tokens, dtype=np.int64)
-                n = min(common_prefix_len(e._arr, prompt), cap)
-                if not e.can_serve(n):
-                    continue
-                # longest, then exact files (no trim), then smaller reads, then recent
-                rank = (n, n == len(e), -e.file_bytes, e.last_use)
-                if best_rank is None or rank > best_rank:
-                    best, best_rank = e, rank
-            return None if best is None else replace(best, match_len=best_rank[0], _arr=None)
+            for group in self._index[namespace].candidates(prompt, min_len):  # deepest shared prefix first
+                best, best_rank = None, None
+                for k in group:
+                    e = self._entries[k]
+                    n = min(common_prefix_len(e._arr, prompt), cap)
+                    if not e.can_serve(n):
+                        continue
+                    rank = (n, n == len(e), -e.file_bytes, e.last_use)  # longest, no trim, smaller, recent
+                    if best_rank is None or rank > best_rank:
+                        best, best_rank = e, rank
+                if best is not None and best_rank[0] >= min_len:
+                    return replace(best, match_len=best_rank[0], _arr=None)
+        return None
 
     def has_durable_prefix(self, tokens: Sequence[int], namespace: str) -> bool:
         """Whether a committed file can serve exactly `tokens` (exact, or trimmable and longer)."""
-        tokens = tuple(int(t) for t in tokens)
+        if self.contains(tokens, namespace):
+            return True
+        arr, n = as_token_array(tokens), len(tokens)
         with self._lock:
-            if (namespace, token_key(tokens)) in self._entries:
-                return True
-            n = len(tokens)
-            return any(
-                ns == namespace and len(e) > n and e.can_serve(n) and e.tokens[:n] == tokens
-                for (ns, _), e in self._entries.items()
-            )
+            index = self._index.get(namespace)
+            for group in index.candidates(arr, n) if index else ():
+                if any(len(self._entries[k]) > n and self._entries[k].can_serve(n)
+                       and common_prefix_len(self._entries[k]._arr, arr) >= n for k in group):
+                    return True
+        return False
 
     def entries(self) -> list[IndexEntry]:
+        self.sync()
         with self._lock:
             return [replace(e, _arr=None) for e in self._entries.values()]
 
     # --- restore ---
 
     def read(self, entry: IndexEntry, allocate: Callable, build: Callable[[Header], Any]):
-        """Read and verify `entry`'s file into buffers from `allocate(name, dtype, shape)`,
-        then return `build(header)` (see restore.py).
+        """Read and verify `entry`'s file through one descriptor into buffers from
+        `allocate(name, dtype, shape)`, then return `build(header)` (see restore.py).
 
-        Any problem quarantines the file and raises CheckpointUnavailable.
+        Any problem is CheckpointUnavailable (a miss). A bad file is quarantined,
+        unless the path now holds another file (a concurrent replace is not corruption).
         """
         t0 = time.perf_counter()
-        path = entry.path
-        try:
-            h = fmt.read_header(path)
-            if h.tokens != tuple(entry.tokens) or h.namespace != entry.namespace:
-                raise CorruptCheckpoint("file no longer holds the indexed checkpoint")
-            want = self._identities.get(h.namespace)
-            if want is None:  # nothing to check against: a miss, not a bad file
-                raise CheckpointUnavailable(f"namespace {h.namespace} is not registered")
-            if h.identity != want:
-                raise CorruptCheckpoint("identity mismatch")
-            fmt.read_tensors(path, h, allocate)
-            result = build(h)
-        except FileNotFoundError:
-            with self._lock:
-                self._entries.pop((entry.namespace, entry.key), None)
-            raise CheckpointUnavailable(f"{path}: file vanished") from None
-        except (CorruptCheckpoint, OSError, ValueError, KeyError, TypeError, IndexError) as exc:
-            reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
-            self._quarantine(path, reason)
-            raise CheckpointUnavailable(f"{path}: {reason}") from None
+        path, k = entry.path, (entry.namespace, entry.key)
+        want = self._identities.get(entry.namespace)
+        if want is None:  # nothing to check against: a miss, not a bad file
+            raise CheckpointUnavailable(f"namespace {entry.namespace} is not registered")
+        with self.catalog.lease(*k):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                self._drop_vanished(k, path)
+                raise CheckpointUnavailable(f"{path}: file vanished") from None
+            try:
+                h = fmt.read_header(fd)
+                if h.tokens != tuple(entry.tokens) or h.namespace != entry.namespace:
+                    raise CorruptCheckpoint("file no longer holds the indexed checkpoint")
+                if h.identity != want:
+                    raise CorruptCheckpoint("identity mismatch")
+                read_tensors(fd, h, allocate)
+                result = build(h)
+            except NewerFormat as exc:
+                raise CheckpointUnavailable(f"{path}: {exc}") from None
+            except (CorruptCheckpoint, OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+                reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
+                if _same_file(fd, path):
+                    self._quarantine(path, reason, k)
+                raise CheckpointUnavailable(f"{path}: {reason}") from None
+            finally:
+                os.close(fd)
+        self.catalog.touch(*k)
         with self._lock:
-            e = self._entries.get((entry.namespace, entry.key))
+            e = self._entries.get(k)
             if e is not None:
-                e.last_use = self._tick()
+                e.last_use = time.time()
             self._stats["restores"] += 1
             self._stats["restore_bytes"] += h.raw_bytes
             self._stats["restore_seconds"] += time.perf_counter() - t0
         return result
 
-    # --- commits ---
+    # --- commits and deletions (catalogue transactions) ---
 
     def prepare_path(self, namespace: str, tokens: Sequence[int]) -> Path:
         """Final path for a checkpoint of `tokens`; creates the namespace dir."""
         return make_private_dir(self.root / validate_namespace(namespace)) / (token_key(tokens) + SUFFIX)
 
-    def publish(self, info: FileInfo) -> IndexEntry:
-        """Index a file the writer has renamed into place; supersede; cap."""
+    def commit(self, tmp: Path, info: FileInfo) -> None:
+        """Rename a finished temp file into place and record it, in one transaction (writer thread)."""
         h = info.header
+        with self.catalog.transaction() as db:
+            os.replace(tmp, info.path)
+            self.catalog.add_file(db, _row(Path(info.path), h))
+
+    def publish(self, info: FileInfo) -> IndexEntry:
+        """After `commit`: supersede older files this one serves, then apply the SSD cap."""
+        h = info.header
+        self.sync()
+        k = (h.namespace, token_key(h.tokens))
+        with self.catalog.transaction() as db:
+            if h.trimmable:
+                with self._lock:
+                    older = [e for e in self._entries.values() if e.namespace == h.namespace and len(e) < len(h.tokens)
+                             and len(e) >= h.min_reusable_offset and h.tokens[: len(e)] == e.tokens]
+                for e in older:
+                    self._delete(db, e.namespace, e.key, str(e.path), e.file_bytes, "superseded")
+            self._enforce_budget(db, keep=k)
+        self.sync()
         with self._lock:
-            if h.namespace not in self._identities:
-                self._identities[h.namespace] = dict(h.identity)
-            e = self._entry_from_header(Path(info.path), h)
-            e.last_use = self._tick()
-            if not self._identity_ok(e):
-                raise CorruptCheckpoint("identity mismatch")
-            self._entries[(e.namespace, e.key)] = e  # replaces an exact duplicate
-            if e.trimmable:
-                for k, old in list(self._entries.items()):
-                    if (
-                        k[0] == e.namespace and old is not e and len(old) < len(e) and k not in self._protected
-                        and len(old) >= e.min_reusable_offset and e.tokens[: len(old)] == old.tokens
-                    ):
-                        self._drop(old, "superseded")
-            self._enforce_budget(keep=e)
-            return replace(e, _arr=None)
+            e = self._entries.get(k)
+            return replace(e, _arr=None) if e is not None else IndexEntry.from_row(_row(Path(info.path), h))
 
-    def _drop(self, e: IndexEntry, reason: str) -> None:
-        self._entries.pop((e.namespace, e.key), None)
-        try:
-            os.unlink(e.path)
-        except FileNotFoundError:
-            pass
+    def _delete(self, db, ns: str, key: str, path: str, nbytes: int, reason: str) -> bool:
+        if not self.catalog.deletable(db, ns, key):
+            return False
+        self.catalog.drop_file(db, ns, key)
+        unlink_quietly(path)
         self._stats["evicted"] += 1
-        self._emit({"type": "evict", "path": str(e.path), "reason": reason, "nbytes": e.file_bytes})
+        self._emit({"type": "evict", "path": path, "reason": reason, "nbytes": nbytes})
+        return True
 
-    def _enforce_budget(self, keep: IndexEntry | None = None) -> None:
+    def _enforce_budget(self, db, keep: tuple | None = None) -> None:
         if self.ssd_budget_bytes is None:
             return
-        total = sum(e.file_bytes for e in self._entries.values())
-        for e in sorted(self._entries.values(), key=lambda e: e.last_use):
+        total = self.catalog.total_bytes(db)  # every process's files
+        for ns, key, path, nbytes in self.catalog.lru(db):
             if total <= self.ssd_budget_bytes:
                 break
-            if e is keep or (e.namespace, e.key) in self._protected:
-                continue
-            self._drop(e, "capacity")
-            total -= e.file_bytes
-
-    def remove(self, entry: IndexEntry) -> None:
-        with self._lock:
-            self._entries.pop((entry.namespace, entry.key), None)
-            try:
-                os.unlink(entry.path)
-            except FileNotFoundError:
-                pass
+            if (ns, key) != keep and self._delete(db, ns, key, path, nbytes, "capacity"):
+                total -= nbytes
 
     def verify_all(self) -> list[tuple]:
         """Re-read and re-hash every indexed file; quarantine the bad ones."""
@@ -365,50 +395,52 @@ class CheckpointStore:
                 h = fmt.read_header(e.path)
                 if h.identity != self._identities.get(h.namespace, h.identity):
                     raise CorruptCheckpoint("identity mismatch")
-                fmt.read_tensors(e.path, h, lambda n, dt, sh: np.empty(sh, fmt.host_dtype(dt)))
-            except FileNotFoundError:
-                with self._lock:
-                    self._entries.pop((e.namespace, e.key), None)
+                read_tensors(e.path, h, lambda n, dt, sh: np.empty(sh, fmt.host_dtype(dt)))
+            except (FileNotFoundError, NewerFormat):
+                continue
             except (CorruptCheckpoint, OSError) as exc:
                 reason = getattr(exc, "reason", None) or repr(exc)
-                self._quarantine(e.path, reason)
+                self._quarantine(e.path, reason, (e.namespace, e.key))
                 bad.append((e.path, reason))
         return bad
 
     def clear(self) -> None:
-        """Delete every committed checkpoint except protected (named) ones, and the quarantine."""
-        with self._lock:
-            for k, e in list(self._entries.items()):
-                if k not in self._protected:
-                    self.remove(e)
-            keep = {e.path.name for k, e in self._entries.items()}
-            for d in self.root.iterdir():
-                if d.is_dir() and (d.name == QUARANTINE or NAMESPACE_RE.fullmatch(d.name)):
-                    for name in os.listdir(d):
-                        if (name.endswith(SUFFIX) and name not in keep) or d.name == QUARANTINE:
-                            try:
-                                os.unlink(d / name)
-                            except OSError:
-                                pass
+        """Delete every catalogued checkpoint that no name pins and no reader leases."""
+        with self.catalog.transaction() as db:
+            for ns, key, path, nbytes in self.catalog.lru(db):
+                self._delete(db, ns, key, path, nbytes, "cleared")
+        self.sync()
 
-    def gc(self) -> dict:
-        """Delete quarantined files and temp files older than an hour (crashed writers)."""
-        report = {"quarantine_removed": 0, "temp_removed": 0}
-        qdir = self.root / QUARANTINE
-        for p in qdir.iterdir() if qdir.exists() else ():
-            p.unlink(missing_ok=True)
-            report["quarantine_removed"] += 1
-        for d in self.root.iterdir():
-            if d.is_dir() and d.name != QUARANTINE:
-                report["temp_removed"] += self._clean_stale_temps(d)
-        return report
+    def gc(self, dry_run: bool = False) -> dict:
+        """Quarantined files and temp files older than an hour (crashed writers): what goes, listed."""
+        quarantined = sorted((self.root / QUARANTINE).iterdir())
+        temps = [p for d in self.root.iterdir() if d.is_dir() and d.name != QUARANTINE
+                 for p in self._clean_stale_temps(d, dry_run=True)]
+        if not dry_run:
+            for p in quarantined + temps:
+                unlink_quietly(p)
+        return {"quarantine_removed": [str(p) for p in quarantined], "temp_removed": [str(p) for p in temps]}
 
     def stats(self) -> dict:
+        self.sync()
         with self._lock:
             s = dict(self._stats)
             s["files"] = len(self._entries)
             s["bytes"] = sum(e.file_bytes for e in self._entries.values())
             s["kv_bytes"] = sum(e.raw_bytes for e in self._entries.values())
             s["budget_bytes"] = self.ssd_budget_bytes
-            return s
+        processes = self.catalog.processes()
+        s["processes"] = len(processes)
+        s["processes_pending_writes"] = sum(p["pending_writes"] for p in processes)
+        return s
 
+    def close(self) -> None:
+        self.catalog.close()
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        a, b = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)

@@ -217,6 +217,7 @@ class CheckpointWriter:
                 trimmable=job.trimmable,
                 progress=self._on_progress,
                 pause=lambda: self._pause(job),
+                commit=self.store.commit,  # rename and catalogue row in one transaction
             )
             entry = self.store.publish(info)
             if job.on_commit is not None:

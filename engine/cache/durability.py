@@ -1,0 +1,270 @@
+"""The durability coordinator: RAM entries' way to SSD and what they may do meanwhile.
+
+Each RAM entry has a `WriteState`. Publication queues a write (write-behind);
+the writer thread's completions are applied on the owner thread (`poll`).
+Persist before demotion: an entry leaves RAM only when a committed file
+covers it; an unwritten victim gets a write queued and stays (the budget is
+soft meanwhile). Failed writes (a full disk, a read-only directory) retry
+with exponential backoff; while they keep failing, RAM over budget lets the
+unwritable entries go, so memory stays bounded, and the error shows in the
+stats. A file another process deleted makes the entries it covered dirty
+again: persist-before-evict holds across processes. Named checkpoints pin
+their files in the shared catalogue. `TieredPromptCache` (tiered.py) adds
+lookup and restore on top; `store` and `writer` are set there.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+from typing import Callable, Sequence
+
+from ..kv.checkpoint import Checkpoint
+from ..kv.tokens import token_key
+from .ram import Entry, PromptCache
+from .ssd.writer import WriteJob
+
+RETRY_FAILED_AFTER_S = 5.0  # first retry of a failed write; doubles per failure
+RETRY_MAX_S = 300.0
+
+
+class WriteState(str, Enum):
+    """Where a RAM entry's SSD copy stands (a str, so it prints and compares as its value)."""
+
+    NONE = "none"  # no SSD tier
+    DIRTY = "dirty"  # not written yet
+    PENDING = "pending"  # queued or being written
+    COMMITTED = "committed"  # durable on SSD
+    FAILED = "failed"  # the last write failed; retried later
+
+
+_UNWRITTEN = (WriteState.NONE, WriteState.DIRTY, WriteState.FAILED)
+
+
+class Durability(PromptCache):
+    store = writer = None
+
+    def __init__(self, budget_bytes: int | None, emit: Callable[..., object] | None, *, write_behind: bool,
+                 idle_demote_s: float | None):
+        super().__init__(budget_bytes, emit)
+        self.write_behind = write_behind
+        self.idle_demote_s = idle_demote_s
+        self.identities: dict[str, dict] = {}
+        self.counters.update(dict.fromkeys((
+            "ssd_hits", "ssd_tokens", "ssd_restore_failures", "demotions", "writes_queued",
+            "writes_committed", "writes_failed", "bytes_written", "inflight_queued", "dropped_unwritable",
+        ), 0))
+        self._failures: dict[tuple, tuple[float, int]] = {}  # (ns, tokens) -> (last failure, count)
+        self._vanished: list[tuple] = []  # (ns, tokens) of files other processes deleted (any thread appends)
+        self.write_error: str | None = None  # the latest write failure, until a write succeeds again
+
+    def _file_removed(self, ns: str, tokens: tuple) -> None:
+        self._vanished.append((ns, tokens))  # from any thread; applied in poll()
+
+    # --- publication and persistence ---
+
+    def put(self, checkpoint: Checkpoint, ns: str, *, evict: bool = True, defer_write: bool = False, **kw):
+        """Publish in RAM (see PromptCache.put); with write-behind, queue its persistence.
+
+        defer_write leaves the entry dirty until `queue_dirty()`: a prompt
+        snapshot that the generation's final checkpoint supersedes a moment
+        later is then never written at all.
+        """
+        entry = super().put(checkpoint, ns, evict=False, **kw)
+        if entry is not None:
+            entry.write_state = WriteState.NONE if self.store is None else WriteState.DIRTY
+            if self.store is not None and self.write_behind and not defer_write:
+                self._queue_write(entry)
+        if evict:
+            self.enforce_budget()
+        return entry
+
+    def queue_dirty(self) -> None:
+        """Queue persistence of every dirty entry (write-behind)."""
+        if self.write_behind and self.store is not None:
+            for e in self.entries():
+                if e.write_state == WriteState.DIRTY:
+                    self._queue_write(e)
+
+    def _queue_write(self, entry: Entry) -> None:
+        if entry.write_state in (WriteState.PENDING, WriteState.COMMITTED) or entry.ns not in self.identities:
+            return
+        job = WriteJob.from_checkpoint(entry.checkpoint, entry.ns, self.identities[entry.ns], key=(entry.ns, entry.tokens))
+        self.writer.submit(job)
+        entry.write_state = WriteState.PENDING
+        self.counters["writes_queued"] += 1
+        self._emit("write_queued", ns=entry.ns, tokens=len(entry.tokens), nbytes=entry.nbytes)
+
+    def _retry_due(self, entry: Entry) -> bool:
+        at, count = self._failures.get((entry.ns, entry.tokens), (0.0, 0))
+        return time.monotonic() - at > min(RETRY_FAILED_AFTER_S * 2 ** max(count - 1, 0), RETRY_MAX_S)
+
+    def _may_drop(self, entry: Entry, reason: str) -> bool:
+        if self.store is None:
+            return not entry.pinned
+        if self.store.has_durable_prefix(entry.tokens, entry.ns):
+            entry.write_state = WriteState.COMMITTED
+            self.counters["demotions"] += 1
+            self._emit("demote", ns=entry.ns, tokens=len(entry.tokens), nbytes=entry.nbytes, reason=reason)
+            return True
+        if entry.write_state == WriteState.FAILED and not self._retry_due(entry):
+            if reason != "idle" and not entry.pinned:  # writes keep failing: RAM stays bounded
+                self.counters["dropped_unwritable"] += 1
+                self._emit("drop_unwritable", ns=entry.ns, tokens=len(entry.tokens), nbytes=entry.nbytes,
+                           error=entry.write_error)
+                return True
+            return False
+        if entry.write_state in _UNWRITTEN:
+            self._queue_write(entry)
+        return False
+
+    def persist(self, entry: Entry, timeout: float | None = None) -> bool:
+        """Make exactly this entry durable now (named checkpoints); True when committed."""
+        if self.store is None:
+            return False
+        if not self.store.contains(entry.tokens, entry.ns):
+            if entry.write_state in (WriteState.PENDING, WriteState.COMMITTED):
+                entry.write_state = WriteState.DIRTY  # its file was superseded or capped away: write it again
+            self.writer.wait(timeout)
+            self.poll()
+            if not self.store.contains(entry.tokens, entry.ns):
+                entry.write_state = WriteState.DIRTY
+                self._queue_write(entry)
+                self.writer.wait(timeout)
+                self.poll()
+        return self.store.contains(entry.tokens, entry.ns)
+
+    def queue_inflight(self, cp: Checkpoint, ns: str, on_commit: Callable) -> None:
+        """Queue an in-flight generation checkpoint: SSD only, written promptly (urgent)."""
+        job = WriteJob.from_checkpoint(
+            cp, ns, self.identities[ns], key=("inflight", ns, cp.tokens), urgent=True, on_commit=on_commit
+        )
+        self.writer.submit(job)
+        self.counters["inflight_queued"] += 1
+
+    # --- the owner thread's turn ---
+
+    def poll(self) -> None:
+        """Apply writer completions and other processes' deletions, retry failures,
+        demote idle entries, tell the catalogue how much this process has pending."""
+        if self.writer is None:
+            return
+        for done in self.writer.poll():
+            self._completed(done)
+        self.store.sync()
+        while self._vanished:
+            self._uncovered(*self._vanished.pop())
+        self.queue_dirty()
+        for e in self.entries():
+            if e.write_state == WriteState.FAILED and self._retry_due(e):
+                self._queue_write(e)
+        self._demote_idle()
+        self.enforce_budget()
+        self.store.catalog.heartbeat(*self.writer.pending())
+
+    def _completed(self, done) -> None:
+        if done.key[0] == "inflight":
+            self._emit("inflight_committed" if done.ok else "write_failed", ns=done.namespace,
+                       tokens=done.tokens, error=None if done.ok else str(done.error))
+            return
+        ns, tokens = done.key
+        entry = self.get_exact(tokens, ns)
+        if done.ok:
+            self.counters["writes_committed"] += 1
+            self.counters["bytes_written"] += int(done.bytes or 0)
+            self._failures.pop(done.key, None)
+            self.write_error = None
+            if entry is not None:
+                entry.write_state, entry.write_error = WriteState.COMMITTED, None
+            self._emit("write_committed", ns=ns, tokens=len(tokens), nbytes=done.bytes, seconds=done.seconds)
+            return
+        self.counters["writes_failed"] += 1
+        self._failures[done.key] = (time.monotonic(), self._failures.get(done.key, (0, 0))[1] + 1)
+        first = self.write_error != str(done.error)
+        self.write_error = str(done.error)
+        if entry is not None:
+            entry.write_state, entry.write_error = WriteState.FAILED, str(done.error)
+        if first:  # one event per distinct error, not one per retry
+            self._emit("write_failed", ns=ns, tokens=len(tokens), error=str(done.error))
+
+    def _uncovered(self, ns: str, tokens: tuple) -> None:
+        """A file is gone: entries it made durable are dirty again, unless another file covers them."""
+        for e in self.entries(ns):
+            if (e.write_state == WriteState.COMMITTED and len(e.tokens) <= len(tokens)
+                    and tokens[: len(e.tokens)] == e.tokens and not self.store.has_durable_prefix(e.tokens, ns)):
+                e.write_state = WriteState.DIRTY
+
+    def _demote_idle(self) -> None:
+        if self.idle_demote_s is None or self.store is None:
+            return
+        cutoff = time.time() - self.idle_demote_s
+        for e in self.entries():
+            if e.last_used_time < cutoff and not e.borrowers and not e.pinned and self._may_drop(e, "idle"):
+                self._remove(e)
+
+    def flush(self, timeout: float | None = None) -> dict:
+        """Persist every dirty or failed entry and wait; report what is durable."""
+        if self.writer is None:
+            return {"committed": 0, "failed": [], "pending": 0, "seconds": 0.0}
+        t0 = time.perf_counter()
+        committed_before = self.counters["writes_committed"]
+        self.poll()
+        for e in self.entries():
+            if e.write_state in _UNWRITTEN:
+                self._queue_write(e)
+        failed_before = self.counters["writes_failed"]
+        self.writer.wait(timeout)
+        self.poll()
+        failed = [{"tokens": len(e.tokens), "error": e.write_error}
+                  for e in self.entries() if e.write_state == WriteState.FAILED]
+        report = {
+            "committed": self.counters["writes_committed"] - committed_before,
+            "failed": failed,
+            "failed_writes": self.counters["writes_failed"] - failed_before,
+            "pending": self.writer.pending()[0],
+            "seconds": time.perf_counter() - t0,
+        }
+        self._emit("flush", **{k: v for k, v in report.items() if k != "failed"}, failed_count=len(failed))
+        return report
+
+    def wait_for_writes(self, timeout: float | None = None) -> dict:
+        """Wait for writes already queued, from any thread (touches no MLX, queues nothing)."""
+        if self.writer is None:
+            return {"committed": 0, "pending": 0}
+        before = self.writer.pending()[0]
+        self.writer.wait(None if timeout is None else max(timeout, 0.0))
+        pending = self.writer.pending()[0]
+        return {"committed": max(before - pending, 0), "pending": pending}
+
+    # --- pins (named checkpoints) ---
+
+    def pin(self, entry: Entry, name: str) -> bool:
+        """Pin `entry` under `name` and make it durable now; False (and no pin) if the write fails."""
+        entry.pinned.add(name)
+        if self.store is None:
+            return True
+        self.store.catalog.set_pin(name, entry.ns, token_key(entry.tokens))
+        if self.persist(entry):
+            return True
+        entry.pinned.discard(name)
+        self.store.catalog.set_pin(name, None, None)
+        return False
+
+    def unpin(self, ns: str, tokens: Sequence[int], name: str) -> None:
+        entry = self.get_exact(tokens, ns)
+        if entry is not None:
+            entry.pinned.discard(name)
+        if self.store is not None:
+            self.store.catalog.set_pin(name, None, None)
+
+    def sync_pins(self, names: dict) -> None:
+        """Make the catalogue's pins exactly `names` (name -> (ns, tokens)), the named records."""
+        if self.store is None:
+            return
+        catalog, want = self.store.catalog, {n: (ns, token_key(t)) for n, (ns, t) in names.items()}
+        have = catalog.pins()
+        for name in set(have) - set(want):
+            catalog.set_pin(name, None, None)
+        for name, (ns, key) in want.items():
+            if have.get(name) != (ns, key):
+                catalog.set_pin(name, ns, key)
