@@ -75,7 +75,8 @@ class Engine:
         self.last_key: tuple | None = None  # (namespace, tokens) of the last generation's checkpoint
         self.names = NamedCheckpoints(self.cache_dir / "names" if usable else None)
         self.inflight = InflightRecords(self.cache.catalog, legacy_dir=self.cache_dir / "inflight")
-        self.cache.sync_pins({r["name"]: (r["namespace"], tuple(r["tokens"])) for r in self.names.list()})
+        self.cache.pins_source = lambda: {r["name"]: (r["namespace"], tuple(r["tokens"])) for r in self.names.list()}
+        self.cache.sync_pins()
         self._closed = False
 
     # --- models ---
@@ -255,10 +256,9 @@ class Engine:
         check_name(name)
         self.poll()
         entry = self._resolve_entry(session=session, model=model)
-        if not self.cache.pin(entry, name):
-            raise CheckpointNameError(f"could not write checkpoint {name!r} to SSD: {entry.write_error or 'write failed'}")
         m = self.models.by_namespace(entry.ns)
         s = self.sessions.get(session) if session else None
+        # The record first: a process starting meanwhile pins what the records name.
         record = self.names.save(
             name,
             {
@@ -270,6 +270,9 @@ class Engine:
                 "session": {"id": s.id, "system": s.system, "messages": s.messages} if s else None,
             },
         )
+        if not self.cache.pin(entry, name):
+            self.names.remove(name)
+            raise CheckpointNameError(f"could not write checkpoint {name!r} to SSD: {entry.write_error or 'write failed'}")
         self.events.emit("checkpoint_saved", name=name, tokens=len(entry.tokens))
         return self._named_summary(record)
 

@@ -309,11 +309,15 @@ def test_kill_during_large_write_leaves_previous_intact(tmp_path):
     assert e.tokens == prev.tokens
     hit = s2.find(list(range(1, 200)), "ns")
     assert hit.match_len == 100 and same_arrays(restore(s2, hit), prev)
-    # stale temp files are cleaned once they are old
-    tmp = next(n for n in os.listdir(root / "ns") if n.endswith(".tmp"))
-    os.utime(root / "ns" / tmp, (time.time() - 7200,) * 2)
-    new_store(root)
+    # the killed writer's temp file went with the restart (its process is gone)
     assert not [n for n in os.listdir(root / "ns") if n.endswith(".tmp")]
+    # a live writer's temp file stays, unless it is over an hour old
+    live, old = (root / "ns" / f".{'a' * 64}.ckpt.{os.getpid()}.{i}.tmp" for i in (1, 2))
+    live.write_bytes(b"x")
+    old.write_bytes(b"x")
+    os.utime(old, (time.time() - 7200,) * 2)
+    new_store(root)
+    assert live.exists() and not old.exists()
 
 
 def test_directory_modes_and_namespace_validation(tmp_path):

@@ -118,6 +118,7 @@ class Catalog:
         fresh = not self.path.exists()
         self.db = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
         os.chmod(self.path, 0o600)
+        self._inode = os.stat(self.path).st_ino
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         if self.db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
@@ -132,6 +133,28 @@ class Catalog:
                 fresh = True
             self.db.execute("INSERT OR REPLACE INTO processes VALUES(?,?,?,0,0)", (self.pid, time.time(), time.time()))
         self.rebuilt = self.rebuilt or fresh
+
+    def replaced(self) -> bool:
+        """Whether the database file was deleted or replaced since this process opened it."""
+        try:
+            return os.stat(self.path).st_ino != self._inode
+        except FileNotFoundError:
+            return True
+
+    def reopen(self) -> None:
+        """Start over on a fresh (or another process's rebuilt) database; corrupt ones are set aside."""
+        with self._lock:
+            try:
+                self.db.close()
+            except sqlite3.Error:
+                pass
+            self.rebuilt = False
+            try:
+                self._open()
+            except sqlite3.DatabaseError:
+                self._set_aside()
+                self._open()
+            self.seq = self._pruned = 0  # everything is news to this process now
 
     def _set_aside(self) -> None:
         """A corrupt database is kept as evidence and replaced by a fresh one."""

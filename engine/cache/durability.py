@@ -57,6 +57,8 @@ class Durability(PromptCache):
         self._failures: dict[tuple, tuple[float, int]] = {}  # (ns, tokens) -> (last failure, count)
         self._vanished: list[tuple] = []  # (ns, tokens) of files other processes deleted (any thread appends)
         self.write_error: str | None = None  # the latest write failure, until a write succeeds again
+        self.pins_source: Callable[[], dict] = dict  # name -> (ns, tokens) of the named records (set by the engine)
+        self._rebuilds_seen = 0
 
     def _file_removed(self, ns: str, tokens: tuple) -> None:
         self._vanished.append((ns, tokens))  # from any thread; applied in poll()
@@ -152,6 +154,9 @@ class Durability(PromptCache):
         for done in self.writer.poll():
             self._completed(done)
         self.store.sync()
+        if self.store.rebuilds != self._rebuilds_seen:  # a rebuilt catalogue lost its pins: from the records
+            self._rebuilds_seen = self.store.rebuilds
+            self.sync_pins()
         while self._vanished:
             self._uncovered(*self._vanished.pop())
         self.queue_dirty()
@@ -257,11 +262,11 @@ class Durability(PromptCache):
         if self.store is not None:
             self.store.catalog.set_pin(name, None, None)
 
-    def sync_pins(self, names: dict) -> None:
-        """Make the catalogue's pins exactly `names` (name -> (ns, tokens)), the named records."""
+    def sync_pins(self) -> None:
+        """Make the catalogue's pins exactly the named records (`pins_source`, read now)."""
         if self.store is None:
             return
-        catalog, want = self.store.catalog, {n: (ns, token_key(t)) for n, (ns, t) in names.items()}
+        catalog, want = self.store.catalog, {n: (ns, token_key(t)) for n, (ns, t) in self.pins_source().items()}
         have = catalog.pins()
         for name in set(have) - set(want):
             catalog.set_pin(name, None, None)

@@ -14,7 +14,8 @@ import numpy as np
 
 from ...kv.checkpoint import Checkpoint
 from . import format as fmt
-from .store import CheckpointStore, IndexEntry
+from .index import IndexEntry
+from .store import CheckpointStore
 
 _MX_NAMES = {"bool": "bool_"}
 

@@ -24,19 +24,20 @@ from __future__ import annotations
 
 import os
 import re
-import threading
+import sqlite3
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ...kv.tokens import PrefixIndex, as_token_array, common_prefix_len, token_key
+from ...kv.tokens import token_key
 from ...system import make_private_dir, unlink_quietly
-from ..catalog import Catalog, FileRow
+from ..catalog import Catalog, FileRow, pid_alive
 from . import format as fmt
 from .format import CorruptCheckpoint, FileInfo, Header, NewerFormat
+from .index import FileIndex, IndexEntry
 from .reader import read_tensors
 
 NAMESPACE_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
@@ -55,36 +56,6 @@ def validate_namespace(namespace: str) -> str:
     return namespace
 
 
-@dataclass(eq=False)
-class IndexEntry:
-    namespace: str
-    key: str
-    path: Path
-    tokens: tuple
-    trimmable: bool
-    min_reusable_offset: int
-    file_bytes: int
-    raw_bytes: int
-    identity: dict
-    last_use: float
-    created: float = 0.0
-    match_len: int | None = None  # set on copies returned by find()
-    _arr: np.ndarray | None = field(default=None, repr=False)
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    def can_serve(self, n: int) -> bool:
-        if n < 1 or n > len(self.tokens) or n < self.min_reusable_offset:
-            return False
-        return n == len(self.tokens) or self.trimmable
-
-    @classmethod
-    def from_row(cls, r: FileRow) -> "IndexEntry":
-        return cls(r.namespace, r.key, Path(r.path), r.tokens, r.trimmable, r.min_reusable_offset, r.file_bytes,
-                   r.kv_bytes, r.identity, r.last_used, r.created, _arr=as_token_array(r.tokens))
-
-
 def _row(path: Path, h: Header) -> FileRow:
     return FileRow(h.namespace, token_key(h.tokens), str(path), h.tokens, h.file_size, h.raw_bytes,
                    h.min_reusable_offset, h.trimmable, h.version, h.created, time.time(), h.identity)
@@ -97,49 +68,47 @@ class CheckpointStore:
         make_private_dir(self.root / QUARANTINE)
         self.ssd_budget_bytes = ssd_budget_bytes
         self.on_event, self.on_removed = on_event, on_removed
-        self._lock = threading.RLock()
-        self._entries: dict[tuple, IndexEntry] = {}  # (namespace, key) -> entry
-        self._index: dict[str, PrefixIndex] = {}
+        self.index = FileIndex()
+        self._lock = self.index.lock
+        self._entries = self.index.entries  # (namespace, key) -> IndexEntry
         self._identities: dict[str, dict] = {}
         self._reported: set = set()
         self._stats = {"quarantined": 0, "restores": 0, "restore_bytes": 0, "restore_seconds": 0.0, "evicted": 0,
                        "newer_format_files": 0}
         self.catalog = Catalog(self.root / "catalog.db")
+        self.rebuilds = 0  # times the catalogue was found gone or broken and rebuilt while running
         self._reload()
         self._reconcile()
 
     # --- the in-memory view of the catalogue ---
 
-    def _put(self, e: IndexEntry) -> None:
-        k = (e.namespace, e.key)
-        if k in self._entries:
-            self._forget(k)
-        self._entries[k] = e
-        self._index.setdefault(e.namespace, PrefixIndex()).add(k, e._arr)
-
-    def _forget(self, k: tuple) -> IndexEntry | None:
-        e = self._entries.pop(k, None)
-        if e is not None:
-            self._index[e.namespace].remove(k, e._arr)
-        return e
-
     def _reload(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._index.clear()
-            for r in self.catalog.files():
-                self._put(IndexEntry.from_row(r))
+        self.index.load(self.catalog.files())
 
     def sync(self) -> None:
-        """Apply what any process committed or deleted since the last call (an indexed query)."""
-        added, removed, reload = self.catalog.changes()
+        """Apply what any process committed or deleted since the last call (an indexed query).
+
+        A catalogue that was deleted, replaced or corrupted meanwhile is reopened
+        (rebuilt if need be) and reconciled with the files.
+        """
+        try:
+            if self.catalog.replaced():
+                raise sqlite3.DatabaseError("the catalogue was deleted or replaced")
+            added, removed, reload = self.catalog.changes()
+        except sqlite3.DatabaseError:
+            self.catalog.reopen()
+            self.rebuilds += 1
+            self._reload()
+            self._reconcile()
+            self._emit({"type": "catalog_rebuilt", "path": str(self.catalog.path)})
+            return
         with self._lock:
             if reload:
                 self._reload()
                 return
             for r in added:
-                self._put(IndexEntry.from_row(r))
-            gone = [e for e in (self._forget(k) for k in removed) if e is not None]
+                self.index.put(IndexEntry.from_row(r))
+            gone = [e for e in (self.index.forget(k) for k in removed) if e is not None]
         for e in gone:
             if self.on_removed is not None:
                 self.on_removed(e.namespace, e.tokens)
@@ -179,11 +148,14 @@ class CheckpointStore:
         self.sync()
 
     def _clean_stale_temps(self, d: Path, dry_run: bool = False) -> list[Path]:
+        """Temp files no writer will finish: their process is gone, or they are over an hour old."""
         stale, now = [], time.time()
         for name in os.listdir(d):
             if name.startswith(".") and name.endswith(".tmp"):
+                parts = name.split(".")  # "", <key>, "ckpt", <pid>, <n>, "tmp"
                 try:
-                    if now - os.stat(d / name).st_mtime > STALE_TEMP_S:
+                    dead = len(parts) == 6 and parts[3].isdigit() and not pid_alive(int(parts[3]))
+                    if dead or now - os.stat(d / name).st_mtime > STALE_TEMP_S:
                         stale.append(d / name)
                 except OSError:
                     pass
@@ -253,42 +225,18 @@ class CheckpointStore:
         """
         validate_namespace(namespace)
         self.sync()
+        if namespace not in self._identities:
+            return None
         cap = len(prompt_tokens) - 1 if max_len is None else min(len(prompt_tokens) - 1, max_len)
-        prompt = as_token_array(prompt_tokens)
-        with self._lock:
-            if cap < 1 or namespace not in self._identities or namespace not in self._index:
-                return None
-            for group in self._index[namespace].candidates(prompt, min_len):  # deepest shared prefix first
-                best, best_rank = None, None
-                for k in group:
-                    e = self._entries[k]
-                    n = min(common_prefix_len(e._arr, prompt), cap)
-                    if not e.can_serve(n):
-                        continue
-                    rank = (n, n == len(e), -e.file_bytes, e.last_use)  # longest, no trim, smaller, recent
-                    if best_rank is None or rank > best_rank:
-                        best, best_rank = e, rank
-                if best is not None and best_rank[0] >= min_len:
-                    return replace(best, match_len=best_rank[0], _arr=None)
-        return None
+        return self.index.find(prompt_tokens, namespace, cap, min_len)
 
     def has_durable_prefix(self, tokens: Sequence[int], namespace: str) -> bool:
         """Whether a committed file can serve exactly `tokens` (exact, or trimmable and longer)."""
-        if self.contains(tokens, namespace):
-            return True
-        arr, n = as_token_array(tokens), len(tokens)
-        with self._lock:
-            index = self._index.get(namespace)
-            for group in index.candidates(arr, n) if index else ():
-                if any(len(self._entries[k]) > n and self._entries[k].can_serve(n)
-                       and common_prefix_len(self._entries[k]._arr, arr) >= n for k in group):
-                    return True
-        return False
+        return self.contains(tokens, namespace) or self.index.covers(tokens, namespace)
 
     def entries(self) -> list[IndexEntry]:
         self.sync()
-        with self._lock:
-            return [replace(e, _arr=None) for e in self._entries.values()]
+        return self.index.snapshot()
 
     # --- restore ---
 
