@@ -11,9 +11,16 @@ from pathlib import Path
 
 
 def make_private_dir(path) -> Path:
-    """Create (or tighten) a directory readable by its owner only."""
+    """Create (or tighten) a directory readable by its owner only.
+
+    Another user's directory is refused (PermissionError), even where we
+    could write to it: its owner could read the prompts we would put there.
+    """
     path = Path(path).expanduser()
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    owner = os.stat(path).st_uid
+    if hasattr(os, "geteuid") and owner != os.geteuid():
+        raise PermissionError(f"{path} belongs to another user (uid {owner})")
     os.chmod(path, 0o700)
     return path
 

@@ -528,3 +528,17 @@ def test_dashboard_ram_over_budget_and_ssd_off():
     assert "1.5 KiB of 1000 B" in db.ram_label.value and "1 entry" in db.ram_label.value
     assert "SSD tier off" in db.ssd_label.value
     db.close()
+
+
+def test_labels_show_shared_directories_failing_writes_and_ram_only():
+    from mlxcache_kernel.widgets.dashboard_render import ssd_label, write_label
+
+    shared = ssd_label({"ssd_enabled": True, "ssd_bytes": 3 << 20, "ssd_files": 4, "ssd_processes": 3,
+                        "ssd_processes_pending_writes": 5})
+    assert "shared by 3 processes (5 writes pending)" in shared and "data-processes='3'" in shared
+    assert "shared by" not in ssd_label({"ssd_enabled": True, "ssd_processes": 1})
+    off = ssd_label({"ssd_enabled": False, "ssd_disabled_reason": "cache directory /x is not usable (<denied>)"})
+    assert "SSD tier off: cache directory /x is not usable (&lt;denied&gt;)" in off
+    failing = write_label({"pending_writes": 0, "write_error": "[Errno 28] No space left on device"})
+    assert "writes failing: [Errno 28] No space left on device" in failing
+    assert "failing" not in write_label({"pending_writes": 0, "write_error": None})

@@ -132,11 +132,16 @@ def ram_label(s: dict) -> str:
 
 def ssd_label(s: dict) -> str:
     if not ssd_enabled(s):
-        return "<span>SSD tier off</span>"
+        why = s.get("ssd_disabled_reason")
+        return f"<span class='mlxc-state-failed'>SSD tier off: {esc(why)}</span>" if why else "<span>SSD tier off</span>"
     used, cap, files = s.get("ssd_bytes") or 0, s.get("ssd_budget_bytes"), s.get("ssd_files") or 0
+    procs = s.get("ssd_processes") or 1
+    shared = ""
+    if procs > 1:  # other kernels on this directory, and what they still have to write
+        shared = f" · shared by {procs} processes ({s.get('ssd_processes_pending_writes') or 0} writes pending)"
     return (
-        f"<span data-used='{used}'>{fmt_bytes(used)} of {fmt_bytes(cap) if cap else 'no cap'}"
-        f" · {files} file{'' if files == 1 else 's'}</span>"
+        f"<span data-used='{used}' data-processes='{procs}'>{fmt_bytes(used)} of {fmt_bytes(cap) if cap else 'no cap'}"
+        f" · {files} file{'' if files == 1 else 's'}{shared}</span>"
     )
 
 
@@ -161,4 +166,7 @@ def write_label(s: dict) -> str:
     if failed:
         fb = s.get("failed_bytes")
         extra += f" · <span class='mlxc-state-failed'>{failed} failed" + (f" ({fmt_bytes(fb)})" if fb is not None else "") + "</span>"
+    if s.get("write_error"):
+        extra += f" · <span class='mlxc-state-failed' title='{esc(s['write_error'])}'>writes failing: " \
+                 f"{esc(preview_text(s['write_error'], 80))}</span>"
     return f"<span data-pending='{pending}' data-failed='{failed}'>{pending} pending ({fmt_bytes(pbytes)}){cur}{extra}</span>"

@@ -79,13 +79,13 @@ class FileRow:
     identity: dict
 
     def values(self) -> tuple:
-        return (self.namespace, self.key, self.path, len(self.tokens), np.asarray(self.tokens, "<i8").tobytes(),
+        return (self.namespace, self.key, self.path, len(self.tokens), np.asarray(self.tokens, "<i4").tobytes(),
                 self.file_bytes, self.kv_bytes, self.min_reusable_offset, int(self.trimmable), self.format_version,
                 self.created, self.last_used, json.dumps(self.identity, sort_keys=True))
 
     @classmethod
     def from_sql(cls, r) -> "FileRow":
-        tokens = tuple(int(t) for t in np.frombuffer(r[4], "<i8"))
+        tokens = tuple(int(t) for t in np.frombuffer(r[4], "<i4"))
         return cls(r[0], r[1], r[2], tokens, r[5], r[6], r[7], bool(r[8]), r[9], r[10], r[11], json.loads(r[12]))
 
 
@@ -227,9 +227,12 @@ class Catalog:
             rows = self.query("SELECT seq, op, namespace, key FROM changes WHERE seq > ? ORDER BY seq", (self.seq,))
             if not rows:
                 return [], [], False
-            reload = rows[0][0] > self.seq + 1 and self.seq > 0
-            self.seq = rows[-1][0]
             last = {(ns, key): op for _, op, ns, key in rows}
+            # fell behind the pruned log, or so much changed that one full read is cheaper
+            reload = (rows[0][0] > self.seq + 1 and self.seq > 0) or len(last) > 256
+            self.seq = rows[-1][0]
+            if reload:
+                return [], [], True
             added = [self.file(ns, key) for (ns, key), op in last.items() if op == "add"]
             removed = [k for k, op in last.items() if op == "del"]
             if self.seq - self._pruned > KEEP_CHANGES // 10:  # now and then, forget old history

@@ -57,6 +57,7 @@ class Durability(PromptCache):
         self._failures: dict[tuple, tuple[float, int]] = {}  # (ns, tokens) -> (last failure, count)
         self._vanished: list[tuple] = []  # (ns, tokens) of files other processes deleted (any thread appends)
         self.write_error: str | None = None  # the latest write failure, until a write succeeds again
+        self._error_kind: tuple | None = None
         self.pins_source: Callable[[], dict] = dict  # name -> (ns, tokens) of the named records (set by the engine)
         self._rebuilds_seen = 0
 
@@ -178,14 +179,15 @@ class Durability(PromptCache):
             self.counters["writes_committed"] += 1
             self.counters["bytes_written"] += int(done.bytes or 0)
             self._failures.pop(done.key, None)
-            self.write_error = None
+            self.write_error = self._error_kind = None
             if entry is not None:
                 entry.write_state, entry.write_error = WriteState.COMMITTED, None
             self._emit("write_committed", ns=ns, tokens=len(tokens), nbytes=done.bytes, seconds=done.seconds)
             return
         self.counters["writes_failed"] += 1
         self._failures[done.key] = (time.monotonic(), self._failures.get(done.key, (0, 0))[1] + 1)
-        first = self.write_error != str(done.error)
+        kind = (type(done.error).__name__, getattr(done.error, "errno", None))  # the same failure, another file
+        first, self._error_kind = kind != self._error_kind, kind
         self.write_error = str(done.error)
         if entry is not None:
             entry.write_state, entry.write_error = WriteState.FAILED, str(done.error)

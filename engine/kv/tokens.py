@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from typing import Sequence
 
@@ -25,43 +26,51 @@ def token_key(tokens: Sequence[int]) -> str:
     return hashlib.sha256(np.asarray(tokens, dtype="<i8").tobytes()).hexdigest()
 
 
-PREFIX_DEPTHS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
+def sort_key(tokens) -> bytes:
+    """Bytes whose order is the lexicographic order of token sequences (fixed-width big-endian)."""
+    return np.asarray(tokens, dtype=np.int64).astype(">u8").tobytes()
 
 
-def prefix_hashes(tokens: np.ndarray) -> list[tuple[int, bytes]]:
-    """(depth, hash of the first `depth` tokens) for each depth the sequence reaches."""
-    raw = np.ascontiguousarray(tokens, dtype="<i8").tobytes()
-    return [(d, hashlib.blake2b(raw[: 8 * d], digest_size=12).digest()) for d in PREFIX_DEPTHS if d <= len(tokens)]
+class SortedSequences:
+    """Token sequences kept in lexicographic order, for longest-prefix questions.
 
-
-class PrefixIndex:
-    """Keys of token sequences, grouped by shared prefixes at a few depths.
-
-    `candidates(prompt, min_len)` yields (depth, keys) groups, deepest shared
-    prefix first: every key in a group shares at least `depth` tokens with
-    the prompt. Groups too shallow to hold a match of `min_len` tokens are
-    not visited. A lookup compares only candidates exactly, so it stays fast
-    with thousands of sequences; only a lookup that accepts very short
-    matches may visit the wide shallow groups.
+    The sequence sharing the longest prefix with a query sits next to the
+    query's place in that order, so `near(query)` (a few neighbours on each
+    side, found by bisection) holds it, however many sequences there are.
     """
 
     def __init__(self):
-        self._groups: dict[tuple, set] = {}
+        self._items: list[tuple[bytes, object]] = []
 
-    def add(self, key, tokens: np.ndarray) -> None:
-        for h in prefix_hashes(tokens):
-            self._groups.setdefault(h, set()).add(key)
+    def __len__(self) -> int:
+        return len(self._items)
 
-    def remove(self, key, tokens: np.ndarray) -> None:
-        for h in prefix_hashes(tokens):
-            group = self._groups.get(h)
-            if group is not None:
-                group.discard(key)
-                if not group:
-                    del self._groups[h]
+    def add(self, key, tokens) -> None:
+        bisect.insort(self._items, (sort_key(tokens), key))
 
-    def candidates(self, prompt: np.ndarray, min_len: int = 1):
-        floor = max((d for d in PREFIX_DEPTHS if d <= max(min_len, 1)), default=1)
-        for h in reversed(prefix_hashes(prompt)):
-            if h[0] >= floor and h in self._groups:
-                yield self._groups[h]
+    def remove(self, key, tokens) -> None:
+        item = (sort_key(tokens), key)
+        i = bisect.bisect_left(self._items, item)
+        if i < len(self._items) and self._items[i] == item:
+            del self._items[i]
+
+    def near(self, tokens, width: int = 4) -> list:
+        """Keys of up to `width` sequences on each side of where `tokens` would sort."""
+        i = bisect.bisect_left(self._items, (sort_key(tokens),))
+        return [k for _, k in self._items[max(0, i - width) : i + width]]
+
+    def before(self, tokens) -> object | None:
+        """The key of the last sequence sorting at or before `tokens` (a prefix of it does)."""
+        i = bisect.bisect_right(self._items, (sort_key(tokens), _TOP))
+        return self._items[i - 1][1] if i else None
+
+
+class _Top:
+    def __lt__(self, other):
+        return False
+
+    def __gt__(self, other):
+        return True
+
+
+_TOP = _Top()

@@ -1,8 +1,8 @@
 """The SSD tier's in-memory view of the catalogue, and lookups on it (no I/O).
 
-One `IndexEntry` per catalogued file, grouped per namespace in a
-`PrefixIndex`, so that finding the longest usable prefix of a prompt compares
-only the files that share a prefix with it, however many files there are.
+One `IndexEntry` per catalogued file, kept per namespace in token order, so
+that finding the longest usable prefix of a prompt compares only a few files
+next to the prompt's place in that order, however many files there are.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ...kv.tokens import PrefixIndex, as_token_array, common_prefix_len
+from ...kv.tokens import SortedSequences, as_token_array, common_prefix_len
 from ..catalog import FileRow
 
 
@@ -49,61 +49,83 @@ class IndexEntry:
 
 
 class FileIndex:
-    """(namespace, key) -> IndexEntry, with a prefix index per namespace. Thread-safe."""
+    """(namespace, key) -> IndexEntry, with the files of each namespace in token order
+    (trimmable ones apart from exact-only ones). Thread-safe."""
 
     def __init__(self):
         self.lock = threading.RLock()
         self.entries: dict[tuple, IndexEntry] = {}
-        self._prefixes: dict[str, PrefixIndex] = {}
+        self._sorted: dict[tuple, SortedSequences] = {}  # (namespace, trimmable) -> sequences
 
     def put(self, e: IndexEntry) -> None:
         with self.lock:
             k = (e.namespace, e.key)
             self.forget(k)
             self.entries[k] = e
-            self._prefixes.setdefault(e.namespace, PrefixIndex()).add(k, e._arr)
+            self._sorted.setdefault((e.namespace, e.trimmable), SortedSequences()).add(k, e._arr)
 
     def forget(self, k: tuple) -> IndexEntry | None:
         with self.lock:
             e = self.entries.pop(k, None)
             if e is not None:
-                self._prefixes[e.namespace].remove(k, e._arr)
+                self._sorted[(e.namespace, e.trimmable)].remove(k, e._arr)
             return e
 
     def load(self, rows: list[FileRow]) -> None:
         with self.lock:
             self.entries.clear()
-            self._prefixes.clear()
+            self._sorted.clear()
             for r in rows:
                 self.put(IndexEntry.from_row(r))
 
     def find(self, prompt_tokens: Sequence[int], namespace: str, cap: int, min_len: int) -> IndexEntry | None:
-        """The file with the longest usable prefix of the prompt (<= cap, >= min_len tokens)."""
+        """The file with the longest usable prefix of the prompt (<= cap, >= min_len tokens).
+
+        Trimmable files: the longest shared prefix is next to the prompt's place in
+        token order. Exact-only files must be a prefix of the prompt: the longest
+        such is found by bisection too (a few steps back at most).
+        """
         prompt = as_token_array(prompt_tokens)
         with self.lock:
-            prefixes = self._prefixes.get(namespace)
-            for group in prefixes.candidates(prompt, min_len) if prefixes and cap >= 1 else ():
-                best, best_rank = None, None  # deepest shared prefix first
-                for k in group:
-                    e = self.entries[k]
-                    n = min(common_prefix_len(e._arr, prompt), cap)
-                    if not e.can_serve(n):
-                        continue
-                    rank = (n, n == len(e), -e.file_bytes, e.last_use)  # longest, no trim, smaller, recent
-                    if best_rank is None or rank > best_rank:
-                        best, best_rank = e, rank
-                if best is not None and best_rank[0] >= min_len:
-                    return replace(best, match_len=best_rank[0], _arr=None)
-        return None
+            trimmable = self._sorted.get((namespace, True))
+            candidates = trimmable.near(prompt) if trimmable and cap >= 1 else []
+            if any(self.entries[k].min_reusable_offset for k in candidates):
+                # a minimum reusable offset can rule out the nearest: look at all of them (rare)
+                candidates = [k for k in self.entries if k[0] == namespace and self.entries[k].trimmable]
+            candidates += self._prefix_entries(namespace, prompt[:cap])
+            best, best_rank = None, None
+            for k in candidates:
+                e = self.entries[k]
+                n = min(common_prefix_len(e._arr, prompt), cap)
+                if n < min_len or not e.can_serve(n):
+                    continue
+                rank = (n, n == len(e), -e.file_bytes, e.last_use)  # longest, no trim, smaller, recent
+                if best_rank is None or rank > best_rank:
+                    best, best_rank = e, rank
+            return None if best is None else replace(best, match_len=best_rank[0], _arr=None)
+
+    def _prefix_entries(self, namespace: str, query: np.ndarray) -> list:
+        """Exact-only files that are a prefix of `query`: the longest one (and nothing else)."""
+        exact = self._sorted.get((namespace, False))
+        while exact and len(query):
+            k = exact.before(query)
+            if k is None:
+                return []
+            e = self.entries[k]
+            shared = common_prefix_len(e._arr, query)
+            if shared == len(e):  # a prefix of the query
+                return [k]
+            query = query[:shared]  # any prefix of the query this one passed is a prefix of query[:shared]
+        return []
 
     def covers(self, tokens: Sequence[int], namespace: str) -> bool:
-        """Whether a longer file can serve exactly `tokens` (trimmable and sharing them)."""
+        """Whether a longer trimmable file can serve exactly `tokens` (it starts with them)."""
         arr, n = as_token_array(tokens), len(tokens)
         with self.lock:
-            prefixes = self._prefixes.get(namespace)
-            for group in prefixes.candidates(arr, n) if prefixes else ():
-                if any(len(self.entries[k]) > n and self.entries[k].can_serve(n)
-                       and common_prefix_len(self.entries[k]._arr, arr) >= n for k in group):
+            trimmable = self._sorted.get((namespace, True))
+            for k in trimmable.near(arr) if trimmable else ():
+                e = self.entries[k]
+                if len(e) > n and e.can_serve(n) and common_prefix_len(e._arr, arr) >= n:
                     return True
         return False
 

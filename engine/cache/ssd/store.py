@@ -295,6 +295,12 @@ class CheckpointStore:
         """Rename a finished temp file into place and record it, in one transaction (writer thread)."""
         h = info.header
         with self.catalog.transaction() as db:
+            try:
+                fmt.read_header(info.path)
+            except NewerFormat:  # a newer build's file under this name: leave it alone
+                raise FileExistsError(f"{info.path} holds a newer format's checkpoint; not replaced") from None
+            except (OSError, CorruptCheckpoint):
+                pass
             os.replace(tmp, info.path)
             self.catalog.add_file(db, _row(Path(info.path), h))
 
