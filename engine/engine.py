@@ -18,8 +18,10 @@ from .cache.tiered import TieredPromptCache
 from .events import EventBus
 from .generation import GenerationError, SamplingParams
 from .inflight import InflightRecords
+from .cache.retention import make_policy
 from .kv import inspect as kv_inspect
-from .metrics import GenerationMetrics
+from .memory import PressureGuard
+from .metrics import AccessTrace, GenerationMetrics
 from .models import IdentityMemo, LoadedModel, ModelRegistry
 from .named import CheckpointNameError, NamedCheckpoints, check_name
 from .run import Generation, GenerationResult, Request
@@ -35,7 +37,7 @@ def default_cache_dir() -> Path:
 
 
 def default_ram_budget() -> int:
-    """A quarter of physical memory: room for the model, the notebook and the OS."""
+    """A quarter of physical memory (for a fixed budget; `ram_budget_bytes=None` adapts instead)."""
     mem = physical_memory()
     return int(mem * 0.25) if mem else 4 << 30
 
@@ -51,15 +53,19 @@ class Engine:
         write_behind: bool = True,
         idle_demote_s: float | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        memory_high_water: float = 0.85,
+        memory_low_water: float = 0.75,
+        retention: str = "lru",
+        trace_path: str | os.PathLike | None = None,
     ):
         self.cache_dir = Path(cache_dir or default_cache_dir()).expanduser()
         self.events = EventBus()
         self.sessions = Sessions()
         self.prefill_chunk = int(prefill_chunk)
         self.ssd_disabled_reason: str | None = None  # why a requested SSD tier is off
-        budget = default_ram_budget() if ram_budget_bytes is None else int(ram_budget_bytes)
+        budget = None if ram_budget_bytes is None else int(ram_budget_bytes)  # None: the memory guard adapts
         kw = dict(ssd_budget_bytes=ssd_budget_bytes, write_behind=write_behind, idle_demote_s=idle_demote_s,
-                  emit=self.events.emit)
+                  emit=self.events.emit, retention=make_policy(retention))
         try:
             make_private_dir(self.cache_dir)
             self.cache = TieredPromptCache(ram_budget_bytes=budget, ssd_dir=self.cache_dir / "checkpoints" if ssd
@@ -68,9 +74,13 @@ class Engine:
             self.ssd_disabled_reason = f"cache directory {self.cache_dir} is not usable ({e}): running RAM-only"
             warnings.warn(f"mlxcache: {self.ssd_disabled_reason}", stacklevel=2)
             self.cache = TieredPromptCache(ram_budget_bytes=budget, ssd_dir=None, **kw)
+        self.memory = PressureGuard(self.cache.reclaim, high=memory_high_water, low=memory_low_water,
+                                    emit=self.events.emit)
+        self.cache.pressure = self.memory
         usable = self.ssd_disabled_reason is None
         self.models = ModelRegistry(IdentityMemo(self.cache_dir / "identities.json" if usable else None))
         self.metrics = GenerationMetrics()
+        self.trace = AccessTrace(trace_path or os.environ.get("MLXCACHE_TRACE"))
         self.last_result: GenerationResult | None = None
         self.last_key: tuple | None = None  # (namespace, tokens) of the last generation's checkpoint
         self.names = NamedCheckpoints(self.cache_dir / "names" if usable else None)
@@ -194,8 +204,9 @@ class Engine:
     # --- cache control ---
 
     def poll(self) -> None:
-        """Apply finished background work (owner thread)."""
+        """Apply finished background work; give memory back if the machine runs short (owner thread)."""
         self.cache.poll()
+        self.memory.check("idle")
 
     def flush(self, timeout: float | None = None) -> dict:
         """Wait until every queued write is durable; returns a report."""
@@ -215,6 +226,7 @@ class Engine:
             "cache_dir": str(self.cache_dir),
             "ssd_disabled_reason": self.ssd_disabled_reason,
             **self.metrics.as_stats(),
+            **self.memory.stats(),
             **self.cache.stats(),
         }
 

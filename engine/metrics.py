@@ -13,6 +13,10 @@ Reading stats never touches an MLX array.
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 SCHEMA = {
     # engine
     "blas": "the BLAS under MLX's CPU matmuls",
@@ -30,6 +34,14 @@ SCHEMA = {
     "engine_prefill_s": "seconds spent prefilling",
     "engine_prefill_s_saved": "prefill seconds the cache saved, at each model's measured prefill rate",
     "engine_decode_tokens": "tokens generated",
+    # memory the kernel really has (memory.py)
+    "pressure_checks": "memory readings taken (at lookups, after prefill, during decode, between cells)",
+    "pressure_reclaims": "times the working set passed the high-water mark and entries were let go",
+    "pressure_freed_bytes": "RAM bytes let go under memory pressure",
+    "memory_working_bytes": "this process's working set at the last reading (RSS, or MLX memory if larger)",
+    "memory_available_bytes": "memory the machine could still give at the last reading",
+    "memory_high_water_bytes": "past this working set, entries are let go (a share of what the kernel may use)",
+    "memory_low_water_bytes": "reclaim goes down to this working set",
     # RAM tier
     "ram_used_bytes": "RAM held by cache entries (their buffers as allocated)",
     "ram_kv_bytes": "KV bytes of the RAM entries, cut to their tokens",
@@ -61,6 +73,7 @@ SCHEMA = {
     "writes_failed": "SSD writes that failed",
     "bytes_written": "file bytes committed to SSD",
     "inflight_queued": "in-flight generation checkpoints queued",
+    "inflight_replaced": "in-flight checkpoints replaced by a newer interval before they were written",
     "dropped_unwritable": "RAM entries let go over budget while their SSD writes kept failing",
     "write_error": "the latest SSD write error, until a write succeeds again",
     # SSD tier (present when it is on)
@@ -135,3 +148,24 @@ def generation_stats(*, prompt_tokens, cached, source, prefilled, lookup_s, pref
         "finish_reason": finish_reason,
         "peak_memory_bytes": peak_memory,
     }
+
+
+class AccessTrace:
+    """One JSON line per generation, for replaying retention policies offline
+    (benchmarks/bench_retention.py): namespace, prompt token ids, how many
+    tokens the published state holds, KV bytes per token, the prefill rate.
+
+    Off unless a path is given (MLXCACHE_TRACE). The file holds prompts: 0600.
+    """
+
+    def __init__(self, path: str | os.PathLike | None):
+        self.path = Path(path).expanduser() if path else None
+
+    def record(self, ns: str, prompt: list, kept: int, kv_bytes_per_token: float, prefill_tokens_per_s) -> None:
+        if self.path is None:
+            return
+        line = json.dumps({"ns": ns, "prompt": prompt, "kept": kept, "kv_bytes_per_token": kv_bytes_per_token,
+                           "prefill_tokens_per_s": prefill_tokens_per_s})
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "a") as f:
+            f.write(line + "\n")

@@ -25,6 +25,7 @@ from .inflight import request_id
 from .kv.checkpoint import Checkpoint
 from .kv.codecs import always_cuttable
 from .kv.tokens import token_key
+from .memory import DECODE_CHECK_EVERY
 from .metrics import generation_stats
 from .models import LoadedModel
 
@@ -94,6 +95,7 @@ class Generation:
                     prefill(req.model.model, caches, suffix, chunk=self.engine.prefill_chunk,
                             progress=(lambda done, total: progress("prefill", done, total)) if progress else None)
                 prefill_s = time.perf_counter() - t1
+                self.engine.memory.check("prefill")
                 if req.use_cache and not self.emitted:
                     self._snapshot_prompt(caches)
                 self._decode(caches)
@@ -149,11 +151,22 @@ class Generation:
         every = req.checkpoint_every
         seen = list(emitted)  # every emitted token so far, resumed ones included
 
-        def boundary_due(step: int) -> bool:  # after this step's token: len(seen) == step + 1
-            return bool(every) and (step + 1) % every == 0 and step + 1 < req.params.max_tokens
+        decided: dict = {}
+
+        def boundary_due(step: int) -> bool:
+            """Capture after this step's token (len(seen) == step + 1)? Decided once per step:
+            decode() skips queueing ahead exactly where on_token captures. No new copy while
+            the previous interval is still being written."""
+            if step not in decided:
+                decided.clear()
+                decided[step] = (bool(every) and (step + 1) % every == 0 and step + 1 < req.params.max_tokens
+                                 and not self.cache.inflight_busy(self.rid))
+            return decided[step]
 
         def on_token(token: int, step: int) -> bool:
             self.times.append(time.perf_counter())
+            if step and step % DECODE_CHECK_EVERY == 0:
+                self.engine.memory.check("decode")
             self._show(self.stream.add(token))
             seen.append(token)
             if boundary_due(step) and not self.stream.stopped:
@@ -207,7 +220,7 @@ class Generation:
             "boundary_key": token_key(boundary),
         }
         inflight, rid = self.engine.inflight, self.rid
-        self.cache.queue_inflight(cp, self.req.ns, on_commit=lambda info: inflight.write(rid, record))
+        self.cache.queue_inflight(cp, self.req.ns, rid, on_commit=lambda info: inflight.write(rid, record))
 
     def _known_tokens(self) -> list:
         """The tokens the caches hold, as far as this run knows them (an interrupt may
@@ -224,6 +237,8 @@ class Generation:
                                prompt_tokens=len(req.tokens))
         if entry is not None:
             self.engine.last_key = (req.ns, tuple(final))
+            self.engine.trace.record(req.ns, req.tokens, len(final), entry.checkpoint.kv_bytes / len(final),
+                                     self.engine.metrics.prefill_rate.get(req.ns))
         self.cache.queue_dirty()  # the prompt snapshot too, unless the final one superseded it
 
     def _publish_interrupted(self, known: list, caches: list) -> None:

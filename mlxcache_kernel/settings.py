@@ -123,7 +123,8 @@ class MLXCache(Configurable):
         config=True
     )
     ram_budget = Unicode(
-        help="RAM tier budget: '2GiB', '512MB', bytes or '25%' of memory ($MLXCACHE_RAM_BUDGET)"
+        help="RAM tier budget: 'auto' (adapt to the memory the machine has), '2GiB', '512MB', bytes or "
+             "'25%' of memory ($MLXCACHE_RAM_BUDGET)"
     ).tag(config=True)
     ssd_budget = Unicode(help="SSD tier cap, same units, 'none' for no cap ($MLXCACHE_SSD_BUDGET)").tag(config=True)
     ssd = Bool(help="Keep an SSD tier ($MLXCACHE_SSD)").tag(config=True)
@@ -147,7 +148,7 @@ class MLXCache(Configurable):
 
     @default("ram_budget")
     def _ram_budget_default(self):
-        return _env("MLXCACHE_RAM_BUDGET", "25%")
+        return _env("MLXCACHE_RAM_BUDGET", "auto")
 
     @default("ssd_budget")
     def _ssd_budget_default(self):
@@ -179,7 +180,10 @@ class MLXCache(Configurable):
 
     # --- resolved values ---
 
-    def ram_budget_bytes(self) -> int:
+    def ram_budget_bytes(self) -> int | None:
+        """None for 'auto': no fixed cap; the engine lets entries go when the machine runs short."""
+        if self.ram_budget.strip().lower() == "auto":
+            return None
         return parse_size(self.ram_budget, what="RAM budget (MLXCACHE_RAM_BUDGET)")
 
     def ssd_budget_bytes(self) -> int | None:

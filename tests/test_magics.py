@@ -130,8 +130,10 @@ def test_settings_from_env_and_config(monkeypatch, tmp_path):
     assert d.cache_dir.endswith("mlxcache-kernel")
     assert d.ssd_budget_bytes() is None and d.write_behind is True
     assert d.default_model_spec() == "smollm2"
+    assert d.ram_budget == "auto" and d.ram_budget_bytes() is None  # adapts to the machine's memory
     if physical_memory():
-        assert 0 < d.ram_budget_bytes() <= physical_memory() // 2
+        monkeypatch.setenv("MLXCACHE_RAM_BUDGET", "25%")
+        assert 0 < MLXCache().ram_budget_bytes() <= physical_memory() // 2
 
 
 def test_bad_setting_is_one_usage_error(ip, capsys, monkeypatch):

@@ -542,3 +542,20 @@ def test_labels_show_shared_directories_failing_writes_and_ram_only():
     failing = write_label({"pending_writes": 0, "write_error": "[Errno 28] No space left on device"})
     assert "writes failing: [Errno 28] No space left on device" in failing
     assert "failing" not in write_label({"pending_writes": 0, "write_error": None})
+
+
+def test_history_plot_and_memory_marks():
+    from mlxcache_kernel.widgets.history import History, memory_label
+
+    h = History(size=5)
+    assert "waiting" in h.render()
+    for i in range(8):
+        h.add({"ram_used_bytes": i << 20, "ssd_bytes": (i // 2) << 20, "hits": i, "misses": i // 3}, now=float(i))
+    svg = h.render()
+    assert "data-samples='5'" in svg and svg.count("<polyline") == 2 and "hits</title>" in svg
+    h.add({"ram_used_bytes": 7 << 20, "ssd_bytes": 3 << 20, "hits": 7, "misses": 2})
+    assert "data-samples='5'" in h.render()  # an unchanged reading adds nothing
+    label = memory_label({"memory_working_bytes": 9 << 30, "memory_high_water_bytes": 8 << 30,
+                          "memory_low_water_bytes": 7 << 30, "pressure_reclaims": 2})
+    assert "reclaim past 8.0 GiB down to 7.0 GiB" in label and "over the high-water mark" in label
+    assert "not measured" in memory_label({})

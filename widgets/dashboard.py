@@ -26,10 +26,19 @@ from typing import Callable
 
 import ipywidgets as W
 
-from .dashboard_render import (ram_label, render_counters, render_entries, render_log, ssd_enabled, ssd_label,
-                               write_label, write_progress)
+from .dashboard_render import (
+    ram_label,
+    render_counters,
+    render_entries,
+    render_log,
+    ssd_enabled,
+    ssd_label,
+    write_label,
+    write_progress,
+)
 from .dashboard_state import DashboardState
 from .format import esc
+from .history import History, memory_label
 
 __all__ = ["ResidencyDashboard"]
 
@@ -106,11 +115,15 @@ class ResidencyDashboard(W.VBox):
         self.write_bar = W.FloatProgress(value=0.0, min=0.0, max=1.0, description="writes", bar_style="warning")
         self.write_label = W.HTML()
         self.counters_html = W.HTML()
+        self.memory_html = W.HTML()
+        self.history_html = W.HTML()
+        self.history = History()
         self.entries_html = W.HTML()
         self.log_html = W.HTML()
         for w, cls in [
             (self.ram_label, "mlxc-ram"), (self.ssd_label, "mlxc-ssd"), (self.write_label, "mlxc-writes"),
             (self.counters_html, "mlxc-counters-box"), (self.entries_html, "mlxc-entries-box"),
+            (self.memory_html, "mlxc-memory-box"), (self.history_html, "mlxc-history-box"),
             (self.log_html, "mlxc-log-box"), (self.ram_bar, "mlxc-ram-bar"), (self.ssd_bar, "mlxc-ssd-bar"),
             (self.write_bar, "mlxc-write-bar"),
         ]:
@@ -122,6 +135,8 @@ class ResidencyDashboard(W.VBox):
                 row(self.ram_bar, self.ram_label),
                 row(self.ssd_bar, self.ssd_label),
                 row(self.write_bar, self.write_label),
+                self.memory_html,
+                self.history_html,
                 self.counters_html,
                 self.entries_html,
                 self.log_html,
@@ -249,6 +264,9 @@ class ResidencyDashboard(W.VBox):
         done, total = write_progress(s)
         self._bar(self.write_bar, done if total else 0, total or 1)
         self._set(self.write_label, write_label(s))
+        self._set(self.memory_html, memory_label(s))
+        self.history.add(s)
+        self._set(self.history_html, self.history.render())
         self._set(self.counters_html, render_counters(self.state.counters))
         self._set(self.log_html, render_log(log))
 

@@ -38,21 +38,22 @@ class WriteState(str, Enum):
     FAILED = "failed"  # the last write failed; retried later
 
 
-_UNWRITTEN = (WriteState.NONE, WriteState.DIRTY, WriteState.FAILED)
+_UNWRITTEN = (None, WriteState.NONE, WriteState.DIRTY, WriteState.FAILED)
 
 
 class Durability(PromptCache):
     store = writer = None
 
     def __init__(self, budget_bytes: int | None, emit: Callable[..., object] | None, *, write_behind: bool,
-                 idle_demote_s: float | None):
-        super().__init__(budget_bytes, emit)
+                 idle_demote_s: float | None, retention=None):
+        super().__init__(budget_bytes, emit, retention)
         self.write_behind = write_behind
         self.idle_demote_s = idle_demote_s
         self.identities: dict[str, dict] = {}
         self.counters.update(dict.fromkeys((
             "ssd_hits", "ssd_tokens", "ssd_restore_failures", "demotions", "writes_queued",
-            "writes_committed", "writes_failed", "bytes_written", "inflight_queued", "dropped_unwritable",
+            "writes_committed", "writes_failed", "bytes_written", "inflight_queued", "inflight_replaced",
+            "dropped_unwritable",
         ), 0))
         self._failures: dict[tuple, tuple[float, int]] = {}  # (ns, tokens) -> (last failure, count)
         self._vanished: list[tuple] = []  # (ns, tokens) of files other processes deleted (any thread appends)
@@ -74,7 +75,7 @@ class Durability(PromptCache):
         later is then never written at all.
         """
         entry = super().put(checkpoint, ns, evict=False, **kw)
-        if entry is not None:
+        if entry is not None and entry.write_state is None:  # (an oversized put queued its one write already)
             entry.write_state = WriteState.NONE if self.store is None else WriteState.DIRTY
             if self.store is not None and self.write_behind and not defer_write:
                 self._queue_write(entry)
@@ -91,6 +92,8 @@ class Durability(PromptCache):
 
     def _queue_write(self, entry: Entry) -> None:
         if entry.write_state in (WriteState.PENDING, WriteState.COMMITTED) or entry.ns not in self.identities:
+            return
+        if self.store is None:
             return
         job = WriteJob.from_checkpoint(entry.checkpoint, entry.ns, self.identities[entry.ns], key=(entry.ns, entry.tokens))
         self.writer.submit(job)
@@ -137,13 +140,46 @@ class Durability(PromptCache):
                 self.poll()
         return self.store.contains(entry.tokens, entry.ns)
 
-    def queue_inflight(self, cp: Checkpoint, ns: str, on_commit: Callable) -> None:
-        """Queue an in-flight generation checkpoint: SSD only, written promptly (urgent)."""
-        job = WriteJob.from_checkpoint(
-            cp, ns, self.identities[ns], key=("inflight", ns, cp.tokens), urgent=True, on_commit=on_commit
-        )
-        self.writer.submit(job)
-        self.counters["inflight_queued"] += 1
+    def queue_inflight(self, cp: Checkpoint, ns: str, request: str, on_commit: Callable) -> None:
+        """Queue an in-flight generation checkpoint: SSD only, never waiting for the generation.
+
+        One request keeps at most one interval waiting: a newer one replaces it
+        (the older is never written), so memory stays bounded at any interval.
+        """
+        job = WriteJob.from_checkpoint(cp, ns, self.identities[ns], key=("inflight", ns, cp.tokens), urgent=True,
+                                       on_commit=on_commit, coalesce=("inflight", request))
+        self.counters["inflight_replaced" if self.writer.submit(job) else "inflight_queued"] += 1
+
+    def inflight_busy(self, request: str) -> bool:
+        """Whether this request's previous interval is still being written (a new capture can wait)."""
+        return self.writer is not None and self.writer.writing(("inflight", request))
+
+    def reclaim(self, nbytes: int, reason: str = "pressure") -> int:
+        """Let entries go, least valuable first, until `nbytes` are freed (memory pressure).
+
+        Unlike the byte budget this goes past an entry that must stay (its write
+        is queued instead): the machine needs memory now. Returns the bytes freed.
+        """
+        freed = 0
+        for e in self.victims():
+            if freed >= nbytes:
+                break
+            if not e.borrowers and self._may_drop(e, reason):
+                self._remove(e)
+                self.retention.evicted(e)
+                self.counters["evictions"] += 1
+                freed += e.nbytes
+                self._emit("evict", ns=e.ns, tokens=len(e.tokens), nbytes=e.nbytes, reason=reason)
+        if freed:
+            import mlx.core as mx
+
+            mx.clear_cache()  # give the freed buffers back to the system, not to MLX's cache
+        return freed
+
+    def over_budget(self) -> bool:
+        """RAM entries plus in-flight checkpoints waiting for the disk, against the budget."""
+        inflight = self.writer.pending(urgent_only=True)[1] if self.writer is not None else 0
+        return self.budget_bytes is not None and self.used_bytes + inflight > self.budget_bytes
 
     # --- the owner thread's turn ---
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from ..kv.checkpoint import Checkpoint
 from ..kv.tokens import as_token_array, common_prefix_len
+from .retention import LRU
 
 
 def usable_length(checkpoint: Checkpoint, token_array: np.ndarray, prompt: np.ndarray) -> int:
@@ -47,6 +48,7 @@ class Entry:
     write_state: Any = None  # set and read by the tier above (tiered.WriteState); the RAM tier ignores it
     write_error: str | None = None
     hits: int = 0
+    score: float = 0.0  # kept by the retention policy
     prompt_tokens: int | None = None  # a generation's final state: how much of it was the prompt
 
     @property
@@ -82,8 +84,9 @@ class Lease:
 
 
 class PromptCache:
-    def __init__(self, budget_bytes: int | None, emit: Callable[..., object] | None = None):
+    def __init__(self, budget_bytes: int | None, emit: Callable[..., object] | None = None, retention=None):
         self.budget_bytes = budget_bytes
+        self.retention = retention or LRU()
         self._emit = emit or (lambda *a, **k: None)
         self._entries: dict[tuple, Entry] = {}  # (ns, tokens) -> entry
         self._sessions: dict[tuple, Entry] = {}  # (ns, session) -> latest entry
@@ -145,6 +148,7 @@ class PromptCache:
         """
         entry.touch()
         entry.hits += 1
+        self.retention.hit(entry)
         if move and self._may_move(entry, n):
             caches = entry.checkpoint.hand_over(n)
             self._remove(entry)
@@ -233,6 +237,7 @@ class PromptCache:
     def _insert(self, entry: Entry) -> None:
         self._entries[(entry.ns, entry.tokens)] = entry
         self.used_bytes += entry.nbytes
+        self.retention.inserted(entry)
         for s in entry.sessions:
             self._sessions[(entry.ns, s)] = entry
 
@@ -267,10 +272,11 @@ class PromptCache:
     # --- budget ---
 
     def victims(self) -> list[Entry]:
-        """Eviction order: oversized first, unreferenced before session-referenced, then LRU; pinned last."""
+        """Eviction order: oversized first, unreferenced before session-referenced, then the
+        retention policy (LRU by default); pinned last."""
         return sorted(
             self._entries.values(),
-            key=lambda e: (bool(e.pinned), not self._oversized(e), bool(e.sessions), e.last_used),
+            key=lambda e: (bool(e.pinned), not self._oversized(e), bool(e.sessions), self.retention.key(e)),
         )
 
     def _oversized(self, entry: Entry) -> bool:
@@ -280,25 +286,24 @@ class PromptCache:
         return self.budget_bytes is not None and self.used_bytes > self.budget_bytes
 
     def enforce_budget(self) -> None:
+        """Evict in `victims()` order while over budget. A victim that may not leave yet
+        (its SSD write is pending) stops eviction: the budget is soft until it can go,
+        and no hotter entry is evicted in its place."""
         if not self.over_budget():
             return
         for victim in self.victims():
             if not self.over_budget():
                 break
             oversized = self._oversized(victim)
-            if self._may_drop(victim, "oversized" if oversized else "budget"):
-                self._remove(victim)
-                if oversized:
-                    self.counters["oversized"] += 1
-                else:
-                    self.counters["evictions"] += 1
-                self._emit(
-                    "evict",
-                    ns=victim.ns,
-                    tokens=len(victim.tokens),
-                    nbytes=victim.nbytes,
-                    reason="oversized" if oversized else "budget",
-                )
+            if not self._may_drop(victim, "oversized" if oversized else "budget"):
+                if victim.pinned:
+                    continue  # pinned entries come last; one that must stay blocks nothing
+                break
+            self._remove(victim)
+            self.retention.evicted(victim)
+            self.counters["oversized" if oversized else "evictions"] += 1
+            self._emit("evict", ns=victim.ns, tokens=len(victim.tokens), nbytes=victim.nbytes,
+                       reason="oversized" if oversized else "budget")
 
     # --- hooks for the tiered cache ---
 

@@ -41,14 +41,17 @@ class TieredPromptCache(Durability):
         write_behind: bool = True,
         idle_demote_s: float | None = None,
         emit: Callable[..., object] | None = None,
+        retention=None,
     ):
-        super().__init__(ram_budget_bytes, emit, write_behind=write_behind, idle_demote_s=idle_demote_s)
+        super().__init__(ram_budget_bytes, emit, write_behind=write_behind, idle_demote_s=idle_demote_s,
+                         retention=retention)
+        self.pressure = None  # the engine's PressureGuard (memory.py), checked at each lookup
         self.store: CheckpointStore | None = None
         self.writer: CheckpointWriter | None = None
         if ssd_dir is not None:
             self.store = CheckpointStore(Path(ssd_dir), ssd_budget_bytes=ssd_budget_bytes, on_event=self._store_event,
                                          on_removed=self._file_removed)
-            self.writer = CheckpointWriter(self.store, under_pressure=self.over_budget)
+            self.writer = CheckpointWriter(self.store, under_pressure=self.under_pressure)
 
     # --- wiring ---
 
@@ -60,6 +63,10 @@ class TieredPromptCache(Durability):
     def _store_event(self, event: dict) -> None:
         event = dict(event)
         self._emit(event.pop("type", "store"), **event)
+
+    def under_pressure(self) -> bool:
+        """Over the RAM budget, or the machine's memory is short: writes must not wait."""
+        return self.over_budget() or bool(self.pressure and self.pressure.active)
 
     def generating(self):
         """Context for a running generation: the writer yields the cores."""
@@ -76,6 +83,8 @@ class TieredPromptCache(Durability):
         move: bool = False,
     ) -> Lease | None:
         self.poll()
+        if self.pressure is not None:
+            self.pressure.check("lookup")
         prompt = as_token_array(prompt)  # once: the RAM and SSD lookups both compare arrays
         entry, n_ram = self.best(prompt, ns, session)
         if self.store is not None:

@@ -36,8 +36,9 @@ class WriteJob:
     trimmable: bool
     codec: str = fmt.DEFAULT_CODEC
     key: Any = None  # caller's handle, returned in the completion
-    urgent: bool = False  # ignore should_yield (memory pressure, in-flight checkpoints)
+    urgent: bool = False  # never waits for a generation (in-flight checkpoints)
     on_commit: Callable[[Any], None] | None = None  # writer thread, after publish: plain file work only
+    coalesce: Any = None  # a newer job with the same value replaces this one while it waits
 
     @property
     def nbytes(self) -> int:
@@ -46,12 +47,12 @@ class WriteJob:
     @classmethod
     def from_checkpoint(
         cls, cp, namespace: str, identity: dict, *, key: Any = None, codec: str = fmt.DEFAULT_CODEC,
-        urgent: bool = False, on_commit: Callable[[Any], None] | None = None,
+        urgent: bool = False, on_commit: Callable[[Any], None] | None = None, coalesce: Any = None,
     ) -> "WriteJob":
         """Prepare on the owner thread (host_tensors evaluates views)."""
         return cls(
             namespace, dict(identity), tuple(cp.tokens), cp.layout(), int(cp.min_reusable_offset),
-            cp.host_tensors(), bool(cp.trimmable), codec, key, urgent, on_commit,
+            cp.host_tensors(), bool(cp.trimmable), codec, key, urgent, on_commit, coalesce,
         )
 
 
@@ -108,16 +109,23 @@ class CheckpointWriter:
 
     # --- owner-thread API ---
 
-    def submit(self, job: WriteJob) -> None:
+    def submit(self, job: WriteJob) -> bool:
+        """Queue a job; True when it replaced a waiting job with the same `coalesce` value
+        (whose views are then released here, on the owner thread)."""
         with self._cv:
             if self._closed:
                 raise RuntimeError("writer is closed")
+            same = [i for i, j in enumerate(self._queue) if job.coalesce is not None and j.coalesce == job.coalesce]
+            if same:
+                self._queue[same[0]] = job
+                return True
             if job.urgent:  # ahead of every non-urgent job, behind earlier urgent ones
                 i = next((i for i, j in enumerate(self._queue) if not j.urgent), len(self._queue))
                 self._queue.insert(i, job)
             else:
                 self._queue.append(job)
             self._cv.notify_all()
+            return False
 
     def poll(self) -> list[Completion]:
         """Finished completions, oldest first. Call on the owner thread: the
@@ -128,11 +136,16 @@ class CheckpointWriter:
         del done  # last references to the jobs' views go on this thread
         return out
 
-    def pending(self) -> tuple[int, int]:
-        """(jobs, bytes) queued or being written."""
+    def pending(self, urgent_only: bool = False) -> tuple[int, int]:
+        """(jobs, bytes) queued or being written (urgent_only: in-flight checkpoints only)."""
         with self._cv:
-            items = list(self._queue) + ([self._busy] if self._busy else [])
+            items = [j for j in list(self._queue) + ([self._busy] if self._busy else []) if j.urgent or not urgent_only]
             return len(items), sum(j.nbytes for j in items)
+
+    def writing(self, coalesce: Any) -> bool:
+        """Whether a job with this `coalesce` value is being written right now."""
+        with self._cv:
+            return self._busy is not None and self._busy.coalesce == coalesce
 
     @property
     def in_progress(self) -> tuple[int, int] | None:
