@@ -211,6 +211,7 @@ class Generation:
         decode() queued nothing ahead at this step (`sync_at`), so the caches
         hold exactly that boundary: every cache kind captures it as it is.
         """
+        self.cache.drain_completions()  # the intervals already written free their copies first
         boundary = self.req.tokens + seen[:-1]
         cp = Checkpoint.capture(boundary, caches, copy=True)
         record = {

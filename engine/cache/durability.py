@@ -26,6 +26,9 @@ from .ssd.writer import WriteJob
 
 RETRY_FAILED_AFTER_S = 5.0  # first retry of a failed write; doubles per failure
 RETRY_MAX_S = 300.0
+# In-flight checkpoints may keep the disk (and a core) busy this share of the
+# time at most: after a write of d seconds the next capture waits (1/share - 1) d.
+INFLIGHT_DUTY = 0.2
 
 
 class WriteState(str, Enum):
@@ -61,6 +64,7 @@ class Durability(PromptCache):
         self._error_kind: tuple | None = None
         self.pins_source: Callable[[], dict] = dict  # name -> (ns, tokens) of the named records (set by the engine)
         self._rebuilds_seen = 0
+        self._inflight_last = (0.0, 0.0)  # (when, seconds) of the last in-flight write applied
 
     def _file_removed(self, ns: str, tokens: tuple) -> None:
         self._vanished.append((ns, tokens))  # from any thread; applied in poll()
@@ -150,9 +154,25 @@ class Durability(PromptCache):
                                        on_commit=on_commit, coalesce=("inflight", request))
         self.counters["inflight_replaced" if self.writer.submit(job) else "inflight_queued"] += 1
 
+    def drain_completions(self) -> None:
+        """Apply finished writes now (owner thread): their buffers are released here.
+        A generation that checkpoints calls this before each capture, so finished
+        intervals do not pile up until it ends."""
+        if self.writer is not None:
+            for done in self.writer.poll():
+                self._completed(done)
+
     def inflight_busy(self, request: str) -> bool:
-        """Whether this request's previous interval is still being written (a new capture can wait)."""
-        return self.writer is not None and self.writer.writing(("inflight", request))
+        """Whether a new capture should wait: this request's previous interval is still being
+        written, or was written so recently that another now would take more than
+        INFLIGHT_DUTY of the machine from decoding."""
+        if self.writer is None:
+            return False
+        if self.writer.writing(("inflight", request)):
+            return True
+        self.drain_completions()  # learn when the last interval finished, and free it
+        rest = self._inflight_last[1] * (1 / INFLIGHT_DUTY - 1)
+        return time.monotonic() - self._inflight_last[0] < rest
 
     def reclaim(self, nbytes: int, reason: str = "pressure") -> int:
         """Let entries go, least valuable first, until `nbytes` are freed (memory pressure).
@@ -188,8 +208,7 @@ class Durability(PromptCache):
         demote idle entries, tell the catalogue how much this process has pending."""
         if self.writer is None:
             return
-        for done in self.writer.poll():
-            self._completed(done)
+        self.drain_completions()
         self.store.sync()
         if self.store.rebuilds != self._rebuilds_seen:  # a rebuilt catalogue lost its pins: from the records
             self._rebuilds_seen = self.store.rebuilds
@@ -206,6 +225,7 @@ class Durability(PromptCache):
 
     def _completed(self, done) -> None:
         if done.key[0] == "inflight":
+            self._inflight_last = (time.monotonic(), done.seconds)
             self._emit("inflight_committed" if done.ok else "write_failed", ns=done.namespace,
                        tokens=done.tokens, error=None if done.ok else str(done.error))
             return
