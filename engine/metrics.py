@@ -74,6 +74,7 @@ SCHEMA = {
     "bytes_written": "file bytes committed to SSD",
     "inflight_queued": "in-flight generation checkpoints queued",
     "inflight_replaced": "in-flight checkpoints replaced by a newer interval before they were written",
+    "writes_cancelled": "queued SSD writes dropped because a longer checkpoint superseded their entry",
     "dropped_unwritable": "RAM entries let go over budget while their SSD writes kept failing",
     "write_error": "the latest SSD write error, until a write succeeds again",
     # SSD tier (present when it is on)

@@ -56,7 +56,7 @@ class Durability(PromptCache):
         self.counters.update(dict.fromkeys((
             "ssd_hits", "ssd_tokens", "ssd_restore_failures", "demotions", "writes_queued",
             "writes_committed", "writes_failed", "bytes_written", "inflight_queued", "inflight_replaced",
-            "dropped_unwritable",
+            "dropped_unwritable", "writes_cancelled",
         ), 0))
         self._failures: dict[tuple, tuple[float, int]] = {}  # (ns, tokens) -> (last failure, count)
         self._vanished: list[tuple] = []  # (ns, tokens) of files other processes deleted (any thread appends)
@@ -104,6 +104,14 @@ class Durability(PromptCache):
         entry.write_state = WriteState.PENDING
         self.counters["writes_queued"] += 1
         self._emit("write_queued", ns=entry.ns, tokens=len(entry.tokens), nbytes=entry.nbytes)
+
+    def _may_supersede(self, ancestor: Entry, by: Entry) -> bool:
+        """A longer checkpoint that serves this one replaces it: its write, if still
+        queued, is dropped (the successor's file will cover it), so a growing chat
+        neither writes every turn nor holds every turn's buffers in the queue."""
+        if ancestor.write_state == WriteState.PENDING and self.writer.cancel((ancestor.ns, ancestor.tokens)):
+            self.counters["writes_cancelled"] += 1
+        return True
 
     def _retry_due(self, entry: Entry) -> bool:
         at, count = self._failures.get((entry.ns, entry.tokens), (0.0, 0))
@@ -174,6 +182,12 @@ class Durability(PromptCache):
         rest = self._inflight_last[1] * (1 / INFLIGHT_DUTY - 1)
         return time.monotonic() - self._inflight_last[0] < rest
 
+    def enforce_budget(self) -> None:
+        gone = self.counters["evictions"] + self.counters["oversized"] + self.counters["demotions"]
+        super().enforce_budget()
+        if self.counters["evictions"] + self.counters["oversized"] + self.counters["demotions"] != gone:
+            _release_freed()
+
     def reclaim(self, nbytes: int, reason: str = "pressure") -> int:
         """Let entries go, least valuable first, until `nbytes` are freed (memory pressure).
 
@@ -191,9 +205,7 @@ class Durability(PromptCache):
                 freed += e.nbytes
                 self._emit("evict", ns=e.ns, tokens=len(e.tokens), nbytes=e.nbytes, reason=reason)
         if freed:
-            import mlx.core as mx
-
-            mx.clear_cache()  # give the freed buffers back to the system, not to MLX's cache
+            _release_freed()
         return freed
 
     def over_budget(self) -> bool:
@@ -331,3 +343,11 @@ class Durability(PromptCache):
         for name, (ns, key) in want.items():
             if have.get(name) != (ns, key):
                 catalog.set_pin(name, ns, key)
+
+
+def _release_freed() -> None:
+    """Give buffers freed by evictions back to the system instead of MLX's allocator cache:
+    memory the cache let go should show in the process's RSS."""
+    import mlx.core as mx
+
+    mx.clear_cache()

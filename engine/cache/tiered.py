@@ -128,8 +128,18 @@ class TieredPromptCache(Durability):
         return lease
 
     def _may_move(self, entry: Entry, n: int) -> bool:
-        # A queued write still reads these buffers: lend views instead.
-        return entry.write_state != WriteState.PENDING and super()._may_move(entry, n)
+        if not super()._may_move(entry, n):
+            return False
+        if entry.write_state != WriteState.PENDING:
+            return True
+        # Its write still waits in the queue. A borrower extending all of it
+        # writes a successor that covers it: drop that write and take the
+        # buffers (no copy of the prefix). One being written reads them: lend views.
+        if n == len(entry.tokens) and self.writer.cancel((entry.ns, entry.tokens)):
+            self.counters["writes_cancelled"] += 1
+            entry.write_state = WriteState.DIRTY
+            return True
+        return False
 
     def _tail_expendable(self, entry: Entry) -> bool:
         # With SSD on, only a durable entry's tail may leave RAM (a restore away).

@@ -142,6 +142,17 @@ class CheckpointWriter:
             items = [j for j in list(self._queue) + ([self._busy] if self._busy else []) if j.urgent or not urgent_only]
             return len(items), sum(j.nbytes for j in items)
 
+    def cancel(self, key: Any) -> bool:
+        """Drop a queued job (not one being written) by its key; True if one was dropped.
+        Call on the owner thread: the job's views are released here."""
+        with self._cv:
+            for i, j in enumerate(self._queue):
+                if j.key == key:
+                    del self._queue[i]
+                    self._cv.notify_all()
+                    return True
+        return False
+
     def writing(self, coalesce: Any) -> bool:
         """Whether a job with this `coalesce` value is being written right now."""
         with self._cv:
