@@ -214,6 +214,33 @@ def test_cli_run_prints_the_notebook(spec_prefix, tiny_model_dir, tmp_path, monk
     assert "no such notebook" in capsys.readouterr().err
 
 
+def test_cli_run_allow_errors_runs_past_a_failing_cell(spec_prefix, tmp_path, monkeypatch, capsys):
+    """`mlxcache-kernel run NB --allow-errors`: every cell runs, each error printed in place."""
+    import nbformat
+
+    from mlxcache_kernel.cli import main
+
+    monkeypatch.setenv("JUPYTER_PATH", str(spec_prefix / "share" / "jupyter"))
+    monkeypatch.setenv("MLXCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src) for src in (
+        "print('first cell ran')", "x = 1\n1 / 0", "%session show nobody", "print('last cell ran')")])
+    nb.metadata["kernelspec"] = {"name": "mlxcache", "display_name": "MLX Cache", "language": "python"}
+    path = tmp_path / "failing.ipynb"
+    nbformat.write(nb, path)
+    assert main(["run", str(path), "--allow-errors"]) == 0
+    out = capsys.readouterr().out
+    order = [out.find(s) for s in ("first cell ran", "ZeroDivisionError", "division by zero",
+                                   "UsageError: unknown session 'nobody'", "last cell ran")]
+    assert -1 not in order and order == sorted(order), out
+    assert "1 / 0" in out.split("ZeroDivisionError", 1)[1]  # the traceback, under its cell
+    assert "4 code cells" in out and "2 raised an error" in out
+    # without the flag the run stops at the first failing cell
+    assert main(["run", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert "first cell ran" in captured.out and "last cell ran" not in captured.out
+    assert "ZeroDivisionError" in captured.err
+
+
 def test_cli_lab_serves_the_kernelspec(tmp_path):
     """`mlxcache-kernel lab` installs the kernelspec and starts JupyterLab, which can start the kernel."""
     import importlib.util
