@@ -71,6 +71,7 @@ def check_notebook(name: str, nb, texts) -> None:
         assert fs[0]["prompt"] > 150  # the notes were interpolated
         assert fs[1]["ram"] == fs[1]["prompt"] - 1 and fs[1]["prefilled"] == 1
         assert "pending_writes" in full and "ram+ssd" in full
+        assert re.search(r"second run: TTFT \d+ ms \(\d+ of \d+ prompt tokens from RAM\)", full), full
     elif name == "restart_resume.ipynb":
         restarted = [c for c in nb.cells if c.metadata.get("mlxcache", {}).get("restart_s") is not None]
         assert len(restarted) == 1
@@ -116,6 +117,17 @@ def test_example_on_tiny_model(name, ksm, tiny_model_dir, tmp_path):
            "MLXCACHE_DEFAULT_MODEL": str(tiny_model_dir), "MLXCACHE_RAM_BUDGET": "256MiB"}
     nb, texts = run_example(name, ksm, env)
     check_notebook(name, nb, texts)
+
+
+def test_quickstart_labels_each_run_by_where_its_prompt_came_from(ksm, tiny_model_dir, tmp_path):
+    """Run twice on one cache directory: the second time the first generation comes from SSD, not 'cold'."""
+    env = {**os.environ, "MLXCACHE_CACHE_DIR": str(tmp_path / "cache"),
+           "MLXCACHE_DEFAULT_MODEL": str(tiny_model_dir), "MLXCACHE_RAM_BUDGET": "256MiB"}
+    first = "\n".join(run_example("quickstart.ipynb", ksm, env)[1])
+    assert re.search(r"first run: TTFT \d+ ms \(cold: all \d+ prompt tokens prefilled\)", first), first
+    again = "\n".join(run_example("quickstart.ipynb", ksm, env)[1])
+    assert re.search(r"first run: TTFT \d+ ms \(\d+ of \d+ prompt tokens from SSD\)", again), again
+    assert "cold" not in again.split("identical text:", 1)[1].split("\n\n", 1)[0]
 
 
 @pytest.mark.smollm
