@@ -111,6 +111,16 @@ def test_examples_are_generated_from_the_script():
         assert nb.metadata.kernelspec.name == "mlxcache"
 
 
+def test_readme_pictures_exist_and_are_small():
+    """The README shows the dashboard and a footer bar, saved by tests/test_browser.py."""
+    readme = (ROOT / "README.md").read_text()
+    pictures = re.findall(r"!\[[^\]]*\]\((docs/images/[\w.-]+\.png)\)", readme)
+    assert {"docs/images/dashboard.png", "docs/images/footer-bar.png"} <= set(pictures), pictures
+    for rel in pictures:
+        data = (ROOT / rel).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) < 300_000, rel
+
+
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_example_on_tiny_model(name, ksm, tiny_model_dir, tmp_path):
     env = {**os.environ, "MLXCACHE_CACHE_DIR": str(tmp_path / "cache"),
