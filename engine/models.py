@@ -282,7 +282,9 @@ class ModelRegistry:
             m = self.by_namespace(ns)
             if m is None:
                 return f"<{len(tokens)} tokens of an unloaded model>"
-            text = " ".join(m.tokenizer.decode(list(tokens[:64]), skip_special_tokens=True).split())
+            from .preview import prefix_text  # the default system turn and role markers dropped
+
+            text = prefix_text(m.tokenizer, tokens)
             if len(self._previews) > 4096:
                 self._previews.clear()
             self._previews[key] = text if len(text) <= limit else text[: limit - 1] + "…"

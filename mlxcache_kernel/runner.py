@@ -5,7 +5,8 @@ nbclient against the installed kernelspec (installing it first if this
 environment has none) and prints each cell's source and outputs. A code
 cell tagged ``restart-kernel`` restarts the kernel before it runs, the way
 a person would from the Kernel menu, so ``restart_resume.ipynb`` shows a
-real restart.
+real restart. ``--allow-errors`` runs on past a failing cell (each error is
+printed where it happened), like ``jupyter nbconvert --allow-errors``.
 """
 
 from __future__ import annotations
@@ -112,8 +113,22 @@ def cell_outputs_text(cell) -> str:
                 prefix = f"Out[{out.get('execution_count')}]: " if kind == "execute_result" else ""
                 parts.append(prefix + text + "\n")
         elif kind == "error":
-            parts.append(f"{out.get('ename')}: {out.get('evalue')}\n")
+            parts.append(error_text(out))
     return _ANSI.sub("", "".join(parts))
+
+
+def error_text(out) -> str:
+    """An error output as a reader sees it: the traceback when the kernel sent one
+    (a UsageError has none), else ``ename: evalue``."""
+    tb = [ln for ln in out.get("traceback") or [] if ln.strip()]
+    text = "\n".join(tb) if tb else f"{out.get('ename')}: {out.get('evalue')}"
+    return _ANSI.sub("", text).rstrip("\n") + "\n"
+
+
+def cell_failed(cell) -> bool:
+    """An error output, or a UsageError (which IPython prints to stderr instead)."""
+    return any(o.get("output_type") == "error" or (o.get("name") == "stderr" and "UsageError: " in o.get("text", ""))
+               for o in cell.get("outputs", []))
 
 
 def format_cell(index: int, cell) -> str:
@@ -152,7 +167,8 @@ def cmd_run(args) -> int:
 
     t0 = time.perf_counter()
     try:
-        nb = execute_notebook(path, kernel_name=args.kernel, timeout=args.timeout, on_cell=show)
+        nb = execute_notebook(path, kernel_name=args.kernel, timeout=args.timeout, on_cell=show,
+                              allow_errors=args.allow_errors)
     except CellExecutionError as e:
         print(f"error: a cell failed:\n{e}", file=sys.stderr)
         return 1
@@ -164,8 +180,9 @@ def cmd_run(args) -> int:
 
         nbformat.write(nb, args.output)
         print(f"[executed notebook written to {args.output}]")
+    failed = [c for c in nb.cells if cell_failed(c)]
     print(f"[{path.name}: {sum(c.cell_type == 'code' for c in nb.cells)} code cells in "
-          f"{time.perf_counter() - t0:.1f} s]")
+          f"{time.perf_counter() - t0:.1f} s" + (f"; {len(failed)} raised an error" if failed else "") + "]")
     return 0
 
 
@@ -175,4 +192,6 @@ def add_commands(subparsers) -> None:
     p.add_argument("--kernel", default="mlxcache", help="kernelspec name (default: mlxcache)")
     p.add_argument("--timeout", type=int, default=1200, help="seconds per cell (default 1200)")
     p.add_argument("--output", "-o", default=None, help="also write the executed notebook here")
+    p.add_argument("--allow-errors", action="store_true",
+                   help="run every cell even when one fails, printing each error in place (exit status 0)")
     p.set_defaults(func=cmd_run)

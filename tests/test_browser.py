@@ -25,6 +25,7 @@ pytestmark = pytest.mark.browser
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts"
+DOC_IMAGES = ROOT / "docs" / "images"  # the README's screenshots, made here
 CHROMIUM = os.environ.get("MLXCACHE_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--headless",
@@ -116,6 +117,10 @@ def make_magics_notebook(workdir: Path, model: Path) -> Path:
         f"%%generate -n 8\nPrompt A: {PROMPT * 3}",
         f"%%generate -n 8\nPrompt A: {PROMPT * 3} and once more",
         "%kv inspect --widget",
+        "%%generate -n 4\nPrompt B: {undefined_thing}",
+        "%cache ls",
+        "%mlxcache",
+        "%%generate?",
         "print('DONE')",
     ]
     return _notebook(workdir / "dashboard_magics.ipynb", cells, "mlxcache", "MLX Cache (Python 3)")
@@ -359,7 +364,7 @@ def test_magics_dashboard_in_mlxcache_kernel(jupyter_lab):
         b.run_cells(2)  # %model load, %dashboard
         page.wait_for_selector(".mlxc-dashboard .mlxc-counter[data-name='misses']", timeout=CELL_TIMEOUT_MS)
         assert _counter(page, "misses") == 0
-        b.run_cells(4)
+        b.run_cells(8)
         b.wait_output("DONE")
         page.wait_for_selector(".mlxc-kv-inspector .mlxc-kv-heatmap", timeout=CELL_TIMEOUT_MS)
         page.wait_for_timeout(1500)
@@ -367,10 +372,48 @@ def test_magics_dashboard_in_mlxcache_kernel(jupyter_lab):
         hits = _counter(page, "ram_hits") + _counter(page, "ssd_hits")
         rows = page.locator(".mlxc-dashboard tr.mlxc-entry").count()
         progress_visible = page.locator(".mlxc-progress:visible").count()
+        bars = page.evaluate(BAR_JS)
+        texts = page.evaluate("() => [...document.querySelectorAll('.jp-OutputArea-output')].map(e => e.innerText)")
+        previews = page.evaluate(
+            "() => [...document.querySelectorAll('.mlxc-dashboard td.mlxc-preview')].map(e => e.innerText)")
         page.screenshot(path=str(ARTIFACTS / "browser_magics.png"), full_page=True)
         page.locator(".mlxc-dashboard").screenshot(path=str(ARTIFACTS / "browser_magics_dashboard.png"))
+        DOC_IMAGES.mkdir(parents=True, exist_ok=True)
+        page.locator(".mlxc-dashboard").screenshot(path=str(DOC_IMAGES / "dashboard.png"))
+        page.locator(".mlxc-footer").nth(1).screenshot(path=str(DOC_IMAGES / "footer-bar.png"))
         console = list(b.console)
+    check_footer_bars(bars)
+    full = "\n".join(texts)
+    # help, the cheat sheet, the undefined-name warning and %cache ls, as a notebook user sees them
+    assert "Examples:" in full and "%%generate --checkpoint-every 32" in full, full[-3000:]
+    assert "mlxcache: a resident model" in full and "%cache stats | ls [--all]" in full
+    assert "{undefined_thing} is not defined and sent as written" in full and "{{undefined_thing}}" in full
+    assert previews and all(p.startswith("Prompt ") for p in previews), previews  # no "user" role marker
+    for name in ("dashboard.png", "footer-bar.png"):
+        assert 2_000 < (DOC_IMAGES / name).stat().st_size < 300_000, name
     assert misses >= 1 and hits >= 1, (misses, hits)
     assert rows >= 1
     assert progress_visible == 0  # replaced by the footer
     assert not [c for c in console if c.startswith("error")], console
+
+
+# each footer bar: its spans' rendered widths (fractions of the bar) and token counts
+BAR_JS = """() => [...document.querySelectorAll('.mlxc-footer-bar')].map(bar => {
+  const total = bar.getBoundingClientRect().width;
+  return {width: total, spans: [...bar.querySelectorAll('.mlxc-span')].map(s => ({
+    kind: s.className.replace('mlxc-span mlxc-span-', ''), tokens: Number(s.dataset.tokens),
+    frac: s.getBoundingClientRect().width / total}))};
+})"""
+
+
+def check_footer_bars(bars: list) -> None:
+    """One bar per generation, its spans drawn in proportion to their token counts."""
+    assert len(bars) == 3, bars
+    for bar in bars:
+        assert bar["width"] > 100, bar
+        n = sum(s["tokens"] for s in bar["spans"])
+        for s in bar["spans"]:
+            assert abs(s["frac"] - s["tokens"] / n) < 0.02, bar
+    assert [s["kind"] for s in bars[0]["spans"]] == ["prefilled"]  # the first prompt: cold
+    kinds = [s["kind"] for s in bars[1]["spans"]]
+    assert kinds == ["ram", "prefilled"] and bars[1]["spans"][0]["frac"] > 0.8, bars[1]  # its prefix from RAM

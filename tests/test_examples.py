@@ -71,6 +71,7 @@ def check_notebook(name: str, nb, texts) -> None:
         assert fs[0]["prompt"] > 150  # the notes were interpolated
         assert fs[1]["ram"] == fs[1]["prompt"] - 1 and fs[1]["prefilled"] == 1
         assert "pending_writes" in full and "ram+ssd" in full
+        assert re.search(r"second run: TTFT \d+ ms \(\d+ of \d+ prompt tokens from RAM\)", full), full
     elif name == "restart_resume.ipynb":
         restarted = [c for c in nb.cells if c.metadata.get("mlxcache", {}).get("restart_s") is not None]
         assert len(restarted) == 1
@@ -110,12 +111,33 @@ def test_examples_are_generated_from_the_script():
         assert nb.metadata.kernelspec.name == "mlxcache"
 
 
+def test_readme_pictures_exist_and_are_small():
+    """The README shows the dashboard and a footer bar, saved by tests/test_browser.py."""
+    readme = (ROOT / "README.md").read_text()
+    pictures = re.findall(r"!\[[^\]]*\]\((docs/images/[\w.-]+\.png)\)", readme)
+    assert {"docs/images/dashboard.png", "docs/images/footer-bar.png"} <= set(pictures), pictures
+    for rel in pictures:
+        data = (ROOT / rel).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) < 300_000, rel
+
+
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_example_on_tiny_model(name, ksm, tiny_model_dir, tmp_path):
     env = {**os.environ, "MLXCACHE_CACHE_DIR": str(tmp_path / "cache"),
            "MLXCACHE_DEFAULT_MODEL": str(tiny_model_dir), "MLXCACHE_RAM_BUDGET": "256MiB"}
     nb, texts = run_example(name, ksm, env)
     check_notebook(name, nb, texts)
+
+
+def test_quickstart_labels_each_run_by_where_its_prompt_came_from(ksm, tiny_model_dir, tmp_path):
+    """Run twice on one cache directory: the second time the first generation comes from SSD, not 'cold'."""
+    env = {**os.environ, "MLXCACHE_CACHE_DIR": str(tmp_path / "cache"),
+           "MLXCACHE_DEFAULT_MODEL": str(tiny_model_dir), "MLXCACHE_RAM_BUDGET": "256MiB"}
+    first = "\n".join(run_example("quickstart.ipynb", ksm, env)[1])
+    assert re.search(r"first run: TTFT \d+ ms \(cold: all \d+ prompt tokens prefilled\)", first), first
+    again = "\n".join(run_example("quickstart.ipynb", ksm, env)[1])
+    assert re.search(r"first run: TTFT \d+ ms \(\d+ of \d+ prompt tokens from SSD\)", again), again
+    assert "cold" not in again.split("identical text:", 1)[1].split("\n\n", 1)[0]
 
 
 @pytest.mark.smollm
@@ -212,6 +234,33 @@ def test_cli_run_prints_the_notebook(spec_prefix, tiny_model_dir, tmp_path, monk
     assert out_nb.exists() and "quickstart.ipynb: " in out
     assert main(["run", str(tmp_path / "missing.ipynb")]) == 1
     assert "no such notebook" in capsys.readouterr().err
+
+
+def test_cli_run_allow_errors_runs_past_a_failing_cell(spec_prefix, tmp_path, monkeypatch, capsys):
+    """`mlxcache-kernel run NB --allow-errors`: every cell runs, each error printed in place."""
+    import nbformat
+
+    from mlxcache_kernel.cli import main
+
+    monkeypatch.setenv("JUPYTER_PATH", str(spec_prefix / "share" / "jupyter"))
+    monkeypatch.setenv("MLXCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src) for src in (
+        "print('first cell ran')", "x = 1\n1 / 0", "%session show nobody", "print('last cell ran')")])
+    nb.metadata["kernelspec"] = {"name": "mlxcache", "display_name": "MLX Cache", "language": "python"}
+    path = tmp_path / "failing.ipynb"
+    nbformat.write(nb, path)
+    assert main(["run", str(path), "--allow-errors"]) == 0
+    out = capsys.readouterr().out
+    order = [out.find(s) for s in ("first cell ran", "ZeroDivisionError", "division by zero",
+                                   "UsageError: unknown session 'nobody'", "last cell ran")]
+    assert -1 not in order and order == sorted(order), out
+    assert "1 / 0" in out.split("ZeroDivisionError", 1)[1]  # the traceback, under its cell
+    assert "4 code cells" in out and "2 raised an error" in out
+    # without the flag the run stops at the first failing cell
+    assert main(["run", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert "first cell ran" in captured.out and "last cell ran" not in captured.out
+    assert "ZeroDivisionError" in captured.err
 
 
 def test_cli_lab_serves_the_kernelspec(tmp_path):

@@ -17,9 +17,10 @@ from mlxcache_kernel.settings import MLXCache, parse_bool, parse_size
 
 @pytest.fixture(scope="session")
 def shell():
+    from IPython import get_ipython
     from IPython.testing.globalipapp import start_ipython
 
-    return start_ipython()
+    return start_ipython() or get_ipython()  # None when another test module started it first
 
 
 @pytest.fixture

@@ -11,13 +11,16 @@ import time
 
 from IPython.core.error import UsageError
 from IPython.core.magic import line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.core.magic_arguments import argument, kwds, magic_arguments
 
 from .base import EngineMagics, no_target, only_for, parse_args, usage_errors
+from .help import CHEAT_SHEET, examples
 from .tables import (ENTRY_COLUMNS, checkpoint_row, columns_of, entry_row, fmt_s, format_bytes, kv_row,
                      setting_lines, show_table, stat_lines)
 
 __all__ = ["AdminMagics"]
+
+LS_ROWS = 20  # %cache ls shows this many of the newest entries unless --all
 
 
 def describe_checkpoint(info) -> str:
@@ -41,6 +44,7 @@ class AdminMagics(EngineMagics):
     # --- %model ---
 
     @magic_arguments()
+    @kwds(epilog=examples("model"))
     @argument("action", choices=["load", "list", "use", "unload", "info"], help="what to do")
     @argument("target", nargs="?", help="load: a model directory, hub id or 'smollm2' (default: the configured "
                                         "default model); use/unload/info: a name")
@@ -120,6 +124,7 @@ class AdminMagics(EngineMagics):
     # --- %session ---
 
     @magic_arguments()
+    @kwds(epilog=examples("session"))
     @argument("action", choices=["new", "list", "show", "reset", "close"], help="what to do")
     @argument("id", nargs="?", help="session id (letters, digits, '.', '_', '-')")
     @argument("--system", default=None, help="new: the session's system prompt")
@@ -170,6 +175,7 @@ class AdminMagics(EngineMagics):
     # --- %checkpoint ---
 
     @magic_arguments()
+    @kwds(epilog=examples("checkpoint"))
     @argument("action", choices=["save", "list", "restore", "rm"], help="what to do")
     @argument("name", nargs="?", help="checkpoint name")
     @argument("--session", default=None, help="save: the session whose latest state to save "
@@ -210,7 +216,12 @@ class AdminMagics(EngineMagics):
     # --- %cache ---
 
     @magic_arguments()
-    @argument("action", choices=["stats", "ls", "flush", "clear", "gc", "verify", "config"], help="what to do")
+    @kwds(epilog=examples("cache"))
+    @argument("action", choices=["stats", "ls", "flush", "clear", "gc", "verify", "config", "help"],
+              help="what to do")
+    @argument("--all", action="store_true", help="ls: every entry, not only the 20 newest")
+    @argument("--model", "-m", default=None, help="ls: only entries of this model")
+    @argument("--session", default=None, help="ls: only entries of this chat session")
     @argument("--ssd", action="store_true", help="clear: also delete the SSD tier's files")
     @argument("--timeout", type=float, default=None, help="flush: seconds to wait at most")
     @argument("--dry-run", action="store_true", help="gc: list what would be removed, remove nothing")
@@ -220,14 +231,18 @@ class AdminMagics(EngineMagics):
         """The tiered prompt cache.
 
         %cache stats            counters, RAM/SSD usage, pending writes
-        %cache ls               every RAM and SSD entry (ram / kv / file bytes)
+        %cache ls [--all] [--model M] [--session S]
+                                RAM and SSD entries, newest first: the 20 newest (--all: every one)
         %cache flush [--timeout S]   wait until every queued write is durable
         %cache clear [--ssd]    drop RAM entries (and with --ssd the SSD files)
         %cache gc [--dry-run]   remove quarantined, stale temporary and orphaned files (listed)
         %cache verify           re-hash every SSD file and report bad ones
         %cache config           the settings in effect
+        %cache help             the cheat sheet of every magic
         """
         args = parse_args(self.cache, line)
+        if (args.all or args.model or args.session) and args.action != "ls":
+            raise UsageError("--all, --model and --session only apply to %cache ls")
         if args.ssd and args.action != "clear":
             raise UsageError("--ssd only applies to %cache clear")
         if args.timeout is not None and args.action != "flush":
@@ -243,9 +258,19 @@ class AdminMagics(EngineMagics):
     def _cache_stats(self, args) -> None:
         print("\n".join(stat_lines(self.engine.stats())))
 
+    def _cache_help(self, args) -> None:
+        print(CHEAT_SHEET)
+
     def _cache_ls(self, args) -> None:
-        rows = [entry_row(e) for e in self.engine.cache_entries()]
-        show_table(rows, ENTRY_COLUMNS, empty="the cache is empty")
+        entries = sorted(self.engine.cache_entries(), key=lambda e: -(e.get("last_used") or 0))
+        entries = [e for e in entries if (args.model is None or e.get("model") == args.model)
+                   and (args.session is None or args.session in (e.get("sessions") or ()))]
+        shown = entries if args.all else entries[:LS_ROWS]
+        which = " and ".join(f"{k} {v!r}" for k, v in (("model", args.model), ("session", args.session)) if v)
+        show_table([entry_row(e) for e in shown], ENTRY_COLUMNS,
+                   empty=f"no entries of {which}" if which else "the cache is empty")
+        if len(shown) < len(entries):
+            print(f"... and {len(entries) - len(shown)} older entries (%cache ls --all lists every one)")
 
     def _cache_flush(self, args) -> None:
         r = self.engine.flush(timeout=args.timeout)
@@ -288,6 +313,7 @@ class AdminMagics(EngineMagics):
     # --- %kv ---
 
     @magic_arguments()
+    @kwds(epilog=examples("kv"))
     @argument("action", choices=["inspect", "export"], help="what to do")
     @argument("--session", default=None, help="the session's latest checkpoint")
     @argument("--checkpoint", default=None, help="a named checkpoint")

@@ -1,5 +1,6 @@
-"""``%%generate``: prompt interpolation, the generation itself, its streamed
-output and progress display, and the footer of the result.
+"""``%%generate``: prompt interpolation (and the warning for undefined names),
+the generation itself, its streamed output and progress display. The result
+and its footer are ``footer.py``'s.
 
 Prompt interpolation: ``{name}`` is replaced by ``str(value)`` when ``name``
 is a plain identifier bound in the user namespace to a value (not a module,
@@ -17,7 +18,6 @@ widget cannot be shown); the generated text streams to stdout.
 
 from __future__ import annotations
 
-import html
 import inspect
 import re
 import sys
@@ -26,13 +26,14 @@ import types
 
 from IPython.core.error import UsageError
 from IPython.core.magic import cell_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.core.magic_arguments import argument, kwds, magic_arguments
 from IPython.display import display
 
 from mlxcache_kernel.widgets.progress import GenerationProgress, TextProgress
 
 from .base import EngineMagics, parse_args, usage_errors
-from .tables import fmt_s
+from .footer import Generation
+from .help import examples
 
 __all__ = ["Generation", "GenerateMagics", "interpolate"]
 
@@ -40,14 +41,20 @@ _FIELD = re.compile(r"\{\{([A-Za-z_][A-Za-z0-9_]*)\}\}|\{([A-Za-z_][A-Za-z0-9_]*
 _NOT_VALUES = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, type)
 
 
-def interpolate(text: str, namespace: dict, hidden: set | frozenset = frozenset()) -> str:
-    """Substitute ``{name}`` for values bound in ``namespace``; ``{{name}}`` -> ``{name}``."""
+def interpolate(text: str, namespace: dict, hidden: set | frozenset = frozenset(),
+                undefined: list | None = None) -> str:
+    """Substitute ``{name}`` for values bound in ``namespace``; ``{{name}}`` -> ``{name}``.
+
+    Names left as written because nothing binds them are appended to ``undefined``.
+    """
 
     def sub(m: re.Match) -> str:
         if m.group(1) is not None:
             return "{" + m.group(1) + "}"
         name = m.group(2)
         if name.startswith("_") or name in hidden or name not in namespace:
+            if undefined is not None and name not in namespace and name not in undefined:
+                undefined.append(name)
             return m.group(0)
         value = namespace[name]
         if isinstance(value, _NOT_VALUES):
@@ -55,61 +62,6 @@ def interpolate(text: str, namespace: dict, hidden: set | frozenset = frozenset(
         return str(value)
 
     return _FIELD.sub(sub, text)
-
-
-class Generation:
-    """What ``%%generate`` returns (and stores in ``--out``).
-
-    ``.text``, ``.tokens`` (generated ids), ``.stats`` (dict), ``.prompt`` (the
-    interpolated cell), ``.model``, ``.session``. Displays as the cell footer;
-    ``str()`` is the text.
-    """
-
-    def __init__(self, result, *, prompt: str, model: str | None, session: str | None, use_cache: bool):
-        self.result = result
-        self.text = result.text
-        self.tokens = list(result.tokens)
-        self.stats = dict(result.stats)
-        self.prompt = prompt
-        self.model = model
-        self.session = session
-        self.use_cache = use_cache
-
-    def __str__(self) -> str:
-        return self.text
-
-    def footer(self) -> str:
-        s = self.stats
-        n = s.get("prompt_tokens", 0)
-        prompt = (
-            f"{n} prompt tokens: {s.get('ram_tokens', 0)} from RAM, {s.get('ssd_tokens', 0)} from SSD, "
-            f"{s.get('prefilled_tokens', n)} prefilled" + ("" if self.use_cache else " (cache off)")
-        )
-        tps = s.get("decode_tokens_per_s")
-        parts = [
-            prompt,
-            f"TTFT {fmt_s(s.get('ttft_s'))}",
-            f"{s.get('decode_tokens', len(self.tokens))} tokens at {tps:.1f} tok/s" if tps
-            else f"{s.get('decode_tokens', len(self.tokens))} tokens",
-            f"finish: {s.get('finish_reason', '?')}",
-        ]
-        resumed = s.get("resumed_from")
-        if resumed:
-            parts.insert(1, f"resumed from an in-flight checkpoint at token {resumed}")
-        tail = f"model {self.model}" + (f", session {self.session}" if self.session else "")
-        return "[mlxcache] " + " · ".join(parts) + f" · {tail}"
-
-    def __repr__(self) -> str:
-        return self.footer()
-
-    def _repr_pretty_(self, p, cycle) -> None:
-        p.text(self.footer())
-
-    def _repr_html_(self) -> str:
-        return (
-            "<div style='font-size:85%;color:#666;border-top:1px solid #ddd;padding-top:2px'>"
-            f"{html.escape(self.footer())}</div>"
-        )
 
 
 class DisplayLine:
@@ -206,6 +158,14 @@ class Stream:
             pass
 
 
+def warn_undefined(names: list[str]) -> None:
+    """One stderr line: these ``{name}`` fields were sent as written."""
+    fields = ", ".join("{" + n + "}" for n in names)
+    verb = "is" if len(names) == 1 else "are"
+    print(f"[mlxcache] warning: {fields} {verb} not defined and sent as written; define the variable, or write "
+          f"{{{{{names[0]}}}}} for a literal {{{names[0]}}} (--literal: no interpolation)", file=sys.stderr)
+
+
 def _in_kernel(shell) -> bool:
     return getattr(shell, "kernel", None) is not None
 
@@ -219,6 +179,7 @@ class GenerateMagics(EngineMagics):
         self.last: Generation | None = None
 
     @magic_arguments()
+    @kwds(epilog=examples("generate"))
     @argument("--model", "-m", default=None, help="model name (default: the current default model)")
     @argument("--max-tokens", "-n", type=int, default=256, help="most tokens to generate (default 256)")
     @argument("--temperature", "-t", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
@@ -289,7 +250,10 @@ class GenerateMagics(EngineMagics):
             raise UsageError("empty prompt: write the prompt in the cell body below %%generate")
         prompt = cell.strip("\n")
         if not literal:
-            prompt = interpolate(prompt, self.shell.user_ns, set(getattr(self.shell, "user_ns_hidden", {})))
+            undefined: list[str] = []
+            prompt = interpolate(prompt, self.shell.user_ns, set(getattr(self.shell, "user_ns_hidden", {})), undefined)
+            if undefined:
+                warn_undefined(undefined)
         if not prompt.strip():
             raise UsageError("empty prompt after interpolation")
         return prompt

@@ -1,0 +1,104 @@
+"""What ``%%generate`` returns and how it shows: ``Generation``, its footer in
+words (text/plain, the same in a terminal, a saved notebook or a headless run)
+and as a picture (text/html: one thin bar split into the prompt tokens that
+came from RAM, SSD, the remote tier or were prefilled, with the TTFT and the
+decode speed after it). Inline HTML/CSS, no front-end build.
+"""
+
+from __future__ import annotations
+
+import html
+
+from .tables import fmt_s
+
+__all__ = ["Generation", "SPANS", "footer_spans", "footer_html"]
+
+# (key, label, colour) in the order the prompt is laid out: cached first, then prefilled
+SPANS = (("ram", "RAM", "#2e7d32"), ("ssd", "SSD", "#1565c0"), ("remote", "remote", "#8e24aa"),
+         ("prefilled", "prefilled", "#ef6c00"))
+
+
+def footer_spans(stats: dict) -> dict[str, int]:
+    """Prompt tokens per source: ram, ssd, remote (``cached_tokens`` when the source is remote), prefilled."""
+    n = int(stats.get("prompt_tokens") or 0)
+    remote = int(stats.get("cached_tokens") or 0) if stats.get("cache_source") == "remote" else 0
+    return {"ram": int(stats.get("ram_tokens") or 0), "ssd": int(stats.get("ssd_tokens") or 0), "remote": remote,
+            "prefilled": int(stats.get("prefilled_tokens", n) or 0)}
+
+
+def footer_html(stats: dict, words: str) -> str:
+    """The bar, a legend with the TTFT and tok/s after it, and the words below (all escaped)."""
+    spans = footer_spans(stats)
+    total = sum(spans.values()) or 1
+    bar, legend = [], []
+    for key, label, colour in SPANS:
+        n = spans[key]
+        if not n:
+            continue
+        pct = 100.0 * n / total
+        bar.append(f"<span class='mlxc-span mlxc-span-{key}' data-tokens='{n}' title='{n} {label}' "
+                   f"style='display:inline-block;height:100%;width:{pct:.3f}%;background:{colour}'></span>")
+        legend.append(f"<span style='color:{colour}'>&#9632;</span> {n} {html.escape(label)}")
+    tps = stats.get("decode_tokens_per_s")
+    speed = f"TTFT {fmt_s(stats.get('ttft_s'))}" + (f" · {tps:.1f} tok/s" if tps else "")
+    return (
+        "<div class='mlxc-footer' style='font-size:85%;color:#666;border-top:1px solid #ddd;padding-top:3px'>"
+        "<div style='display:flex;align-items:center;gap:8px;flex-wrap:wrap'>"
+        "<span class='mlxc-footer-bar' style='display:inline-flex;width:240px;height:6px;border-radius:3px;"
+        f"overflow:hidden;background:#e0e0e0'>{''.join(bar)}</span>"
+        f"<span class='mlxc-footer-legend'>{' '.join(legend)}</span>"
+        f"<span class='mlxc-footer-speed'>{html.escape(speed)}</span></div>"
+        f"<div class='mlxc-footer-text'>{html.escape(words)}</div></div>"
+    )
+
+
+class Generation:
+    """What ``%%generate`` returns (and stores in ``--out``).
+
+    ``.text``, ``.tokens`` (generated ids), ``.stats`` (dict), ``.prompt`` (the
+    interpolated cell), ``.model``, ``.session``. Displays as the cell footer;
+    ``str()`` is the text.
+    """
+
+    def __init__(self, result, *, prompt: str, model: str | None, session: str | None, use_cache: bool):
+        self.result = result
+        self.text = result.text
+        self.tokens = list(result.tokens)
+        self.stats = dict(result.stats)
+        self.prompt = prompt
+        self.model = model
+        self.session = session
+        self.use_cache = use_cache
+
+    def __str__(self) -> str:
+        return self.text
+
+    def footer(self) -> str:
+        s = self.stats
+        n = s.get("prompt_tokens", 0)
+        prompt = (
+            f"{n} prompt tokens: {s.get('ram_tokens', 0)} from RAM, {s.get('ssd_tokens', 0)} from SSD, "
+            f"{s.get('prefilled_tokens', n)} prefilled" + ("" if self.use_cache else " (cache off)")
+        )
+        tps = s.get("decode_tokens_per_s")
+        parts = [
+            prompt,
+            f"TTFT {fmt_s(s.get('ttft_s'))}",
+            f"{s.get('decode_tokens', len(self.tokens))} tokens at {tps:.1f} tok/s" if tps
+            else f"{s.get('decode_tokens', len(self.tokens))} tokens",
+            f"finish: {s.get('finish_reason', '?')}",
+        ]
+        resumed = s.get("resumed_from")
+        if resumed:
+            parts.insert(1, f"resumed from an in-flight checkpoint at token {resumed}")
+        tail = f"model {self.model}" + (f", session {self.session}" if self.session else "")
+        return "[mlxcache] " + " · ".join(parts) + f" · {tail}"
+
+    def __repr__(self) -> str:
+        return self.footer()
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        p.text(self.footer())
+
+    def _repr_html_(self) -> str:
+        return footer_html(self.stats, self.footer())

@@ -1,0 +1,118 @@
+"""Help for the magics: one example per option and action (appended to each
+magic's ``?`` help as its epilog), and the one-screen cheat sheet that
+``%mlxcache`` and ``%cache help`` print.
+"""
+
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_magic, magics_class
+
+__all__ = ["CHEAT_SHEET", "EXAMPLES", "HelpMagics", "examples"]
+
+# magic -> (example, what it does); every option and action of the magic appears in one example
+EXAMPLES: dict[str, list[tuple[str, str]]] = {
+    "generate": [
+        ("%%generate", "the cell body is the prompt; {name} is replaced by the variable's value"),
+        ("%%generate --max-tokens 64", "at most 64 new tokens (-n 64)"),
+        ("%%generate --temperature 0.8 --seed 7", "sample (-t); the same seed gives the same text (-s)"),
+        ("%%generate --temperature 0.8 --top-p 0.9", "sample from the top 90% of probability mass"),
+        ("%%generate --temperature 0.8 --top-k 40", "sample from the 40 most likely tokens"),
+        ("%%generate --stop '###' --stop END", "stop at either string"),
+        ("%%generate --session chat1", "the cell is the next user turn of chat 'chat1'"),
+        ("%%generate --system 'Answer in French.'", "a system prompt for this cell"),
+        ("%%generate --raw", "no chat template: the cell is sent as written"),
+        ("%%generate --out r", "keep the result: r.text, r.tokens, r.stats (-o r)"),
+        ("%%generate --model small", "use the model loaded as 'small' (-m small)"),
+        ("%%generate --checkpoint-every 32", "an interrupted or killed run resumes from its last 32-token mark"),
+        ("%%generate --no-cache", "neither look up nor publish prompt caches (a cold baseline)"),
+        ("%%generate --literal", "no {name} interpolation (or write {{name}} for one literal {name})"),
+    ],
+    "model": [
+        ("%model load", "the configured default model (SmolLM2-135M-Instruct unless set)"),
+        ("%model load ~/models/qwen --name small", "a model directory or hub id, under a name"),
+        ("%model load --kv-bits 8", "quantize the KV cache to 8 (or 4) bits"),
+        ("%model load --kv-bits 4 --kv-group-size 32", "values per quantization group: 32, 64 or 128"),
+        ("%model list", "resident models; * marks the default"),
+        ("%model use small", "make 'small' the default for %%generate"),
+        ("%model unload small", "free its memory"),
+        ("%model info", "identity, layers and KV scheme of the default model"),
+    ],
+    "session": [
+        ("%session new chat1 --system 'Be brief.'", "a chat with a system prompt"),
+        ("%session new chat2 --model small", "a chat on another loaded model"),
+        ("%session list", "every chat"),
+        ("%session show chat1", "the conversation so far"),
+        ("%session reset chat1", "forget the turns"),
+        ("%session close chat1", "drop the chat"),
+    ],
+    "checkpoint": [
+        ("%checkpoint save intro", "the last generation's state, kept until removed"),
+        ("%checkpoint save intro --session chat1", "a chat's latest state"),
+        ("%checkpoint save intro --model small", "the last state of model 'small'"),
+        ("%checkpoint list", "named checkpoints"),
+        ("%checkpoint restore intro", "back into RAM"),
+        ("%checkpoint rm intro", "forget it"),
+    ],
+    "cache": [
+        ("%cache stats", "counters, RAM/SSD use, pending writes"),
+        ("%cache ls", "the 20 newest entries, newest first"),
+        ("%cache ls --all", "every entry"),
+        ("%cache ls --model default", "entries of one model"),
+        ("%cache ls --session chat1", "entries of one chat"),
+        ("%cache flush --timeout 30", "wait (at most 30 s) until every queued write is durable"),
+        ("%cache clear", "drop RAM entries (SSD files stay)"),
+        ("%cache clear --ssd", "and delete the SSD files (named checkpoints stay)"),
+        ("%cache gc --dry-run", "list quarantined and stale files; gc without it removes them"),
+        ("%cache verify", "re-hash every SSD file"),
+        ("%cache config", "the settings in effect"),
+        ("%cache help", "the cheat sheet (same as %mlxcache)"),
+    ],
+    "kv": [
+        ("%kv inspect", "shapes, bytes, hashes and statistics of the last generation's KV (--last)"),
+        ("%kv inspect --last --layer 0", "one layer"),
+        ("%kv inspect --session chat1", "a chat's latest state"),
+        ("%kv inspect --checkpoint intro --widget", "the interactive inspector on a named checkpoint"),
+        ("%kv export --to kvs", "kvs = {'layer0.keys': numpy array, ...}"),
+    ],
+}
+
+
+def examples(magic: str) -> str:
+    """The ``Examples:`` block for ``magic``'s help."""
+    rows = EXAMPLES[magic]
+    width = max(len(e) for e, _ in rows)
+    return "Examples:\n" + "\n".join(f"  {e.ljust(width)}  {what}" for e, what in rows)
+
+
+CHEAT_SHEET = """\
+mlxcache: a resident model and a RAM/SSD prompt cache. Add ? to any magic for every option.
+
+  %model load [PATH] [--name N] [--kv-bits 8]   load a model (no PATH: the default, SmolLM2)
+  %model list | use N | unload N | info [N]
+
+  %%generate [-n 64] [-t 0.8 --seed 7] [--out r]   the cell is the prompt; {name} -> value of name
+      --session ID  --system TEXT  --raw  --stop S  --no-cache  --checkpoint-every N
+      {{name}} writes a literal {name}; --literal turns interpolation off
+      the footer: prompt tokens from RAM / SSD / prefilled, TTFT, tok/s
+
+  %session new|list|show|reset|close ID           multi-turn chats (%%generate --session ID)
+  %checkpoint save|list|restore|rm NAME           named states no budget evicts
+  %cache stats | ls [--all] [--model M] [--session S] | flush | clear [--ssd] | gc | verify | config
+  %kv inspect|export [--session ID | --checkpoint NAME | --last] [--layer L] [--to VAR] [--widget]
+  %dashboard                                      live RAM/SSD residency, writes, hits
+
+Settings: MLXCACHE_CACHE_DIR, MLXCACHE_RAM_BUDGET, MLXCACHE_SSD_BUDGET, MLXCACHE_DEFAULT_MODEL
+(or c.MLXCache.* in IPython config); %cache config shows them."""
+
+
+@magics_class
+class HelpMagics(Magics):
+    """``%mlxcache``: the cheat sheet."""
+
+    @line_magic
+    def mlxcache(self, line):
+        """Print the mlxcache cheat sheet: every magic on one screen."""
+        if line.strip() not in ("", "help"):
+            raise UsageError(f"%mlxcache takes no arguments, got {line.strip()!r} (try %cache? or %%generate?)")
+        print(CHEAT_SHEET)
