@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import shutil
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -174,17 +173,20 @@ def test_checkpoint_every_token_keeps_rss_and_speed(default_model_dir, tmp_path)
     eng = engine(tmp_path, default_model_dir)
     prompt = smollm_prompt(eng.models.get().tokenizer, 1536)
     params = SamplingParams(max_tokens=64)
-    eng.generate_tokens(prompt, SamplingParams(max_tokens=2))  # prefill once; both runs below are RAM hits
-    eng.flush()
-    plain = eng.generate_tokens(prompt + [11], params)
+    eng.generate_tokens(prompt, SamplingParams(max_tokens=2))  # prefill once; the runs below are RAM hits
     eng.flush()
     kv = max(e.checkpoint.kv_bytes for e in eng.cache.entries())
-    with PeakRSS() as rss:
-        every = eng.generate_tokens(prompt + [12], params, checkpoint_every=1)
-    eng.flush()
-    growth = rss.peak - rss.base
+    plain, every, growth = [], [], 0
+    for i in range(3):  # interleaved pairs: single decode runs vary by +-10% on a shared machine
+        plain.append(eng.generate_tokens(prompt + [20 + i], params).stats["decode_tokens_per_s"])
+        eng.flush()
+        with PeakRSS() as rss:
+            every.append(eng.generate_tokens(prompt + [30 + i], params, checkpoint_every=1)
+                         .stats["decode_tokens_per_s"])
+        eng.flush()
+        growth = max(growth, rss.peak - rss.base)
     assert growth <= 3 * kv, f"peak RSS grew by {growth / kv:.2f}x one checkpoint's KV"
-    assert every.stats["decode_tokens_per_s"] >= 0.8 * plain.stats["decode_tokens_per_s"]
+    assert np.median(every) >= 0.8 * np.median(plain), (every, plain)
     eng.close()
 
 

@@ -28,7 +28,7 @@ RETRY_FAILED_AFTER_S = 5.0  # first retry of a failed write; doubles per failure
 RETRY_MAX_S = 300.0
 # In-flight checkpoints may keep the disk (and a core) busy this share of the
 # time at most: after a write of d seconds the next capture waits (1/share - 1) d.
-INFLIGHT_DUTY = 0.2
+INFLIGHT_DUTY = 0.1
 
 
 class WriteState(str, Enum):

@@ -135,10 +135,15 @@ class TieredPromptCache(Durability):
         # Its write still waits in the queue. A borrower extending all of it
         # writes a successor that covers it: drop that write and take the
         # buffers (no copy of the prefix). One being written reads them: lend views.
-        if n == len(entry.tokens) and self.writer.cancel((entry.ns, entry.tokens)):
+        key = (entry.ns, entry.tokens)
+        if n == len(entry.tokens) and self.writer.cancel(key):
             self.counters["writes_cancelled"] += 1
             entry.write_state = WriteState.DIRTY
             return True
+        # Being written: short of memory, wait for it rather than hold a second copy.
+        if n == len(entry.tokens) and self.under_pressure() and self.writer.wait_written(key, 2.0):
+            self.drain_completions()
+            return entry.write_state == WriteState.COMMITTED
         return False
 
     def _tail_expendable(self, entry: Entry) -> bool:

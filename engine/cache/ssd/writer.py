@@ -153,6 +153,17 @@ class CheckpointWriter:
                     return True
         return False
 
+    def wait_written(self, key: Any, timeout: float) -> bool:
+        """Wait (at most `timeout` s) while the job with this key is being written; True when it is not."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._busy is not None and self._busy.key == key:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
     def writing(self, coalesce: Any) -> bool:
         """Whether a job with this `coalesce` value is being written right now."""
         with self._cv:
