@@ -22,7 +22,7 @@ from pathlib import Path
 from common import default_model, emit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_memory import PeakRSS, smollm_prompt  # noqa: E402
+from test_memory import PeakRSS, decode_with_and_without_checkpoints, smollm_prompt  # noqa: E402
 
 from mlxcache_kernel.engine import Engine, SamplingParams  # noqa: E402
 
@@ -35,15 +35,7 @@ def checkpoint_every_token(d: str, repeats: int = 5) -> dict:
         eng.generate_tokens(prompt, SamplingParams(max_tokens=2))
         eng.flush()
         kv = max(e.checkpoint.kv_bytes for e in eng.cache.entries())
-        plain, every, growth = [], [], 0
-        for i in range(repeats):  # interleaved pairs; medians
-            plain.append(eng.generate_tokens(prompt + [20 + i], params).stats["decode_tokens_per_s"])
-            eng.flush()
-            with PeakRSS() as rss:
-                every.append(eng.generate_tokens(prompt + [30 + i], params, checkpoint_every=1)
-                             .stats["decode_tokens_per_s"])
-            eng.flush()
-            growth = max(growth, rss.peak - rss.base)
+        plain, every, growth = decode_with_and_without_checkpoints(eng, prompt, params, repeats)
         s = eng.stats()
     return {
         "decode_tps_plain": plain,

@@ -160,6 +160,21 @@ class PeakRSS:
         self._t.join()
 
 
+def decode_with_and_without_checkpoints(eng, prompt, params, repeats):
+    """Interleaved pairs of RAM-hit runs without and with checkpoint_every=1 (single decode runs
+    vary by +-10% on a shared machine): decode tok/s of each, and the peak RSS growth of the latter."""
+    plain, every, growth = [], [], 0
+    for i in range(repeats):
+        plain.append(eng.generate_tokens(prompt + [20 + i], params).stats["decode_tokens_per_s"])
+        eng.flush()
+        with PeakRSS() as rss:
+            every.append(eng.generate_tokens(prompt + [30 + i], params, checkpoint_every=1)
+                         .stats["decode_tokens_per_s"])
+        eng.flush()
+        growth = max(growth, rss.peak - rss.base)
+    return plain, every, growth
+
+
 def smollm_prompt(tok, n):
     text, i = "", 0
     while len(tok.encode(text)) < n:
@@ -176,15 +191,7 @@ def test_checkpoint_every_token_keeps_rss_and_speed(default_model_dir, tmp_path)
     eng.generate_tokens(prompt, SamplingParams(max_tokens=2))  # prefill once; the runs below are RAM hits
     eng.flush()
     kv = max(e.checkpoint.kv_bytes for e in eng.cache.entries())
-    plain, every, growth = [], [], 0
-    for i in range(3):  # interleaved pairs: single decode runs vary by +-10% on a shared machine
-        plain.append(eng.generate_tokens(prompt + [20 + i], params).stats["decode_tokens_per_s"])
-        eng.flush()
-        with PeakRSS() as rss:
-            every.append(eng.generate_tokens(prompt + [30 + i], params, checkpoint_every=1)
-                         .stats["decode_tokens_per_s"])
-        eng.flush()
-        growth = max(growth, rss.peak - rss.base)
+    plain, every, growth = decode_with_and_without_checkpoints(eng, prompt, params, repeats=3)
     assert growth <= 3 * kv, f"peak RSS grew by {growth / kv:.2f}x one checkpoint's KV"
     assert np.median(every) >= 0.8 * np.median(plain), (every, plain)
     eng.close()
