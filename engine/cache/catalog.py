@@ -85,7 +85,7 @@ class FileRow:
 
     @classmethod
     def from_sql(cls, r) -> "FileRow":
-        tokens = tuple(int(t) for t in np.frombuffer(r[4], "<i4"))
+        tokens = tuple(np.frombuffer(r[4], "<i4").tolist())
         return cls(r[0], r[1], r[2], tokens, r[5], r[6], r[7], bool(r[8]), r[9], r[10], r[11], json.loads(r[12]))
 
 
