@@ -104,7 +104,6 @@ class Catalog:
         self.path = Path(path)
         self.pid = os.getpid()
         self._lock = threading.RLock()
-        self.rebuilt = False  # True when this open found no usable database: the caller rescans files
         self.closed = False  # after close(): reads see an empty catalogue, writes are refused
         self._last_heartbeat = 0.0
         try:
@@ -115,7 +114,6 @@ class Catalog:
         self.seq = self._pruned = self._max_seq()
 
     def _open(self) -> None:
-        fresh = not self.path.exists()
         self.db = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
         os.chmod(self.path, 0o600)
         self._inode = os.stat(self.path).st_ino
@@ -127,12 +125,8 @@ class Catalog:
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     self.db.execute(statement)
-            row = self.db.execute("SELECT v FROM meta WHERE k='schema'").fetchone()
-            if row is None:
-                self.db.execute("INSERT INTO meta VALUES('schema', ?)", (str(SCHEMA_VERSION),))
-                fresh = True
+            self.db.execute("INSERT OR IGNORE INTO meta VALUES('schema', ?)", (str(SCHEMA_VERSION),))
             self.db.execute("INSERT OR REPLACE INTO processes VALUES(?,?,?,0,0)", (self.pid, time.time(), time.time()))
-        self.rebuilt = self.rebuilt or fresh
 
     def replaced(self) -> bool:
         """Whether the database file was deleted or replaced since this process opened it."""
@@ -148,7 +142,6 @@ class Catalog:
                 self.db.close()
             except sqlite3.Error:
                 pass
-            self.rebuilt = False
             try:
                 self._open()
             except sqlite3.DatabaseError:
@@ -167,7 +160,6 @@ class Catalog:
             p = Path(str(self.path) + suffix)
             if p.exists():
                 os.replace(p, p.with_name(f"{p.name}.corrupt.{stamp}"))
-        self.rebuilt = True
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
@@ -254,9 +246,6 @@ class Catalog:
                 db.execute("DELETE FROM pins WHERE name=?", (name,))
             else:
                 db.execute("INSERT OR REPLACE INTO pins VALUES(?,?,?)", (name, ns, key))
-
-    def pinned(self, ns: str, key: str) -> bool:
-        return bool(self.query("SELECT 1 FROM pins WHERE namespace=? AND key=?", (ns, key)))
 
     def pins(self) -> dict:
         return {name: (ns, key) for name, ns, key in self.query("SELECT name, namespace, key FROM pins")}
