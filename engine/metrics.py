@@ -6,7 +6,8 @@ dashboard and the benchmarks read them by these names. Bytes are named apart:
 
 - `*ram*_bytes` / `ram_used_bytes`: what RAM entries hold (padded buffers, whole parents of slices);
 - `*kv_bytes`: the KV state itself, cut to its tokens;
-- `ssd_bytes`, `bytes_written`: file bytes on disk.
+- `ssd_bytes`: unique bytes on disk (each manifest or file once, each shared block once);
+  `bytes_written`: what this process wrote; `ssd_bytes_deduplicated`: what it found stored already.
 
 Reading stats never touches an MLX array.
 """
@@ -71,7 +72,7 @@ SCHEMA = {
     "writes_queued": "SSD writes queued",
     "writes_committed": "SSD writes committed (fsynced and renamed)",
     "writes_failed": "SSD writes that failed",
-    "bytes_written": "file bytes committed to SSD",
+    "bytes_written": "bytes this process wrote to SSD (new blocks and manifests)",
     "inflight_queued": "in-flight generation checkpoints queued",
     "inflight_replaced": "in-flight checkpoints replaced by a newer interval before they were written",
     "writes_cancelled": "queued SSD writes dropped because a longer checkpoint superseded their entry",
@@ -79,7 +80,12 @@ SCHEMA = {
     "write_error": "the latest SSD write error, until a write succeeds again",
     # SSD tier (present when it is on)
     "ssd_files": "checkpoint files on SSD",
-    "ssd_bytes": "file bytes on SSD",
+    "ssd_bytes": "unique bytes on SSD: manifests and files once each, each shared block once",
+    "ssd_blocks": "KV blocks on SSD (format 2; shared by the manifests that name them)",
+    "ssd_block_bytes": "bytes of those blocks",
+    "ssd_bytes_written": "bytes the writer wrote (new blocks and manifests)",
+    "ssd_bytes_deduplicated": "bytes the writer did not write because identical blocks (or manifests) were stored",
+    "ssd_blocks_freed": "blocks removed because no manifest referenced them any more",
     "ssd_kv_bytes": "KV bytes in those files",
     "ssd_budget_bytes": "SSD budget (None: no cap)",
     "ssd_quarantined": "files found bad and moved to quarantine",

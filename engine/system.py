@@ -45,6 +45,15 @@ def write_json_atomic(path, obj, *, durable: bool = True) -> None:
         raise
 
 
+def fsync_dir(path) -> None:
+    """Make a rename or a new file in `path` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def unlink_quietly(path) -> None:
     """Remove a file that may already be gone (a temp file after a failed write)."""
     try:

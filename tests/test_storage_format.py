@@ -138,7 +138,7 @@ def test_flipped_tensor_byte(tmp_path):
     write(p, cp)
     h = fmt.read_header(p)
     _flip(p, h.tensors[2].offset + 5)
-    assert "SHA-256" in _corrupt_reason(p) and h.tensors[2].name in _corrupt_reason(p)
+    assert "BLAKE3" in _corrupt_reason(p) and h.tensors[2].name in _corrupt_reason(p)
 
 
 def test_flipped_zstd_byte(tmp_path):

@@ -343,7 +343,7 @@ def test_verify_all_remove_clear(tmp_path):
         f.seek(h.tensors[0].offset)
         f.write(b"\x00\x01\x02\x03")
     bad = s.verify_all()
-    assert [p for p, _ in bad] == [b.path] and "SHA-256" in bad[0][1]
+    assert [p for p, _ in bad] == [b.path] and "BLAKE3" in bad[0][1]
     assert [e.key for e in s.entries()] == [a.key]
     s.clear()
     assert s.entries() == [] and os.listdir(tmp_path / "c" / "ns") == [] and not a.path.exists()

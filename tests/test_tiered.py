@@ -69,14 +69,9 @@ def _flip(path: Path, offset: int) -> None:
         f.write(bytes([b[0] ^ 0x5A]))
 
 
-def _tensor_offset(path: Path) -> int:
-    h = fmt.read_header(path)
-    return h.tensors[0].offset + 100
-
-
 CORRUPTIONS = {
     "truncated": lambda p: os.truncate(p, p.stat().st_size // 2),
-    "flipped tensor byte": lambda p: _flip(p, _tensor_offset(p)),
+    "flipped block byte": "blocks",  # the KV lives in shared blocks (format 2)
     "flipped header byte": lambda p: _flip(p, 200),
     "wrong magic": lambda p: _flip(p, 0),
 }
@@ -113,8 +108,12 @@ def test_bad_file_is_a_quarantined_miss(tiny_model_dir, tmp_path, cold_tokens, c
     eng = new_engine(cache, tiny_model_dir)
     eng.generate(PROMPT, max_tokens=20)
     eng.close()
-    for path in ckpt_files(cache):
-        CORRUPTIONS[corruption](path)
+    if CORRUPTIONS[corruption] == "blocks":
+        for path in (cache / "checkpoints" / "blocks").glob("*/*.blk"):
+            _flip(path, path.stat().st_size // 2)
+    else:
+        for path in ckpt_files(cache):
+            CORRUPTIONS[corruption](path)
 
     eng = new_engine(cache, tiny_model_dir)
     events = []
@@ -145,9 +144,9 @@ def test_other_model_identity_is_quarantined(tiny_model_dir, tmp_path, cold_toke
         body["identity"]["artifact"] = "0" * 64
         new = json.dumps(body, separators=(",", ":")).encode()
         assert len(new) <= capacity
-        import hashlib
-
-        raw[: fmt._PREFIX.size] = fmt._PREFIX.pack(magic, version, capacity, len(new), hashlib.sha256(new).digest())
+        digest = fmt.hasher(version)
+        digest.update(new)
+        raw[: fmt._PREFIX.size] = fmt._PREFIX.pack(magic, version, capacity, len(new), digest.digest())
         raw[fmt._PREFIX.size : fmt._PREFIX.size + capacity] = new.ljust(capacity)
         path.write_bytes(bytes(raw))
     eng = new_engine(cache, tiny_model_dir)

@@ -3,15 +3,19 @@
 Several kernels use one cache directory at once. The catalogue is what they
 agree on: which checkpoint files exist (with everything a lookup needs:
 namespace, token ids, length, bytes, minimum reusable offset, trimmability,
-format version, created, last used), which are pinned by a name, which are
-being read (leases), in-flight generation records, and which processes are
-alive with how many writes pending. Every process keeps an in-memory view of
+format version, created, last used), which blocks exist and which manifests
+reference them, which blocks a writer is about to reference (pending), which
+files are pinned by a name, which are being read (leases), in-flight
+generation records, and which processes are alive with how many writes
+pending. Every process keeps an in-memory view of
 the files and follows the `changes` log (an indexed range query per lookup),
 so a file one kernel commits is found by every other on its next lookup.
 
 Every deletion (cap, supersession, clear, quarantine) is one transaction that
 checks pins and live leases first; a commit renames its file into place in
 the transaction that records it, so a deletion can never unlink a newer copy.
+A block leaves only in a transaction that finds no manifest referencing it
+and no live writer's pending claim on it.
 
 Files stay the truth for bytes: a missing or corrupt database is set aside
 and rebuilt from file headers (the store does the scan) and from the named
@@ -33,7 +37,7 @@ from typing import Iterator
 
 import numpy as np
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 KEEP_CHANGES = 20_000  # older change records are pruned; a process that fell further behind reloads
 HEARTBEAT_S = 1.0
 LEASE_TTL_S = 600.0  # a lease older than this is stale even if its process lives (a hung read)
@@ -44,8 +48,15 @@ CREATE TABLE IF NOT EXISTS files(
     namespace TEXT NOT NULL, key TEXT NOT NULL, path TEXT NOT NULL, length INTEGER NOT NULL,
     tokens BLOB NOT NULL, file_bytes INTEGER NOT NULL, kv_bytes INTEGER NOT NULL,
     min_reusable_offset INTEGER NOT NULL, trimmable INTEGER NOT NULL, format_version INTEGER NOT NULL,
-    created REAL NOT NULL, last_used REAL NOT NULL, identity TEXT NOT NULL,
+    created REAL NOT NULL, last_used REAL NOT NULL, identity TEXT NOT NULL, block_bytes INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY(namespace, key));
+CREATE TABLE IF NOT EXISTS blocks(name TEXT PRIMARY KEY, bytes INTEGER NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS refs(namespace TEXT NOT NULL, key TEXT NOT NULL, block TEXT NOT NULL,
+    PRIMARY KEY(namespace, key, block));
+CREATE INDEX IF NOT EXISTS refs_block ON refs(block);
+CREATE TABLE IF NOT EXISTS pending(block TEXT NOT NULL, pid INTEGER NOT NULL, write_id INTEGER NOT NULL,
+    since REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS pending_block ON pending(block);
 CREATE INDEX IF NOT EXISTS files_lru ON files(last_used);
 CREATE TABLE IF NOT EXISTS changes(seq INTEGER PRIMARY KEY AUTOINCREMENT, op TEXT NOT NULL,
     namespace TEXT NOT NULL, key TEXT NOT NULL);
@@ -60,7 +71,7 @@ CREATE TABLE IF NOT EXISTS processes(pid INTEGER PRIMARY KEY, started REAL NOT N
 """
 
 _COLUMNS = ("namespace, key, path, length, tokens, file_bytes, kv_bytes, min_reusable_offset, trimmable, "
-            "format_version, created, last_used, identity")
+            "format_version, created, last_used, identity, block_bytes")
 
 
 @dataclass
@@ -77,16 +88,19 @@ class FileRow:
     created: float
     last_used: float
     identity: dict
+    block_bytes: int = 0  # the blocks it references (format 2), shared with others
+    blocks: tuple = ()  # their names (not a column: the refs table)
 
     def values(self) -> tuple:
         return (self.namespace, self.key, self.path, len(self.tokens), np.asarray(self.tokens, "<i4").tobytes(),
                 self.file_bytes, self.kv_bytes, self.min_reusable_offset, int(self.trimmable), self.format_version,
-                self.created, self.last_used, json.dumps(self.identity, sort_keys=True))
+                self.created, self.last_used, json.dumps(self.identity, sort_keys=True), self.block_bytes)
 
     @classmethod
     def from_sql(cls, r) -> "FileRow":
         tokens = tuple(np.frombuffer(r[4], "<i4").tolist())
-        return cls(r[0], r[1], r[2], tokens, r[5], r[6], r[7], bool(r[8]), r[9], r[10], r[11], json.loads(r[12]))
+        return cls(r[0], r[1], r[2], tokens, r[5], r[6], r[7], bool(r[8]), r[9], r[10], r[11], json.loads(r[12]),
+                   r[13])
 
 
 def pid_alive(pid: int) -> bool:
@@ -125,7 +139,10 @@ class Catalog:
             for statement in _SCHEMA.split(";"):
                 if statement.strip():
                     self.db.execute(statement)
-            self.db.execute("INSERT OR IGNORE INTO meta VALUES('schema', ?)", (str(SCHEMA_VERSION),))
+            columns = {r[1] for r in self.db.execute("PRAGMA table_info(files)")}
+            if "block_bytes" not in columns:  # a schema 1 catalogue: format 1 files only
+                self.db.execute("ALTER TABLE files ADD COLUMN block_bytes INTEGER NOT NULL DEFAULT 0")
+            self.db.execute("INSERT OR REPLACE INTO meta VALUES('schema', ?)", (str(SCHEMA_VERSION),))
             self.db.execute("INSERT OR REPLACE INTO processes VALUES(?,?,?,0,0)", (self.pid, time.time(), time.time()))
 
     def replaced(self) -> bool:
@@ -189,14 +206,75 @@ class Catalog:
         rows = self.query(f"SELECT {_COLUMNS} FROM files WHERE namespace=? AND key=?", (ns, key))
         return FileRow.from_sql(rows[0]) if rows else None
 
-    def add_file(self, db: sqlite3.Connection, row: FileRow) -> None:
-        """Record a file (inside a transaction, after it was renamed into place)."""
-        db.execute(f"INSERT OR REPLACE INTO files({_COLUMNS}) VALUES({','.join('?' * 13)})", row.values())
+    def add_file(self, db: sqlite3.Connection, row: FileRow) -> list[str]:
+        """Record a file and its block references (inside a transaction, after it was
+        renamed into place); returns the blocks a replaced version referenced alone."""
+        old = self._drop_refs(db, row.namespace, row.key)
+        db.execute(f"INSERT OR REPLACE INTO files({_COLUMNS}) VALUES({','.join('?' * 14)})", row.values())
+        db.executemany("INSERT OR IGNORE INTO refs VALUES(?,?,?)", [(row.namespace, row.key, b) for b in row.blocks])
         db.execute("INSERT INTO changes(op, namespace, key) VALUES('add', ?, ?)", (row.namespace, row.key))
+        return sorted(set(old) - set(row.blocks))
 
-    def drop_file(self, db: sqlite3.Connection, ns: str, key: str) -> None:
+    def drop_file(self, db: sqlite3.Connection, ns: str, key: str) -> list[str]:
+        """Forget a file; returns the blocks it referenced (candidates for `free_blocks`)."""
         db.execute("DELETE FROM files WHERE namespace=? AND key=?", (ns, key))
         db.execute("INSERT INTO changes(op, namespace, key) VALUES('del', ?, ?)", (ns, key))
+        return self._drop_refs(db, ns, key)
+
+    def _drop_refs(self, db, ns: str, key: str) -> list[str]:
+        names = [r[0] for r in db.execute("SELECT block FROM refs WHERE namespace=? AND key=?", (ns, key))]
+        db.execute("DELETE FROM refs WHERE namespace=? AND key=?", (ns, key))
+        return names
+
+    # --- blocks (format 2) ---
+
+    def reserve_blocks(self, names: list[str], write_id: int) -> set[str]:
+        """Claim blocks a write will reference (no process frees them meanwhile);
+        returns those not recorded as present."""
+        with self.transaction() as db:
+            now = time.time()
+            db.executemany("INSERT INTO pending VALUES(?,?,?,?)", [(n, self.pid, write_id, now) for n in set(names)])
+            present = {n for n in set(names) if db.execute("SELECT 1 FROM blocks WHERE name=?", (n,)).fetchone()}
+        return set(names) - present
+
+    def add_blocks(self, sizes: dict[str, int]) -> None:
+        with self.transaction() as db:
+            db.executemany("INSERT OR REPLACE INTO blocks VALUES(?,?,?)", [(n, b, time.time()) for n, b in sizes.items()])
+
+    def release(self, db: sqlite3.Connection, write_id: int) -> list[str]:
+        """End a write's claims (its manifest now references the blocks, or it failed)."""
+        names = [r[0] for r in db.execute("SELECT block FROM pending WHERE pid=? AND write_id=?", (self.pid, write_id))]
+        db.execute("DELETE FROM pending WHERE pid=? AND write_id=?", (self.pid, write_id))
+        return names
+
+    def free_blocks(self, db: sqlite3.Connection, names=None) -> list[tuple[str, int]]:
+        """Forget the blocks among `names` (all when None) that no manifest references and
+        no live writer claims; returns (name, bytes) of each, for the caller to unlink."""
+        now = time.time()
+        for pid, since in db.execute("SELECT pid, MAX(since) FROM pending GROUP BY pid").fetchall():
+            if not pid_alive(pid) or now - since > LEASE_TTL_S:
+                db.execute("DELETE FROM pending WHERE pid=?", (pid,))
+        if names is None:
+            names = [r[0] for r in db.execute("SELECT name FROM blocks")]
+        out = []
+        for n in set(names):
+            if db.execute("SELECT 1 FROM refs WHERE block=? LIMIT 1", (n,)).fetchone():
+                continue
+            if db.execute("SELECT 1 FROM pending WHERE block=? LIMIT 1", (n,)).fetchone():
+                continue
+            row = db.execute("SELECT bytes FROM blocks WHERE name=?", (n,)).fetchone()
+            db.execute("DELETE FROM blocks WHERE name=?", (n,))
+            out.append((n, row[0] if row else 0))
+        return out
+
+    def drop_block(self, db: sqlite3.Connection, name: str) -> None:
+        db.execute("DELETE FROM blocks WHERE name=?", (name,))
+
+    def blocks(self) -> dict[str, int]:
+        return dict(self.query("SELECT name, bytes FROM blocks"))
+
+    def claimed_blocks(self) -> set[str]:
+        return {r[0] for r in self.query("SELECT DISTINCT block FROM pending")}
 
     def deletable(self, db: sqlite3.Connection, ns: str, key: str) -> bool:
         """Neither pinned by a name nor leased by a live reader (inside a transaction)."""
@@ -233,7 +311,9 @@ class Catalog:
             return [r for r in added if r is not None], removed, reload
 
     def total_bytes(self, db: sqlite3.Connection) -> int:
-        return db.execute("SELECT COALESCE(SUM(file_bytes), 0) FROM files").fetchone()[0]
+        """Unique bytes on disk: every file (manifest) once, every block once."""
+        return (db.execute("SELECT COALESCE(SUM(file_bytes), 0) FROM files").fetchone()[0]
+                + db.execute("SELECT COALESCE(SUM(bytes), 0) FROM blocks").fetchone()[0])
 
     def lru(self, db: sqlite3.Connection) -> list[tuple]:
         return db.execute("SELECT namespace, key, path, file_bytes FROM files ORDER BY last_used").fetchall()

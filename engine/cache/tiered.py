@@ -197,13 +197,13 @@ class TieredPromptCache(Durability):
             h = files.pop((e.ns, e.tokens), None)
             rows.append({
                 "ns": e.ns, "tokens": e.tokens, "tier": "ram+ssd" if h else "ram", "write_state": e.write_state.value,
-                "ram_bytes": e.nbytes, "kv_bytes": e.checkpoint.kv_bytes, "file_bytes": h.file_bytes if h else None,
+                "ram_bytes": e.nbytes, "kv_bytes": e.checkpoint.kv_bytes, "file_bytes": h.file_bytes + h.block_bytes if h else None,
                 "borrowers": e.borrowers, "sessions": sorted(e.sessions), "last_used": e.last_used_time, "hits": e.hits,
             })
         for (ns, tokens), h in files.items():
             rows.append({
                 "ns": ns, "tokens": tokens, "tier": "ssd", "write_state": WriteState.COMMITTED.value,
-                "ram_bytes": None, "kv_bytes": h.raw_bytes, "file_bytes": h.file_bytes,
+                "ram_bytes": None, "kv_bytes": h.raw_bytes, "file_bytes": h.file_bytes + h.block_bytes,
                 "borrowers": 0, "sessions": [], "last_used": h.last_use, "hits": 0,
             })
         return rows

@@ -24,13 +24,16 @@ class HostTensor:
     """A numpy view of one evaluated MLX array, for worker threads.
 
     `array` may be strided (a slice of a larger buffer); bfloat16 arrives as
-    its uint16 bits and `dtype` keeps the logical name.
+    its uint16 bits and `dtype` keeps the logical name. `span`: it holds
+    positions [0, len(tokens)) along axis -2, so it is stored in shared
+    blocks of token spans (format 2); other state is stored inline.
     """
 
     name: str
     dtype: str
     shape: tuple
     array: np.ndarray
+    span: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -161,11 +164,14 @@ class Checkpoint:
     def host_tensors(self) -> list[HostTensor]:
         """Zero-copy numpy views of every tensor. Call on the MLX owner thread."""
         out = []
-        for name, a in zip(self.tensor_names(), self.arrays()):
+        spans = [f for l in self.layers for f in codec(l.kind).linear_arrays(l)] + [False] * len(self.attachments)
+        n = len(self.tokens)
+        for name, a, span in zip(self.tensor_names(), self.arrays(), spans):
             dtype = str(a.dtype).removeprefix("mlx.core.")
             view = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
             mx.eval(view)
-            out.append(HostTensor(name, dtype, tuple(a.shape), np.asarray(view)))
+            span = span and a.ndim >= 2 and a.shape[-2] == n
+            out.append(HostTensor(name, dtype, tuple(a.shape), np.asarray(view), span))
         return out
 
     def layout(self) -> list[dict]:

@@ -84,6 +84,14 @@ class Codec:
         """The shortest prefix this state can serve (an irreversible transition sets it)."""
         return 0
 
+    def linear(self, meta: dict) -> bool:
+        """Whether every array holds positions [0, offset) along axis -2 (token spans: SSD blocks)."""
+        return False
+
+    def linear_arrays(self, layer: LayerState) -> tuple:
+        """Per array: whether it is a token span (see `linear`); inline state otherwise."""
+        return (self.linear(layer.meta),) * len(layer.arrays)
+
     def can_hand_over(self, layer: LayerState) -> bool:
         return False
 
@@ -107,6 +115,9 @@ class PlainKV(Codec):
         return _lend_linear(lm_cache.KVCache(), layer, n, 1)
 
     def trimmable(self, meta):
+        return True
+
+    def linear(self, meta):
         return True
 
     def can_hand_over(self, layer):
@@ -140,6 +151,9 @@ class QuantizedKV(Codec):
         return _lend_linear(c, layer, n, 3)
 
     def trimmable(self, meta):
+        return True
+
+    def linear(self, meta):
         return True
 
 
@@ -176,6 +190,9 @@ class RotatingKV(Codec):
     def trimmable(self, meta):
         return meta.get("offset", 0) < meta.get("max_size", 0)
 
+    def linear(self, meta):  # until the ring wraps
+        return self.trimmable(meta)
+
 
 class ChunkedKV(Codec):
     """`ChunkedKVCache`: keeps the current attention chunk; drops the front as chunks fill.
@@ -204,6 +221,9 @@ class ChunkedKV(Codec):
 
     def trimmable(self, meta):
         return meta.get("start_position", 0) == 0
+
+    def linear(self, meta):  # until the front is dropped
+        return self.trimmable(meta)
 
 
 class Recurrent(Codec):
@@ -254,6 +274,9 @@ class Composite(Codec):
 
     def trimmable(self, meta):
         return all(codec(p["kind"]).trimmable(p["meta"]) for p in meta["parts"])
+
+    def linear_arrays(self, layer):
+        return tuple(flag for p in self.parts(layer) for flag in codec(p.kind).linear_arrays(p))
 
     def min_reusable_offset(self, meta):
         return max((codec(p["kind"]).min_reusable_offset(p["meta"]) for p in meta["parts"]), default=0)

@@ -6,6 +6,7 @@ import bisect
 import hashlib
 from typing import Sequence
 
+import blake3
 import numpy as np
 
 
@@ -22,7 +23,12 @@ def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
 
 
 def token_key(tokens: Sequence[int]) -> str:
-    """SHA-256 of the little-endian int64 token ids: file names and record keys."""
+    """BLAKE3 of the little-endian int64 token ids: file names and record keys."""
+    return blake3.blake3(np.asarray(tokens, dtype="<i8").tobytes()).hexdigest()
+
+
+def legacy_token_key(tokens: Sequence[int]) -> str:
+    """SHA-256 of the same bytes: the names of format 1 files, still read."""
     return hashlib.sha256(np.asarray(tokens, dtype="<i8").tobytes()).hexdigest()
 
 

@@ -1,18 +1,21 @@
-"""Checkpoint file format 1: one self-describing file per checkpoint.
+"""Checkpoint files: format 2 manifests (written) and format 1 files (still read).
 
 Layout::
 
     0      magic b"MLXCKPT\\n", uint32 version, uint32 header capacity,
-           uint32 header length, 4 reserved bytes, SHA-256 of the header
+           uint32 header length, 4 reserved bytes, digest of the header
            JSON (32 bytes)                                   (56 bytes)
     56     header: UTF-8 JSON, padded with spaces to its capacity
-    16 KiB aligned: tensor data, one tensor after another, each at a
-           16 KiB aligned offset, raw or as one zstd frame
+    16 KiB aligned: inline tensor data, one tensor after another, each at
+           a 16 KiB aligned offset, raw or as one zstd frame
 
-The header is sized up front (every number at its widest, hashes fixed
-width), so it can be patched last without moving data. A later format
-(content-addressed blocks) gets a new version number; readers reject
-versions they do not know rather than guess.
+Format 1 holds every tensor inline, SHA-256 checked. Format 2 is a manifest:
+tensors that are token spans (`span`) live in shared blocks (blocks.py)
+that its header lists; exact-boundary state (recurrent, a wrapped ring,
+attachments) stays inline; every digest is BLAKE3. The header is sized up
+front (every number at its widest, hashes fixed width), so it can be
+patched last without moving data. Readers reject versions they do not know
+rather than guess.
 
 Bytes only: writers run on a worker thread and see numpy views, never MLX
 arrays; readers fill caller-provided buffers. What a layer's state means
@@ -30,12 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+import blake3
 import numpy as np
 
-from ...system import unlink_quietly
+from ...system import fsync_dir, unlink_quietly
+from .blocks import BlockRef
 
 MAGIC = b"MLXCKPT\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what this build writes, and the newest it reads
+LEGACY_VERSION = 1  # whole files, SHA-256: read until they age out
 ALIGN = 16 * 1024
 CHUNK = 4 * 1024 * 1024  # hashing/IO step between pause() calls
 _PREFIX = struct.Struct("<8sIII4x32s")
@@ -58,7 +64,7 @@ _REQUIRED = (
 
 
 class CorruptCheckpoint(Exception):
-    """The file is not a valid, complete, intact format-1 checkpoint."""
+    """The file is not a valid, complete, intact checkpoint."""
 
     def __init__(self, reason: str):
         super().__init__(reason)
@@ -67,6 +73,11 @@ class CorruptCheckpoint(Exception):
 
 class NewerFormat(Exception):
     """A format version this build does not know: a newer build's file, left alone."""
+
+
+def hasher(version: int):
+    """The digest of a format version: SHA-256 (1) or BLAKE3 (2); both 32 bytes."""
+    return hashlib.sha256() if version == LEGACY_VERSION else blake3.blake3()
 
 
 def host_dtype(name: str) -> np.dtype:
@@ -85,11 +96,15 @@ class TensorEntry:
     stored_bytes: int
     raw_bytes: int
     codec: str
-    sha256: str
+    digest: str  # hex; "" for span tensors (their blocks are named by content)
+    span: bool = False  # stored in blocks, not inline
 
-    def to_json(self) -> dict:
+    def to_json(self, version: int = FORMAT_VERSION) -> dict:
         d = dict(self.__dict__)
         d["shape"] = list(self.shape)
+        d["sha256" if version == LEGACY_VERSION else "blake3"] = d.pop("digest")
+        if version == LEGACY_VERSION:
+            del d["span"]
         return d
 
 
@@ -106,10 +121,23 @@ class Header:
     created: float
     tensors: tuple  # of TensorEntry
     file_size: int
+    blocks: tuple = ()  # of BlockRef, in token order (format 2)
 
     @property
     def raw_bytes(self) -> int:
         return sum(t.raw_bytes for t in self.tensors)
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks)
+
+    @property
+    def inline(self) -> tuple:
+        return tuple(t for t in self.tensors if not t.span)
+
+    @property
+    def span_tensors(self) -> tuple:
+        return tuple(t for t in self.tensors if t.span)
 
 
 @dataclass(frozen=True)
@@ -125,18 +153,10 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _header_json(fields: dict, tensors: Iterable[TensorEntry]) -> bytes:
+def _header_json(fields: dict, tensors: Iterable[TensorEntry], version: int) -> bytes:
     doc = dict(fields)
-    doc["tensors"] = [t.to_json() for t in tensors]
+    doc["tensors"] = [t.to_json(version) for t in tensors]
     return json.dumps(doc, separators=(",", ":")).encode()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def temp_path_for(path: Path) -> Path:
@@ -160,8 +180,14 @@ def write_checkpoint(
     progress: Callable[[int, int], None] | None = None,
     pause: Callable[[], None] | None = None,
     commit: Callable[[Path, "FileInfo"], None] | None = None,
+    blocks: Sequence[BlockRef] = (),
+    version: int = FORMAT_VERSION,
 ) -> FileInfo:
     """Write one checkpoint atomically (temp file, fsync, rename, dir fsync).
+
+    Format 2 (the default) writes a manifest: span tensors are not written
+    here but named by `blocks`, which must already be durable. version=1
+    writes a legacy whole file (kept for compatibility tests).
 
     Runs on a worker thread; `host_tensors` are HostTensor-like objects
     (name, dtype, shape, array). `pause()` is called before every chunk: the
@@ -173,6 +199,8 @@ def write_checkpoint(
     """
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}")
+    if version not in (LEGACY_VERSION, FORMAT_VERSION):
+        raise ValueError(f"cannot write format version {version}")
     t0 = time.perf_counter()
     path = Path(path)
     attachments = [h.name.removeprefix("attachments.") for h in host_tensors if h.name.startswith("attachments.")]
@@ -186,14 +214,21 @@ def write_checkpoint(
         "attachments": attachments,
         "created": time.time(),
     }
+    in_blocks = version != LEGACY_VERSION and bool(blocks)
+    if version != LEGACY_VERSION:
+        fields["blocks"] = [b.to_json() for b in blocks]
+    spanned = [h for h in host_tensors if in_blocks and getattr(h, "span", False)]
+    inline = [h for h in host_tensors if not (in_blocks and getattr(h, "span", False))]
+    span_entries = [TensorEntry(h.name, h.dtype, tuple(int(s) for s in h.shape), 0, 0, int(h.array.nbytes), "raw", "",
+                                True) for h in spanned]
     # Size the header with every variable field at its widest.
     widest = [
         TensorEntry(h.name, h.dtype, tuple(h.shape), 10**19, 10**19, 10**19, "zstd", "0" * 64)
-        for h in host_tensors
+        for h in inline
     ]
-    capacity = len(_header_json(fields, widest)) + 256
+    capacity = len(_header_json(fields, widest + span_entries, version)) + 256
     data_start = _align(_PREFIX.size + capacity)
-    total = sum(int(h.array.nbytes) for h in host_tensors)
+    total = sum(int(h.array.nbytes) for h in inline)
     done = 0
 
     tmp = temp_path_for(path)
@@ -203,7 +238,7 @@ def write_checkpoint(
             entries = []
             offset = data_start
             scratch = None  # reused for strided tensors
-            for h in host_tensors:
+            for h in inline:
                 arr = h.array
                 want = host_dtype(h.dtype)
                 if arr.dtype.itemsize != want.itemsize or tuple(arr.shape) != tuple(h.shape):
@@ -218,7 +253,7 @@ def write_checkpoint(
                     np.copyto(packed, arr)
                     mv = memoryview(scratch)[:nbytes]
                 f.seek(offset)
-                digest = hashlib.sha256()
+                digest = hasher(version)
                 cobj = None
                 if codec == "zstd":
                     import zstandard
@@ -249,21 +284,25 @@ def write_checkpoint(
                     TensorEntry(h.name, h.dtype, tuple(int(s) for s in h.shape), offset, stored, nbytes, codec, digest.hexdigest())
                 )
                 offset = _align(offset + stored)
-            end = entries[-1].offset + entries[-1].stored_bytes if entries else data_start
+            end = entries[-1].offset + entries[-1].stored_bytes if entries else _PREFIX.size + capacity
             f.truncate(end)
-            body = _header_json(fields, entries)
+            by_name = {e.name: e for e in entries + span_entries}
+            entries = [by_name[h.name] for h in host_tensors]
+            body = _header_json(fields, entries, version)
             assert len(body) <= capacity
             f.seek(0)
-            f.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, capacity, len(body), hashlib.sha256(body).digest()))
+            head_digest = hasher(version)
+            head_digest.update(body)
+            f.write(_PREFIX.pack(MAGIC, version, capacity, len(body), head_digest.digest()))
             f.write(body + b" " * (capacity - len(body)))
             os.fsync(f.fileno())
-        header = _parse_header(dict(fields, tensors=[e.to_json() for e in entries]), FORMAT_VERSION, end)
-        info = FileInfo(path, header, end, total, time.perf_counter() - t0)
+        header = _parse_header(dict(fields, tensors=[e.to_json(version) for e in entries]), version, end)
+        info = FileInfo(path, header, end, header.raw_bytes, time.perf_counter() - t0)
         (commit or (lambda tmp_path, _: os.replace(tmp_path, path)))(tmp, info)
     except BaseException:
         unlink_quietly(tmp)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return info
 
 
@@ -275,11 +314,12 @@ def _parse_header(doc: dict, version: int, file_size: int) -> Header:
         missing = [k for k in _REQUIRED if k not in doc]
         if missing:
             raise CorruptCheckpoint(f"header misses fields {missing}")
+        legacy = version == LEGACY_VERSION
         tensors = tuple(
             TensorEntry(
                 str(t["name"]), str(t["dtype"]), tuple(int(s) for s in t["shape"]),
                 int(t["offset"]), int(t["stored_bytes"]), int(t["raw_bytes"]),
-                str(t["codec"]), str(t["sha256"]),
+                str(t["codec"]), str(t["sha256" if legacy else "blake3"]), False if legacy else bool(t["span"]),
             )
             for t in doc["tensors"]
         )
@@ -295,6 +335,7 @@ def _parse_header(doc: dict, version: int, file_size: int) -> Header:
             float(doc["created"]),
             tensors,
             file_size,
+            tuple(BlockRef.from_json(b) for b in doc.get("blocks", ())),
         )
     except CorruptCheckpoint:
         raise
@@ -304,11 +345,10 @@ def _parse_header(doc: dict, version: int, file_size: int) -> Header:
 
 def _check_table(h: Header, data_start: int) -> None:
     end = data_start
-    names = set()
-    for t in sorted(h.tensors, key=lambda t: t.offset):
-        if t.name in names:
-            raise CorruptCheckpoint(f"duplicate tensor {t.name}")
-        names.add(t.name)
+    if len({t.name for t in h.tensors}) != len(h.tensors):
+        raise CorruptCheckpoint("duplicate tensor names")
+    _check_blocks(h)
+    for t in sorted(h.inline, key=lambda t: t.offset):
         if t.codec not in CODECS:
             raise CorruptCheckpoint(f"tensor {t.name}: unknown codec {t.codec!r}")
         try:
@@ -321,11 +361,32 @@ def _check_table(h: Header, data_start: int) -> None:
             raise CorruptCheckpoint(f"tensor {t.name}: raw size mismatch")
         if t.offset % ALIGN or t.offset < end or t.stored_bytes < 0:
             raise CorruptCheckpoint(f"tensor {t.name}: bad offset")
-        if len(t.sha256) != 64:
+        if len(t.digest) != 64:
             raise CorruptCheckpoint(f"tensor {t.name}: bad hash")
         end = t.offset + t.stored_bytes
         if end > h.file_size:
             raise CorruptCheckpoint(f"truncated: tensor {t.name} ends at {end}, file has {h.file_size} bytes")
+
+
+def _check_blocks(h: Header) -> None:
+    """Span tensors hold every token, and the blocks cover [0, tokens) in order."""
+    n = len(h.tokens)
+    for t in h.span_tensors:
+        if len(t.shape) < 2 or t.shape[-2] != n or t.codec != "raw" or t.dtype not in _HOST_DTYPES:
+            raise CorruptCheckpoint(f"tensor {t.name}: not a span of {n} tokens")
+        if t.raw_bytes != int(np.prod(t.shape, dtype=np.int64)) * host_dtype(t.dtype).itemsize:
+            raise CorruptCheckpoint(f"tensor {t.name}: size does not match shape")
+    if not h.span_tensors:
+        if h.blocks:
+            raise CorruptCheckpoint("blocks listed without span tensors")
+        return
+    at = 0
+    for b in h.blocks:
+        if b.start != at or b.end <= b.start or b.nbytes <= 0:
+            raise CorruptCheckpoint("blocks do not cover the tokens in order")
+        at = b.end
+    if at != n:
+        raise CorruptCheckpoint(f"blocks cover {at} of {n} tokens")
 
 
 def read_header(source) -> Header:
@@ -345,14 +406,16 @@ def read_header(source) -> Header:
         raise CorruptCheckpoint("wrong magic: not a checkpoint file")
     if version > FORMAT_VERSION:
         raise NewerFormat(f"format version {version} (this build reads up to {FORMAT_VERSION})")
-    if version != FORMAT_VERSION:
-        raise CorruptCheckpoint(f"unsupported format version {version} (this reader knows {FORMAT_VERSION})")
+    if version not in (LEGACY_VERSION, FORMAT_VERSION):
+        raise CorruptCheckpoint(f"unsupported format version {version}")
     if length > capacity:
         raise CorruptCheckpoint("header length exceeds its capacity")
     body = os.pread(source, length, _PREFIX.size)
     if len(body) < length or size < _PREFIX.size + capacity:
         raise CorruptCheckpoint("truncated header")
-    if hashlib.sha256(body).digest() != digest:
+    check = hasher(version)
+    check.update(body)
+    if check.digest() != digest:
         raise CorruptCheckpoint("header checksum mismatch")
     try:
         doc = json.loads(body)

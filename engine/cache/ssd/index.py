@@ -31,6 +31,7 @@ class IndexEntry:
     identity: dict
     last_use: float
     created: float = 0.0
+    block_bytes: int = 0  # bytes of the blocks it references (shared with other manifests)
     match_len: int | None = None  # set on copies returned by find()
     _arr: np.ndarray | None = field(default=None, repr=False)
 
@@ -45,7 +46,7 @@ class IndexEntry:
     @classmethod
     def from_row(cls, r: FileRow) -> "IndexEntry":
         return cls(r.namespace, r.key, Path(r.path), r.tokens, r.trimmable, r.min_reusable_offset, r.file_bytes,
-                   r.kv_bytes, r.identity, r.last_used, r.created, _arr=as_token_array(r.tokens))
+                   r.kv_bytes, r.identity, r.last_used, r.created, r.block_bytes, _arr=as_token_array(r.tokens))
 
 
 class FileIndex:

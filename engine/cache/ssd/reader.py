@@ -1,18 +1,21 @@
-"""Verified reads of format-1 files: every tensor into a buffer the caller
-allocates (numpy views of MLX memory on restore), read and SHA-256 checked
-on a 2-thread pool. Bytes only: no MLX here.
+"""Verified reads of checkpoints: every tensor into a buffer the caller
+allocates (numpy views of MLX memory on restore), inline tensors from the
+file, span tensors from their blocks, read and hashed on a 2-thread pool.
+Bytes only: no MLX here.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from .format import CorruptCheckpoint, Header, TensorEntry
+from . import blocks
+from .blocks import BlockRef, CorruptBlock
+from .format import CorruptCheckpoint, Header, TensorEntry, hasher
 
 _POOL: ThreadPoolExecutor | None = None
 
@@ -53,29 +56,57 @@ def _decompress_into(fd: int, t: TensorEntry, mv: memoryview) -> None:
         raise CorruptCheckpoint(f"tensor {t.name}: decompressed size mismatch")
 
 
-def _load_one(fd: int, t: TensorEntry, mv: memoryview) -> None:
-    # pread, zstd and sha256 all drop the GIL: two of these run in parallel
+def _load_one(fd: int, t: TensorEntry, mv: memoryview, version: int) -> None:
+    # pread, zstd and the digests all drop the GIL: two of these run in parallel
     if t.codec == "raw":
         _pread_exact(fd, mv, t.offset, t.name)
     else:
         _decompress_into(fd, t, mv)
-    if hashlib.sha256(mv).hexdigest() != t.sha256:
-        raise CorruptCheckpoint(f"tensor {t.name}: SHA-256 mismatch")
+    digest = hasher(version)
+    digest.update(mv)
+    if digest.hexdigest() != t.digest:
+        raise CorruptCheckpoint(f"tensor {t.name}: {'SHA-256' if version == 1 else 'BLAKE3'} mismatch")
 
 
-def read_tensors(source, header: Header, allocate: Callable) -> dict:
-    """Read every tensor into buffers from `allocate(name, dtype, shape)`; `source` is
-    a path or the open fd the header came from (one file, even if it is replaced meanwhile).
+def _load_block(root: Path, ref: BlockRef, head: bytes, dst: list) -> None:
+    try:
+        blocks.read_into(blocks.block_path(root, ref.name), ref.name, head, dst)
+    except FileNotFoundError:
+        raise MissingBlock(ref.name) from None
+    except OSError as exc:
+        raise CorruptBlock(ref.name, str(exc)) from None
 
-    The buffers must be writable and C-contiguous (views of MLX-owned memory
-    on restore: one copy from the file). `allocate` runs on the calling
-    thread; reading and SHA-256 verification run on a 2-thread pool, so
-    tensor i is read and hashed while tensor i+1 is allocated. Raises
-    CorruptCheckpoint on any mismatch; buffer contents are then undefined.
-    """
+
+class MissingBlock(Exception):
+    """A block the manifest names is not on disk: the checkpoint is a miss (nothing is corrupt)."""
+
+    def __init__(self, name: str):
+        super().__init__(f"block {name[:16]} is missing")
+        self.name = name
+
+
+def allocate_all(header: Header, allocate: Callable) -> dict:
+    """Buffers for every tensor from `allocate(name, dtype, shape)` (the caller's thread)."""
     out = {}
-    futures = []
+    for t in header.tensors:
+        buf = allocate(t.name, t.dtype, t.shape)
+        if not (isinstance(buf, np.ndarray) and buf.flags.c_contiguous and buf.flags.writeable) or buf.nbytes != t.raw_bytes:
+            raise ValueError(f"allocate returned an unusable buffer for {t.name}")
+        out[t.name] = buf
+    return out
+
+
+def fill(source, header: Header, buffers: dict, blocks_root: Path | None = None) -> None:
+    """Read and verify every tensor into `buffers` (from allocate_all); any thread.
+
+    Inline tensors come from `source` (a path or the open fd the header came
+    from: one file, even if it is replaced meanwhile), span tensors from their
+    blocks, every tensor or block on the 2-thread pool, each hashed as it
+    lands. Raises CorruptCheckpoint, CorruptBlock (carrying the block) or
+    MissingBlock; buffer contents are then undefined.
+    """
     fd = source if isinstance(source, int) else os.open(source, os.O_RDONLY)
+    futures = []
     try:
         if hasattr(os, "posix_fadvise"):
             # Start the kernel's readahead of the whole file now: a cold read
@@ -83,13 +114,19 @@ def read_tensors(source, header: Header, allocate: Callable) -> dict:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
         pool = _pool()
-        for t in header.tensors:
-            buf = allocate(t.name, t.dtype, t.shape)
-            if not (isinstance(buf, np.ndarray) and buf.flags.c_contiguous and buf.flags.writeable) or buf.nbytes != t.raw_bytes:
-                raise ValueError(f"allocate returned an unusable buffer for {t.name}")
-            mv = memoryview(buf.reshape(-1).view(np.uint8))
-            futures.append(pool.submit(_load_one, fd, t, mv))
-            out[t.name] = buf
+        for t in header.inline:
+            mv = memoryview(buffers[t.name].reshape(-1).view(np.uint8))
+            futures.append(pool.submit(_load_one, fd, t, mv, header.version))
+        spanned = header.span_tensors
+        if spanned:
+            if blocks_root is None:
+                raise ValueError("a format-2 checkpoint needs its blocks directory")
+            arrays = [buffers[t.name] for t in spanned]
+            specs = [(t.name, t.dtype, t.shape) for t in spanned]
+            for ref in header.blocks:
+                dst = blocks.runs(arrays, ref.start, ref.end)
+                head = blocks.header(ref.start, ref.end, specs)
+                futures.append(pool.submit(_load_block, blocks_root, ref, head, dst))
     finally:
         errors = []
         for fut in futures:  # never return (or close fd) while a pool thread uses a buffer
@@ -101,4 +138,11 @@ def read_tensors(source, header: Header, allocate: Callable) -> dict:
             os.close(fd)
     if errors:
         raise errors[0]
-    return out
+
+
+def read_tensors(source, header: Header, allocate: Callable, blocks_root: Path | None = None) -> dict:
+    """allocate_all, then fill: the buffers must be writable and C-contiguous
+    (views of MLX-owned memory on restore: one copy from the disk)."""
+    buffers = allocate_all(header, allocate)
+    fill(source, header, buffers, blocks_root)
+    return buffers

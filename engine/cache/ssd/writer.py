@@ -1,8 +1,8 @@
 """The background writer: one daemon thread that persists checkpoints.
 
 The owner (MLX) thread prepares a WriteJob (numpy views of evaluated
-arrays, see Checkpoint.host_tensors) and submits it. The thread writes the
-file with format.write_checkpoint and publishes it into the store index.
+arrays, see Checkpoint.host_tensors) and submits it. The thread writes its
+new blocks and manifest (persist.py) and publishes it into the store index.
 Finished jobs go to a completion list; the owner collects them with poll(),
 which is also where the job's numpy views are dropped, so MLX memory is
 only ever released on the owner thread.
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import format as fmt
+from .persist import persist
 from .store import CheckpointStore
 
 
@@ -62,7 +63,7 @@ class Completion:
     ok: bool
     error: BaseException | None
     path: Path | None
-    bytes: int  # file bytes on success, 0 on failure
+    bytes: int  # bytes written on success (0: all of it was stored already), 0 on failure
     seconds: float
     namespace: str
     tokens: int  # token count of the checkpoint
@@ -239,25 +240,14 @@ class CheckpointWriter:
         t0 = time.perf_counter()
         n = len(job.tokens)
         try:
-            path = self.store.prepare_path(job.namespace, job.tokens)
-            info = fmt.write_checkpoint(
-                path,
-                identity=job.identity,
-                namespace=job.namespace,
-                tokens=job.tokens,
-                layout=job.layout,
-                min_reusable_offset=job.min_reusable_offset,
-                host_tensors=job.host_tensors,
-                codec=job.codec,
-                trimmable=job.trimmable,
-                progress=self._on_progress,
-                pause=lambda: self._pause(job),
-                commit=self.store.commit,  # rename and catalogue row in one transaction
-            )
+            done = persist(self.store, job, pause=lambda: self._pause(job), progress=self._on_progress)
+            self.store.count_write(done.bytes_written, done.bytes_deduplicated)
+            info = done.info
             entry = self.store.publish(info)
             if job.on_commit is not None:
                 job.on_commit(info)
-            return Completion(job.key, True, None, info.path, info.file_bytes, time.perf_counter() - t0, job.namespace, n, entry)
+            return Completion(job.key, True, None, info.path, done.bytes_written, time.perf_counter() - t0, job.namespace,
+                              n, entry)
         except Exception as exc:
             exc.__traceback__ = None  # frames hold views; the job keeps them alive
             return Completion(job.key, False, exc, None, 0, time.perf_counter() - t0, job.namespace, n)

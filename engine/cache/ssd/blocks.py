@@ -1,0 +1,193 @@
+"""Format 2 blocks: immutable files of KV token spans, named by the BLAKE3 of their bytes.
+
+    root/blocks/<2 hex>/<64 hex>.blk
+
+A block holds, for one span [start, end) of token positions, the slice
+[..., start:end, :] of every span tensor of a checkpoint (see
+HostTensor.span), in the manifest's tensor order::
+
+    magic b"MLXBLK2\\n", uint32 header length, header JSON
+    {"start", "end", "tensors": [[name, dtype, shape of the slice], ...]},
+    then each slice's bytes in C order, back to back.
+
+The name is the BLAKE3 of the whole file: a block is verified by hashing what
+was read, and the same KV stored twice (a rerun, a conversation that grew, a
+second question over one document) is one file. Spans follow a fixed grid
+from position 0, so every checkpoint of a prefix cuts it the same way; only
+the last block of a checkpoint may be short. Readers scatter a block straight
+into the full tensors' buffers (one preadv per block) and hash that memory.
+Bytes only: no MLX, no catalogue (store.py decides what exists).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import blake3
+import numpy as np
+
+from ...system import make_private_dir, unlink_quietly
+
+MAGIC = b"MLXBLK2\n"
+_PREFIX = struct.Struct("<8sI")
+SUFFIX = ".blk"
+# Tokens per block, chosen in benchmarks/bench_blocks.py (docs/benchmarks.md):
+# small enough that a chat turn rewrites little of its last, partial block,
+# large enough to keep file counts and per-block costs down (~2.9 MB for SmolLM2).
+BLOCK_TOKENS = 64
+_IOV_MAX = 512  # iovecs per preadv/writev call (Linux allows 1024)
+
+
+class CorruptBlock(Exception):
+    """A block that does not hold what its name says: it goes to quarantine."""
+
+    def __init__(self, name: str, reason: str):
+        super().__init__(f"block {name[:16]}: {reason}")
+        self.name, self.reason = name, f"block {name[:16]}: {reason}"
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """A manifest's reference to one block: its name, token span and size in bytes."""
+
+    name: str
+    start: int
+    end: int
+    nbytes: int
+
+    def to_json(self) -> list:
+        return [self.name, self.start, self.end, self.nbytes]
+
+    @classmethod
+    def from_json(cls, v) -> "BlockRef":
+        name, start, end, nbytes = v
+        if not (isinstance(name, str) and len(name) == 64 and all(c in "0123456789abcdef" for c in name)):
+            raise ValueError(f"bad block name {name!r}")
+        return cls(name, int(start), int(end), int(nbytes))
+
+
+def spans(n_tokens: int, block_tokens: int = BLOCK_TOKENS) -> list[tuple[int, int]]:
+    return [(a, min(a + block_tokens, n_tokens)) for a in range(0, n_tokens, block_tokens)]
+
+
+def block_path(root: Path, name: str) -> Path:
+    return Path(root) / name[:2] / (name + SUFFIX)
+
+
+def header(start: int, end: int, tensors: Sequence[tuple[str, str, tuple]]) -> bytes:
+    """The block's prefix and header, from the full tensors' (name, dtype, shape)."""
+    body = json.dumps({"start": start, "end": end, "tensors": [
+        [name, dtype, [*shape[:-2], end - start, shape[-1]]] for name, dtype, shape in tensors]},
+        separators=(",", ":")).encode()
+    return _PREFIX.pack(MAGIC, len(body)) + body
+
+
+def runs(arrays: Sequence[np.ndarray], start: int, end: int) -> list[memoryview]:
+    """The contiguous byte runs of every array's [..., start:end, :] slice, in file order.
+
+    Cache buffers are padded along the token axis, so a slice is one run per
+    leading index (batch, head); writable when the arrays are.
+    """
+    out = []
+    for a in arrays:
+        sl = a[..., start:end, :]
+        for idx in np.ndindex(*sl.shape[:-2]):
+            run = sl[idx]
+            if not run.flags.c_contiguous:  # an unusual layout: pack it (reads never get here)
+                run = np.ascontiguousarray(run)
+            out.append(memoryview(run.reshape(-1).view(np.uint8)))
+    return out
+
+
+def name_of(head: bytes, data: Sequence[memoryview]) -> str:
+    h = blake3.blake3(head)
+    for mv in data:
+        h.update(mv)
+    return h.hexdigest()
+
+
+def write(path: Path, head: bytes, data: Sequence[memoryview], pause: Callable[[], None] | None = None) -> int:
+    """Write one block atomically (temp, fsync, rename; the caller fsyncs the directory).
+
+    Returns its size. Replacing an existing block is harmless: same name, same bytes.
+    """
+    make_private_dir(path.parent)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        _writev_all(fd, [memoryview(head)] + list(data), pause)
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, path)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        unlink_quietly(tmp)
+        raise
+    return len(head) + sum(len(mv) for mv in data)
+
+
+def _writev_all(fd: int, bufs: list, pause) -> None:
+    for i in range(0, len(bufs), _IOV_MAX):
+        if pause is not None:
+            pause()
+        batch = bufs[i : i + _IOV_MAX]
+        want = sum(len(b) for b in batch)
+        done = os.writev(fd, batch)
+        if done < want:  # a short write: finish the rest one buffer at a time
+            for b in batch:
+                if done >= len(b):
+                    done -= len(b)
+                    continue
+                view = b[done:]
+                while len(view):
+                    view = view[os.write(fd, view):]
+                done = 0
+
+
+def read_into(path: Path, name: str, head: bytes, dst: Sequence[memoryview]) -> None:
+    """Read block `name` into `dst` (runs of the destination buffers) and verify it.
+
+    FileNotFoundError when it is gone; CorruptBlock on any difference.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        want = len(head) + sum(len(mv) for mv in dst)
+        if os.fstat(fd).st_size != want:
+            raise CorruptBlock(name, f"{os.fstat(fd).st_size} bytes, expected {want}")
+        got = os.pread(fd, len(head), 0)
+        if got != head:
+            raise CorruptBlock(name, "header does not match its manifest")
+        offset = len(head)
+        for i in range(0, len(dst), _IOV_MAX):
+            batch = dst[i : i + _IOV_MAX]
+            n = os.preadv(fd, batch, offset)
+            if n != sum(len(mv) for mv in batch):
+                raise CorruptBlock(name, "short read")
+            offset += n
+    finally:
+        os.close(fd)
+    verify(name, head, dst)
+
+
+def fill_from_value(value, name: str, head: bytes, dst: Sequence[memoryview]) -> None:
+    """Copy a block held in memory (a remote tier's value) into `dst`, verified."""
+    value = memoryview(value)
+    if len(value) != len(head) + sum(len(mv) for mv in dst) or value[: len(head)] != head:
+        raise CorruptBlock(name, "value does not match its manifest")
+    offset = len(head)
+    for mv in dst:
+        mv[:] = value[offset : offset + len(mv)]
+        offset += len(mv)
+    verify(name, head, dst)
+
+
+def verify(name: str, head: bytes, data: Sequence[memoryview]) -> None:
+    if name_of(head, data) != name:
+        raise CorruptBlock(name, "BLAKE3 mismatch")

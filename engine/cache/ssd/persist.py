@@ -1,0 +1,117 @@
+"""Persisting one checkpoint as format 2: new blocks first, then its manifest.
+
+1. Cut the span tensors into blocks on the fixed grid and name each by the
+   BLAKE3 of its bytes (no I/O).
+2. Claim those names in the catalogue (`pending`): from now on no process
+   frees them, and the claim says which are already on disk.
+3. Write only the missing blocks (temp, fsync, rename), fsync their
+   directories, record them.
+4. Unless an identical manifest is already stored, write the manifest and
+   commit it: rename and catalogue row (with its block references) in one
+   transaction, which also ends the claims.
+
+A kill -9 anywhere leaves either no manifest or one whose blocks are all
+durable; blocks nobody references are gc's (their claim dies with the
+process). Writer thread only; numpy views, no MLX.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ...system import fsync_dir
+from . import blocks
+from . import format as fmt
+from .blocks import BlockRef
+from .store import CheckpointStore
+
+
+@dataclass
+class Persisted:
+    info: fmt.FileInfo
+    bytes_written: int  # blocks and manifest actually written
+    bytes_deduplicated: int  # block (and manifest) bytes that were already stored
+
+
+def _inline_digests(job) -> list[str]:
+    out = []
+    for h in job.host_tensors:
+        if not getattr(h, "span", False):
+            d = fmt.hasher(fmt.FORMAT_VERSION)
+            d.update(memoryview(np.ascontiguousarray(h.array).reshape(-1).view(np.uint8)))
+            out.append(d.hexdigest())
+    return out
+
+
+def _same_as_stored(store: CheckpointStore, job, refs: list[BlockRef]) -> fmt.FileInfo | None:
+    """The stored manifest of these tokens, if it holds exactly this state."""
+    path = store.prepare_path(job.namespace, job.tokens)
+    try:
+        h = fmt.read_header(path)
+    except (OSError, fmt.CorruptCheckpoint, fmt.NewerFormat):
+        return None
+    same = (h.version == fmt.FORMAT_VERSION and h.blocks == tuple(refs) and h.layout == job.layout
+            and h.identity == job.identity and h.min_reusable_offset == job.min_reusable_offset
+            and h.trimmable == job.trimmable and [t.digest for t in h.inline] == _inline_digests(job)
+            and store.contains(job.tokens, job.namespace))
+    return fmt.FileInfo(path, h, h.file_size, h.raw_bytes, 0.0) if same else None
+
+
+def persist(store: CheckpointStore, job, *, pause: Callable[[], None] | None = None,
+            progress: Callable[[int, int], None] | None = None,
+            block_tokens: int = blocks.BLOCK_TOKENS) -> Persisted:
+    t0 = time.perf_counter()
+    path = store.prepare_path(job.namespace, job.tokens)
+    span = [h for h in job.host_tensors if getattr(h, "span", False)]
+    specs = [(h.name, h.dtype, tuple(h.shape)) for h in span]
+    arrays = [h.array for h in span]
+    planned = []  # (ref, head, data)
+    for a, b in blocks.spans(len(job.tokens), block_tokens) if span else ():
+        if pause is not None:
+            pause()
+        head, data = blocks.header(a, b, specs), blocks.runs(arrays, a, b)
+        planned.append((BlockRef(blocks.name_of(head, data), a, b, len(head) + sum(len(d) for d in data)), head, data))
+    refs = [r for r, _, _ in planned]
+    write_id = time.monotonic_ns()
+    missing = store.catalog.reserve_blocks([r.name for r in refs], write_id)
+    committed = False
+    try:
+        to_write = {r.name: (r, head, data) for r, head, data in planned
+                    if r.name in missing or not blocks.block_path(store.blocks_root, r.name).exists()}
+        total = sum(r.nbytes for r, _, _ in to_write.values())
+        inline_bytes = sum(h.nbytes for h in job.host_tensors if not getattr(h, "span", False))
+        done, dirs = 0, set()
+        for r, head, data in to_write.values():
+            block_file = blocks.block_path(store.blocks_root, r.name)
+            blocks.write(block_file, head, data, pause)
+            dirs.add(block_file.parent)
+            done += r.nbytes
+            if progress is not None:
+                progress(done, total + inline_bytes)
+        for d in sorted(dirs) + ([store.blocks_root] if dirs else []):
+            fsync_dir(d)
+        if to_write:
+            store.catalog.add_blocks({r.name: r.nbytes for r, _, _ in to_write.values()})
+        saved = sum(r.nbytes for r in refs) - total
+        stored = _same_as_stored(store, job, refs) if not to_write else None
+        if stored is not None:
+            return Persisted(stored, 0, saved + stored.file_bytes)
+        info = fmt.write_checkpoint(
+            path,
+            identity=job.identity, namespace=job.namespace, tokens=job.tokens, layout=job.layout,
+            min_reusable_offset=job.min_reusable_offset, host_tensors=job.host_tensors, codec=job.codec,
+            trimmable=job.trimmable, pause=pause, blocks=refs,
+            progress=None if progress is None else (lambda d, _t: progress(total + d, total + inline_bytes)),
+            commit=lambda tmp, info: store.commit(tmp, info, write_id),
+        )
+        committed = True
+        info = fmt.FileInfo(info.path, info.header, info.file_bytes, info.raw_bytes, time.perf_counter() - t0)
+        return Persisted(info, total + info.file_bytes, saved)
+    finally:
+        if not committed:
+            store.release(write_id)
+
