@@ -13,7 +13,7 @@ nothing to resume from, and no records.
 
 from __future__ import annotations
 
-import hashlib
+import blake3
 import json
 import threading
 from pathlib import Path
@@ -24,7 +24,7 @@ from .cache.catalog import Catalog
 
 def request_id(namespace: str, tokens: Sequence[int], params: dict) -> str:
     blob = json.dumps([namespace, [int(t) for t in tokens], params], sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+    return blake3.blake3(blob.encode()).hexdigest()[:32]
 
 
 class InflightRecords:

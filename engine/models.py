@@ -7,7 +7,7 @@ fingerprints form the model identity; its hash is the cache namespace.
 
 from __future__ import annotations
 
-import hashlib
+import blake3
 import json
 import os
 import threading
@@ -35,8 +35,8 @@ class ModelError(ValueError):
     """A model path, name or directory problem, with a message naming it."""
 
 
-def _sha256_file(path: Path, chunk: int = 8 << 20) -> str:
-    h = hashlib.sha256()
+def _hash_file(path: Path, chunk: int = 8 << 20) -> str:
+    h = blake3.blake3()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             h.update(block)
@@ -45,11 +45,12 @@ def _sha256_file(path: Path, chunk: int = 8 << 20) -> str:
 
 def _stat_key(path: Path) -> str:
     st = os.stat(path)
-    return f"{os.path.realpath(path)}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+    # "blake3|": digests of another hash (an older build's SHA-256) never match
+    return f"blake3|{os.path.realpath(path)}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
 
 
 class IdentityMemo:
-    """SHA-256 of weight files memoized on disk by (path, inode, size, mtime, ctime).
+    """BLAKE3 of weight files memoized on disk by (path, inode, size, mtime, ctime).
 
     Re-hashing a large model on every load is slow; the stat key changes on
     any rewrite, so a memo hit is as good as hashing again. A missing or
@@ -74,7 +75,7 @@ class IdentityMemo:
             memo = self._load()
             if key in memo:
                 return memo[key]
-        digest = _sha256_file(file)
+        digest = _hash_file(file)
         if key != _stat_key(file):  # changed while we read it: do not memoize
             return digest
         with self._lock:
@@ -94,19 +95,19 @@ class IdentityMemo:
 
 
 def _fingerprint_json(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+    return blake3.blake3(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
 def model_identity(path: Path, memo: IdentityMemo, scheme: str) -> dict:
     weights = sorted(p for p in path.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
-    artifact = hashlib.sha256()
+    artifact = blake3.blake3()
     for w in weights:
         artifact.update(f"{w.name}:{memo.digest(w)}\n".encode())
     config = json.loads((path / "config.json").read_text())
-    tokenizer = hashlib.sha256()
+    tokenizer = blake3.blake3()
     for name in TOKENIZER_FILES:
         if (path / name).is_file():
-            tokenizer.update(f"{name}:{_sha256_file(path / name)}\n".encode())
+            tokenizer.update(f"{name}:{_hash_file(path / name)}\n".encode())
     return {
         "artifact": artifact.hexdigest(),
         "config": _fingerprint_json(config),

@@ -445,7 +445,7 @@ class StubKVEngine:
     def kv_info(self, *, session=None, checkpoint=None, last=False, layer=None):
         return [
             {"layer": i, "kind": "KVCache", "array": name, "shape": (1, 2, 9, 8), "dtype": "float32", "bytes": 576,
-             "offset": 9, "sha256": "abcdef0123456789", "mean": 0.0, "std": 1.0}
+             "offset": 9, "blake3": "abcdef0123456789", "mean": 0.0, "std": 1.0}
             for i in range(3) for name in ("keys", "values")
         ]
 
@@ -537,6 +537,10 @@ def test_labels_show_shared_directories_failing_writes_and_ram_only():
                         "ssd_processes_pending_writes": 5})
     assert "shared by 3 processes (5 writes pending)" in shared and "data-processes='3'" in shared
     assert "shared by" not in ssd_label({"ssd_enabled": True, "ssd_processes": 1})
+    dedup = ssd_label({"ssd_enabled": True, "ssd_bytes": 3 << 20, "ssd_files": 2, "ssd_blocks": 7,
+                       "ssd_bytes_deduplicated": 5 << 20})
+    assert "3.0 MB unique" in dedup or "3 MB unique" in dedup or "unique of" in dedup
+    assert "7 shared blocks" in dedup and "not rewritten (deduplicated)" in dedup and "data-deduplicated='5242880'" in dedup
     off = ssd_label({"ssd_enabled": False, "ssd_disabled_reason": "cache directory /x is not usable (<denied>)"})
     assert "SSD tier off: cache directory /x is not usable (&lt;denied&gt;)" in off
     failing = write_label({"pending_writes": 0, "write_error": "[Errno 28] No space left on device"})

@@ -139,9 +139,13 @@ def ssd_label(s: dict) -> str:
     shared = ""
     if procs > 1:  # other kernels on this directory, and what they still have to write
         shared = f" · shared by {procs} processes ({s.get('ssd_processes_pending_writes') or 0} writes pending)"
+    blocks, saved = s.get("ssd_blocks") or 0, s.get("ssd_bytes_deduplicated") or 0
+    dedup = f" · {blocks} shared block{'' if blocks == 1 else 's'}" if blocks else ""
+    if saved:  # what content addressing did not have to write again
+        dedup += f" · {fmt_bytes(saved)} not rewritten (deduplicated)"
     return (
-        f"<span data-used='{used}' data-processes='{procs}'>{fmt_bytes(used)} of {fmt_bytes(cap) if cap else 'no cap'}"
-        f" · {files} file{'' if files == 1 else 's'}{shared}</span>"
+        f"<span data-used='{used}' data-processes='{procs}' data-deduplicated='{saved}'>{fmt_bytes(used)} unique of "
+        f"{fmt_bytes(cap) if cap else 'no cap'} · {files} checkpoint{'' if files == 1 else 's'}{dedup}{shared}</span>"
     )
 
 

@@ -25,6 +25,7 @@ COUNTERS = [
     ("prompt tokens saved", "tokens_saved", ("engine_cached_tokens",), "n"),
     ("prefill saved", "prefill_s_saved", ("engine_prefill_s_saved",), "s"),
     ("bytes written", "bytes_written", ("bytes_written",), "b"),
+    ("bytes deduplicated", "bytes_deduplicated", ("ssd_bytes_deduplicated",), "b"),
     ("bytes read", "bytes_read", ("ssd_restore_bytes",), "b"),
     ("writes committed", "writes_committed", ("writes_committed",), "n"),
     ("failures", "failures", ("writes_failed", "ssd_restore_failures"), "n"),

@@ -217,7 +217,7 @@ class KVInspector(W.VBox):
                 f"<tr{cls}><td>{n}</td><td>{esc(r.get('array', ''))}</td><td>{esc(r.get('kind'))}</td>"
                 f"<td>{esc(shape)}</td><td>{esc(r.get('dtype'))}</td>"
                 f"<td class='num'>{esc(fmt_bytes(r.get('bytes')))}</td><td class='num'>{fmt_count(r.get('offset'))}</td>"
-                f"<td>{esc(stats)}</td><td><code>{esc(str(r.get('sha256') or '')[:12])}</code></td></tr>"
+                f"<td>{esc(stats)}</td><td><code>{esc(str(r.get('blake3') or '')[:12])}</code></td></tr>"
             )
         cur = [r for r in self.layer_info if int(r.get("layer", -1)) == current]
         cur_bytes = sum(int(r.get("bytes") or 0) for r in cur)
@@ -229,7 +229,7 @@ class KVInspector(W.VBox):
             + (f" · layer {current}: {esc(fmt_bytes(cur_bytes))}" if cur else "")
             + "</div><div class='mlxc-kv-scroll'><table>"
             "<tr><th>layer</th><th>array</th><th>kind</th><th>shape</th><th>dtype</th><th>bytes</th><th>offset</th>"
-            "<th>stats</th><th>sha256</th></tr>" + "".join(rows) + "</table></div>"
+            "<th>stats</th><th>blake3</th></tr>" + "".join(rows) + "</table></div>"
         )
 
     def _draw(self) -> None:

@@ -3,7 +3,7 @@ and numpy export for analysis. Runs on the owner thread (it reads arrays)."""
 
 from __future__ import annotations
 
-import hashlib
+import blake3
 
 import mlx.core as mx
 import numpy as np
@@ -39,7 +39,7 @@ def kv_info(cp: Checkpoint, layer: int | None = None) -> list[dict]:
                     "dtype": str(a.dtype).removeprefix("mlx.core."),
                     "bytes": int(a.nbytes),
                     "offset": state.meta.get("offset"),
-                    "sha256": hashlib.sha256(host.data).hexdigest()[:16],
+                    "blake3": blake3.blake3(host.reshape(-1).view(np.uint8)).hexdigest()[:16],
                     "mean": mean,
                     "std": std,
                     "min": lo,

@@ -14,8 +14,8 @@ The name is the BLAKE3 of the whole file: a block is verified by hashing what
 was read, and the same KV stored twice (a rerun, a conversation that grew, a
 second question over one document) is one file. Spans follow a fixed grid
 from position 0, so every checkpoint of a prefix cuts it the same way; only
-the last block of a checkpoint may be short. Readers scatter a block straight
-into the full tensors' buffers (one preadv per block) and hash that memory.
+the last block of a checkpoint may be short. Readers read a block whole,
+hash it, and copy its slices straight into the full tensors' buffers.
 Bytes only: no MLX, no catalogue (store.py decides what exists).
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -87,21 +88,40 @@ def header(start: int, end: int, tensors: Sequence[tuple[str, str, tuple]]) -> b
     return _PREFIX.pack(MAGIC, len(body)) + body
 
 
-def runs(arrays: Sequence[np.ndarray], start: int, end: int) -> list[memoryview]:
-    """The contiguous byte runs of every array's [..., start:end, :] slice, in file order.
+class SpanViews:
+    """Byte views of span tensors, cut into blocks' runs without copying.
 
-    Cache buffers are padded along the token axis, so a slice is one run per
-    leading index (batch, head); writable when the arrays are.
+    Cache buffers are padded along the token axis, so the slice [..., a:b, :]
+    of a tensor is one contiguous run per leading index (batch, head). The
+    per-lead views are made once; a block's runs are then memoryview slices
+    (cheap: a 1.5k-token restore touches thousands of runs). Writable when
+    the arrays are.
     """
-    out = []
-    for a in arrays:
-        sl = a[..., start:end, :]
-        for idx in np.ndindex(*sl.shape[:-2]):
-            run = sl[idx]
-            if not run.flags.c_contiguous:  # an unusual layout: pack it (reads never get here)
-                run = np.ascontiguousarray(run)
-            out.append(memoryview(run.reshape(-1).view(np.uint8)))
-    return out
+
+    def __init__(self, arrays: Sequence[np.ndarray]):
+        self._leads = []  # per tensor: (flat uint8 views, one per leading index; bytes per token)
+        for a in arrays:
+            row = a.shape[-1] * a.itemsize
+            if a.flags.c_contiguous:
+                flat = memoryview(a.reshape(-1).view(np.uint8))
+                step = a.shape[-2] * row
+                views = [flat[i * step : (i + 1) * step] for i in range(a.size * a.itemsize // step if step else 0)]
+            else:
+                views = []
+                for idx in np.ndindex(*a.shape[:-2]):
+                    sub = a[idx]
+                    if not sub.flags.c_contiguous:  # an unusual layout: pack it (never a read buffer)
+                        sub = np.ascontiguousarray(sub)
+                    views.append(memoryview(sub.reshape(-1).view(np.uint8)))
+            self._leads.append((views, row))
+
+    def runs(self, start: int, end: int) -> list[memoryview]:
+        """The runs of block [start, end), in file order."""
+        return [v[start * row : end * row] for views, row in self._leads for v in views]
+
+
+def runs(arrays: Sequence[np.ndarray], start: int, end: int) -> list[memoryview]:
+    return SpanViews(arrays).runs(start, end)
 
 
 def name_of(head: bytes, data: Sequence[memoryview]) -> str:
@@ -151,43 +171,57 @@ def _writev_all(fd: int, bufs: list, pause) -> None:
                 done = 0
 
 
-def read_into(path: Path, name: str, head: bytes, dst: Sequence[memoryview]) -> None:
-    """Read block `name` into `dst` (runs of the destination buffers) and verify it.
+_staging = threading.local()
 
-    FileNotFoundError when it is gone; CorruptBlock on any difference.
+
+def _staging_buffer(n: int) -> np.ndarray:
+    buf = getattr(_staging, "buf", None)
+    if buf is None or buf.nbytes < n:
+        buf = _staging.buf = np.empty(max(n, 4 << 20), np.uint8)
+    return buf[:n]
+
+
+def read_into(path: Path, name: str, head: bytes, dst: Sequence[np.ndarray]) -> None:
+    """Read block `name` and copy its slices into `dst` (the full tensors' [..., a:b, :]
+    views), verified first. FileNotFoundError when it is gone; CorruptBlock on any difference.
+
+    The file is read whole into a per-thread buffer and hashed in one call:
+    BLAKE3 is several times faster on one large input than on the many
+    small runs of a strided destination, and pread, the hash and numpy's
+    copies all release the GIL, so two reader threads overlap.
     """
+    want = len(head) + sum(d.nbytes for d in dst)
     fd = os.open(path, os.O_RDONLY)
     try:
-        want = len(head) + sum(len(mv) for mv in dst)
-        if os.fstat(fd).st_size != want:
-            raise CorruptBlock(name, f"{os.fstat(fd).st_size} bytes, expected {want}")
-        got = os.pread(fd, len(head), 0)
-        if got != head:
-            raise CorruptBlock(name, "header does not match its manifest")
-        offset = len(head)
-        for i in range(0, len(dst), _IOV_MAX):
-            batch = dst[i : i + _IOV_MAX]
-            n = os.preadv(fd, batch, offset)
-            if n != sum(len(mv) for mv in batch):
+        size = os.fstat(fd).st_size
+        if size != want:
+            raise CorruptBlock(name, f"{size} bytes, expected {want}")
+        buf = _staging_buffer(want)
+        got = 0
+        while got < want:
+            n = os.preadv(fd, [memoryview(buf[got:])], got)
+            if not n:
                 raise CorruptBlock(name, "short read")
-            offset += n
+            got += n
     finally:
         os.close(fd)
-    verify(name, head, dst)
+    _verify_and_copy(buf, name, head, dst)
 
 
-def fill_from_value(value, name: str, head: bytes, dst: Sequence[memoryview]) -> None:
-    """Copy a block held in memory (a remote tier's value) into `dst`, verified."""
-    value = memoryview(value)
-    if len(value) != len(head) + sum(len(mv) for mv in dst) or value[: len(head)] != head:
+def fill_from_value(value, name: str, head: bytes, dst: Sequence[np.ndarray]) -> None:
+    """The same from a block held in memory (a remote tier's value)."""
+    buf = np.frombuffer(value, np.uint8)
+    if len(buf) != len(head) + sum(d.nbytes for d in dst):
         raise CorruptBlock(name, "value does not match its manifest")
-    offset = len(head)
-    for mv in dst:
-        mv[:] = value[offset : offset + len(mv)]
-        offset += len(mv)
-    verify(name, head, dst)
+    _verify_and_copy(buf, name, head, dst)
 
 
-def verify(name: str, head: bytes, data: Sequence[memoryview]) -> None:
-    if name_of(head, data) != name:
+def _verify_and_copy(buf: np.ndarray, name: str, head: bytes, dst: Sequence[np.ndarray]) -> None:
+    if bytes(buf[: len(head)]) != head:
+        raise CorruptBlock(name, "header does not match its manifest")
+    if blake3.blake3(buf).hexdigest() != name:
         raise CorruptBlock(name, "BLAKE3 mismatch")
+    offset = len(head)
+    for d in dst:
+        np.copyto(d, buf[offset : offset + d.nbytes].view(d.dtype).reshape(d.shape))
+        offset += d.nbytes

@@ -63,17 +63,18 @@ def _same_as_stored(store: CheckpointStore, job, refs: list[BlockRef]) -> fmt.Fi
 
 def persist(store: CheckpointStore, job, *, pause: Callable[[], None] | None = None,
             progress: Callable[[int, int], None] | None = None,
-            block_tokens: int = blocks.BLOCK_TOKENS) -> Persisted:
+            block_tokens: int | None = None) -> Persisted:
     t0 = time.perf_counter()
+    block_tokens = block_tokens or blocks.BLOCK_TOKENS
     path = store.prepare_path(job.namespace, job.tokens)
     span = [h for h in job.host_tensors if getattr(h, "span", False)]
     specs = [(h.name, h.dtype, tuple(h.shape)) for h in span]
-    arrays = [h.array for h in span]
+    views = blocks.SpanViews([h.array for h in span])
     planned = []  # (ref, head, data)
     for a, b in blocks.spans(len(job.tokens), block_tokens) if span else ():
         if pause is not None:
             pause()
-        head, data = blocks.header(a, b, specs), blocks.runs(arrays, a, b)
+        head, data = blocks.header(a, b, specs), views.runs(a, b)
         planned.append((BlockRef(blocks.name_of(head, data), a, b, len(head) + sum(len(d) for d in data)), head, data))
     refs = [r for r, _, _ in planned]
     write_id = time.monotonic_ns()

@@ -124,7 +124,7 @@ def fill(source, header: Header, buffers: dict, blocks_root: Path | None = None)
             arrays = [buffers[t.name] for t in spanned]
             specs = [(t.name, t.dtype, t.shape) for t in spanned]
             for ref in header.blocks:
-                dst = blocks.runs(arrays, ref.start, ref.end)
+                dst = [a[..., ref.start : ref.end, :] for a in arrays]
                 head = blocks.header(ref.start, ref.end, specs)
                 futures.append(pool.submit(_load_block, blocks_root, ref, head, dst))
     finally:

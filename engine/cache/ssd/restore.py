@@ -1,6 +1,6 @@
 """Restore from SSD: verified reads straight into MLX-owned buffers.
 
-Each tensor is read into an evaluated `mx.zeros` buffer through a numpy view
+Each tensor is read into an evaluated `mx.empty` buffer through a numpy view
 of its memory (one copy from the file; SHA-256 verified on the format's
 reader pool), then the checkpoint is rebuilt from the header's layout. Owner
 (MLX) thread only. Any problem is a miss (`CheckpointUnavailable`) and the
@@ -25,7 +25,8 @@ def restore(store: CheckpointStore, entry: IndexEntry) -> Checkpoint:
 
     def allocate(name, dtype, shape):
         host = fmt.host_dtype(dtype)
-        a = mx.zeros(shape, dtype=mx.uint16 if dtype == "bfloat16" else getattr(mx, _MX_NAMES.get(dtype, dtype)))
+        # every byte is overwritten (and verified) before anyone sees it: no need to zero it
+        a = mx.empty(shape, dtype=mx.uint16 if dtype == "bfloat16" else getattr(mx, _MX_NAMES.get(dtype, dtype)))
         mx.eval(a)
         keep.append((name, dtype, a))
         view = np.asarray(a)
