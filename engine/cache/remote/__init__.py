@@ -19,5 +19,8 @@ people without the team secret, not readers.
 """
 
 from .config import RemoteConfig, RemoteConfigError, parse_remote_url, redact
+from .keys import REMOTE_FORMAT, block_name, namespace_root, prefix_keys
+from .records import RemoteRecord
 
-__all__ = ["RemoteConfig", "RemoteConfigError", "parse_remote_url", "redact"]
+__all__ = ["REMOTE_FORMAT", "RemoteConfig", "RemoteConfigError", "RemoteRecord", "block_name", "namespace_root",
+           "parse_remote_url", "prefix_keys", "redact"]
