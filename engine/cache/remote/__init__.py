@@ -21,6 +21,7 @@ people without the team secret, not readers.
 from .config import RemoteConfig, RemoteConfigError, parse_remote_url, redact
 from .keys import REMOTE_FORMAT, block_name, namespace_root, prefix_keys
 from .records import RemoteRecord
+from .tier import RemoteError, RemoteMiss, RemoteTier
 
-__all__ = ["REMOTE_FORMAT", "RemoteConfig", "RemoteConfigError", "RemoteRecord", "block_name", "namespace_root",
-           "parse_remote_url", "prefix_keys", "redact"]
+__all__ = ["REMOTE_FORMAT", "RemoteConfig", "RemoteConfigError", "RemoteError", "RemoteMiss", "RemoteRecord",
+           "RemoteTier", "block_name", "namespace_root", "parse_remote_url", "prefix_keys", "redact"]
