@@ -79,6 +79,9 @@ class GuardedClient:
             result = fn(self._client or self._connect())
         except Exception as e:  # noqa: BLE001 - whatever the client raises is a remote failure
             text = f"{what}: {describe(e, self.cfg)}"
+        except BaseException:  # KeyboardInterrupt and kin: settle a half-open trial, then let it through
+            self.breaker.failure(f"{what}: interrupted")
+            raise
         else:
             self.breaker.success()
             return result
