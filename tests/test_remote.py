@@ -48,6 +48,14 @@ def publish(tier: RemoteTier, ns: str, tokens, blocks, layout=None) -> list[str]
     return tier.wait(30)
 
 
+def _outcome(fn, *args):
+    """fn's result or the exception it raised (so tests can assert on the kind)."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001
+        return e
+
+
 def assert_no_secrets(*texts: str) -> None:
     for text in texts:
         for secret in (PW, USER, USER_PW):
@@ -331,6 +339,19 @@ def test_deletes_use_unlink(server):
             tier.get_blocks([blocks[0][0]])
 
 
+def read_while_killed(tier: RemoteTier, names: list[str], victim: RedisServer):
+    """get_blocks(names) while `victim` is paused (so the read waits on it), then SIGKILLed."""
+    victim.client().client_pause(10_000)
+    result = {}
+    reader = threading.Thread(target=lambda: result.update(r=_outcome(tier.get_blocks, names)))
+    reader.start()
+    time.sleep(0.3)
+    assert reader.is_alive(), "the read finished before the kill"
+    victim.kill()
+    reader.join(20)
+    return result["r"]
+
+
 def test_killed_server_mid_read_is_a_miss_and_opens_the_breaker(own_server):
     s = own_server()
     values, blocks = blocks_of(8)
@@ -339,14 +360,7 @@ def test_killed_server_mid_read_is_a_miss_and_opens_the_breaker(own_server):
                       breaker=Breaker(threshold=3, base_s=0.5, cap_s=1.0))
     assert publish(tier, "ns-kill", toks, blocks) == []
     names = [r.block for r in tier.probe("ns-kill", toks, BS)]
-    s.client().client_pause(10_000)  # the read below waits on the server: then the server dies
-    result = {}
-    reader = threading.Thread(target=lambda: result.update(r=_outcome(tier.get_blocks, names)))
-    reader.start()
-    time.sleep(0.3)
-    s.kill()
-    reader.join(10)
-    assert isinstance(result["r"], RemoteMiss), result
+    assert isinstance(read_while_killed(tier, names, s), RemoteMiss)
     for _ in range(3):
         assert isinstance(_outcome(tier.get_blocks, names), RemoteMiss)
     assert tier.stats()["breaker"].startswith("open until")
@@ -369,15 +383,8 @@ def test_killed_cluster_node_mid_read_is_a_miss(need_redis, tmp_path):
         tier = RemoteTier(c.url(USER, USER_PW), secret=SECRET, timeout_s=1.0)
         assert publish(tier, "ns-ckill", toks, blocks) == []
         names = [r.block for r in tier.probe("ns-ckill", toks, BS)]
-        victim = c.nodes[1]
-        victim.client().client_pause(10_000)
-        result = {}
-        reader = threading.Thread(target=lambda: result.update(r=_outcome(tier.get_blocks, names)))
-        reader.start()
-        time.sleep(0.3)
-        victim.kill()
-        reader.join(20)
-        assert isinstance(result["r"], RemoteMiss), result
+        assert isinstance(read_while_killed(tier, names, c.nodes[1]), RemoteMiss)
+        assert tier.stats()["errors"] >= 1
         t0 = time.perf_counter()
         assert isinstance(_outcome(tier.probe, "ns-ckill", toks, BS), list)
         assert isinstance(_outcome(tier.get_blocks, names), RemoteMiss)
@@ -443,14 +450,6 @@ def test_credentials_never_shown(need_redis, server, caplog):
     texts.append(caplog.text)
     assert any("AuthenticationError" in t for t in texts) and any("Connection" in t for t in texts)
     assert_no_secrets(*texts)
-
-
-def _outcome(fn, *args):
-    """fn's result or the exception it raised (so tests can assert on the kind)."""
-    try:
-        return fn(*args)
-    except Exception as e:  # noqa: BLE001
-        return e
 
 
 def test_client_exceptions_do_not_escape(own_server):
