@@ -1,10 +1,15 @@
 """Restore from SSD: verified reads straight into MLX-owned buffers.
 
 Each tensor is read into an evaluated `mx.empty` buffer through a numpy view
-of its memory (one copy from the file; SHA-256 verified on the format's
-reader pool), then the checkpoint is rebuilt from the header's layout. Owner
-(MLX) thread only. Any problem is a miss (`CheckpointUnavailable`) and the
-file goes to quarantine.
+of its memory (one copy from the file; verified on the format's reader
+pool), then the checkpoint is rebuilt from the header's layout. Any problem
+is a miss (`CheckpointUnavailable`) and the file goes to quarantine.
+
+A `Restore` is one such read split by thread: `Restore(store, entry)` opens
+the file and allocates the buffers and `finish()` builds the checkpoint, on
+the owner (MLX) thread; `fill()`, the I/O and verification, runs on any
+thread (the reader thread of ../prefetch.py). `restore()` does all three in
+a row.
 """
 
 from __future__ import annotations
@@ -20,22 +25,49 @@ from .store import CheckpointStore
 _MX_NAMES = {"bool": "bool_"}
 
 
-def restore(store: CheckpointStore, entry: IndexEntry) -> Checkpoint:
-    keep = []  # mx arrays whose memory the numpy views point into
+class Restore:
+    def __init__(self, store: CheckpointStore, entry: IndexEntry, *, touch: bool = True):
+        """Open `entry` and allocate its buffers (owner thread); CheckpointUnavailable on a miss.
+        touch=False: a prefetch, not a use of the file."""
+        self.entry = entry
+        self._keep: list = []  # (name, dtype, mx array): the memory the numpy views point into
+        self.read = store.open_read(entry, touch=touch)
+        self.read.allocate(self._allocate)
 
-    def allocate(name, dtype, shape):
+    def fill(self) -> bool:
+        """Read and verify (any thread); False when it failed (finish() then says why)."""
+        return self.read.fill()
+
+    def finish(self) -> Checkpoint:
+        """The restored checkpoint (owner thread), or CheckpointUnavailable."""
+        try:
+            return self.read.finish(self._build)
+        finally:
+            self._keep = []
+
+    def close(self) -> None:
+        """Give up: release the file and the buffers (owner thread)."""
+        self.read.close()
+        self._keep = []
+
+    def _allocate(self, name, dtype, shape):
         host = fmt.host_dtype(dtype)
         # every byte is overwritten (and verified) before anyone sees it: no need to zero it
         a = mx.empty(shape, dtype=mx.uint16 if dtype == "bfloat16" else getattr(mx, _MX_NAMES.get(dtype, dtype)))
         mx.eval(a)
-        keep.append((name, dtype, a))
+        self._keep.append((name, dtype, a))
         view = np.asarray(a)
         assert view.dtype.itemsize == host.itemsize
         return view
 
-    def build(h: fmt.Header) -> Checkpoint:
-        tensors = {name: a.view(mx.bfloat16) if dtype == "bfloat16" else a for name, dtype, a in keep}
+    def _build(self, h: fmt.Header) -> Checkpoint:
+        tensors = {name: a.view(mx.bfloat16) if dtype == "bfloat16" else a for name, dtype, a in self._keep}
         mx.eval(list(tensors.values()))
         return Checkpoint.from_tensors(h.tokens, h.layout, tensors, min_reusable_offset=h.min_reusable_offset)
 
-    return store.read(entry, allocate, build)
+
+def restore(store: CheckpointStore, entry: IndexEntry) -> Checkpoint:
+    """Open, read and build on this (the owner) thread."""
+    r = Restore(store, entry)
+    r.fill()
+    return r.finish()

@@ -35,16 +35,13 @@ from ...kv.tokens import token_key
 from ...system import make_private_dir, unlink_quietly
 from ..catalog import Catalog, FileRow
 from . import format as fmt
-from .blocks import CorruptBlock
 from .format import CorruptCheckpoint, FileInfo, Header, NewerFormat
 from .index import FileIndex, IndexEntry
-from .reader import MissingBlock, read_tensors
+from .pending import CheckpointUnavailable, PendingRead
+
+__all__ = ["CheckpointStore", "CheckpointUnavailable", "PendingRead", "validate_namespace"]
 from .upkeep import BLOCKS, NAMESPACE_RE, QUARANTINE, SUFFIX, Upkeep
 
-
-
-class CheckpointUnavailable(Exception):
-    """A checkpoint could not be restored; treat it as a cache miss."""
 
 
 def validate_namespace(namespace: str) -> str:
@@ -164,53 +161,35 @@ class CheckpointStore(Upkeep):
 
     # --- restore ---
 
+    def open_read(self, entry: IndexEntry, *, touch: bool = True) -> PendingRead:
+        """Start reading `entry` (owner thread): the catalogue lease, the descriptor, the
+        header and its identity checks. See pending.py for the rest of the read."""
+        return PendingRead(self, entry, touch=touch)
+
     def read(self, entry: IndexEntry, allocate: Callable, build: Callable[[Header], Any]):
         """Read and verify `entry`'s file through one descriptor into buffers from
-        `allocate(name, dtype, shape)`, then return `build(header)` (see restore.py).
+        `allocate(name, dtype, shape)`, then return `build(header)` (see restore.py):
+        open_read, allocate, fill and finish on the calling thread.
 
         Any problem is CheckpointUnavailable (a miss). A bad file is quarantined,
         unless the path now holds another file (a concurrent replace is not corruption).
         """
-        t0 = time.perf_counter()
-        path, k = entry.path, (entry.namespace, entry.key)
-        want = self._identities.get(entry.namespace)
-        if want is None:  # nothing to check against: a miss, not a bad file
-            raise CheckpointUnavailable(f"namespace {entry.namespace} is not registered")
-        with self.catalog.lease(*k):
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                self._drop_vanished(k, path)
-                raise CheckpointUnavailable(f"{path}: file vanished") from None
-            try:
-                h = fmt.read_header(fd)
-                if h.tokens != tuple(entry.tokens) or h.namespace != entry.namespace:
-                    raise CorruptCheckpoint("file no longer holds the indexed checkpoint")
-                if h.identity != want:
-                    raise CorruptCheckpoint("identity mismatch")
-                read_tensors(fd, h, allocate, self.blocks_root)
-                result = build(h)
-            except (NewerFormat, MissingBlock) as exc:
-                raise CheckpointUnavailable(f"{path}: {exc}") from None
-            except CorruptBlock as exc:
-                self.quarantine_block(exc.name, exc.reason)
-                raise CheckpointUnavailable(f"{path}: {exc.reason}") from None
-            except (CorruptCheckpoint, OSError, ValueError, KeyError, TypeError, IndexError) as exc:
-                reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
-                if _same_file(fd, path):
-                    self._quarantine(path, reason, k)
-                raise CheckpointUnavailable(f"{path}: {reason}") from None
-            finally:
-                os.close(fd)
-        self.catalog.touch(*k)
+        pending = self.open_read(entry)
+        pending.allocate(allocate)
+        pending.fill()
+        return pending.finish(build)
+
+    def count_restore(self, read: PendingRead, *, touch: bool = True) -> None:
+        """A finished read: restore statistics and, unless it was speculative, the file's last use."""
+        if touch:
+            self.catalog.touch(*read.key)
         with self._lock:
-            e = self._entries.get(k)
-            if e is not None:
+            e = self._entries.get(read.key)
+            if e is not None and touch:
                 e.last_use = time.time()
             self._stats["restores"] += 1
-            self._stats["restore_bytes"] += h.raw_bytes + h.block_bytes
-            self._stats["restore_seconds"] += time.perf_counter() - t0
-        return result
+            self._stats["restore_bytes"] += read.header.raw_bytes + read.header.block_bytes
+            self._stats["restore_seconds"] += read.seconds
 
     # --- commits and deletions (catalogue transactions) ---
 
@@ -312,10 +291,3 @@ class CheckpointStore(Upkeep):
     def close(self) -> None:
         self.catalog.close()
 
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        a, b = os.fstat(fd), os.stat(path)
-    except OSError:
-        return False
-    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
