@@ -7,8 +7,8 @@ Finished jobs go to a completion list; the owner collects them with poll(),
 which is also where the job's numpy views are dropped, so MLX memory is
 only ever released on the owner thread.
 
-Restores never queue behind writes: they are synchronous owner-thread calls
-(`restore.py`).
+Restores never queue behind writes: they have their own reader thread
+(../prefetch.py), and a lookup reads on the owner thread (`restore.py`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ..gate import GenerationGate
 from . import format as fmt
 from .persist import persist
 from .store import CheckpointStore
@@ -81,13 +81,12 @@ class CheckpointWriter:
     each wake-up would take the GIL from decode.
     """
 
-    def __init__(self, store: CheckpointStore, *, under_pressure: Callable[[], bool] | None = None):
+    def __init__(self, store: CheckpointStore, *, under_pressure: Callable[[], bool] | None = None,
+                 gate: GenerationGate | None = None):
         self.store = store
         self.under_pressure = under_pressure or (lambda: False)
         self.yield_to_generation = True  # off only to measure what yielding buys
-        self._generating = threading.Event()
-        self._idle = threading.Event()  # set whenever no generation runs
-        self._idle.set()
+        self.gate = gate or GenerationGate()  # shared with the reader (tiered.py)
         self._cv = threading.Condition()
         self._queue: collections.deque = collections.deque()  # jobs
         self._done: list = []  # (job, completion), emptied by poll()
@@ -97,16 +96,9 @@ class CheckpointWriter:
         self._thread = threading.Thread(target=self._run, name="ckpt-writer", daemon=True)
         self._thread.start()
 
-    @contextmanager
     def generating(self):
         """Mark a generation running (owner thread): non-urgent writes wait."""
-        self._generating.set()
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self._generating.clear()
-            self._idle.set()
+        return self.gate.generating()
 
     # --- owner-thread API ---
 
@@ -203,7 +195,7 @@ class CheckpointWriter:
     # --- writer thread ---
 
     def _must_wait(self, job: WriteJob) -> bool:
-        if job.urgent or not self.yield_to_generation or not self._generating.is_set():
+        if job.urgent or not self.yield_to_generation or not self.gate.running:
             return False
         with self._cv:  # an urgent job waiting behind this one: finish at full speed
             if self._queue and self._queue[0].urgent:
@@ -212,7 +204,7 @@ class CheckpointWriter:
 
     def _pause(self, job: WriteJob) -> None:
         while self._must_wait(job):
-            self._idle.wait(0.5)
+            self.gate.wait_idle(0.5)
 
     def _on_progress(self, done: int, total: int) -> None:
         with self._cv:
