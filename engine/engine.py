@@ -19,13 +19,13 @@ from .events import EventBus
 from .generation import GenerationError, SamplingParams
 from .inflight import InflightRecords
 from .cache.retention import make_policy
-from .kv import inspect as kv_inspect
 from .memory import PressureGuard
 from .metrics import AccessTrace, GenerationMetrics
 from .models import IdentityMemo, LoadedModel, ModelRegistry
-from .named import CheckpointNameError, NamedCheckpoints, check_name
+from .named import NamedCheckpoints
 from .run import Generation, GenerationResult, Request
 from .sessions import Sessions
+from .states import StateMethods
 from .system import make_private_dir, physical_memory
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -42,7 +42,7 @@ def default_ram_budget() -> int:
     return int(mem * 0.25) if mem else 4 << 30
 
 
-class Engine:
+class Engine(StateMethods):
     def __init__(
         self,
         cache_dir: str | os.PathLike | None = None,
@@ -57,7 +57,11 @@ class Engine:
         memory_low_water: float = 0.75,
         retention: str = "lru",
         trace_path: str | os.PathLike | None = None,
+        prefetch_budget_bytes: int | None = None,
     ):
+        """prefetch_budget_bytes: how much of the SSD tier's most recently used state each
+        `load_model` brings back into RAM in the background (None: a quarter of the RAM
+        budget, or with the adaptive budget of the memory the kernel may use; 0: off)."""
         self.cache_dir = Path(cache_dir or default_cache_dir()).expanduser()
         self.events = EventBus()
         self.sessions = Sessions()
@@ -65,7 +69,8 @@ class Engine:
         self.ssd_disabled_reason: str | None = None  # why a requested SSD tier is off
         budget = None if ram_budget_bytes is None else int(ram_budget_bytes)  # None: the memory guard adapts
         kw = dict(ssd_budget_bytes=ssd_budget_bytes, write_behind=write_behind, idle_demote_s=idle_demote_s,
-                  emit=self.events.emit, retention=make_policy(retention))
+                  emit=self.events.emit, retention=make_policy(retention),
+                  prefetch_budget_bytes=None if prefetch_budget_bytes is None else int(prefetch_budget_bytes))
         try:
             make_private_dir(self.cache_dir)
             self.cache = TieredPromptCache(ram_budget_bytes=budget, ssd_dir=self.cache_dir / "checkpoints" if ssd
@@ -93,13 +98,18 @@ class Engine:
 
     def load_model(self, path_or_id, name: str = "default", *, kv_bits: int | None = None,
                    kv_group_size: int = 64) -> dict:
-        """Load a model; kv_bits (4 or 8) quantizes its KV cache (RAM and SSD hold the quantized bytes)."""
+        """Load a model; kv_bits (4 or 8) quantizes its KV cache (RAM and SSD hold the quantized bytes).
+
+        Then its most recently used SSD checkpoints start loading into RAM in the
+        background (up to the prefetch budget); "prefetch" in the result says how many.
+        """
         loaded = self.models.load(path_or_id, name, kv_bits=kv_bits, kv_group_size=kv_group_size)
         self.cache.register_namespace(loaded.namespace, loaded.identity)
         self.events.emit("model_loaded", name=name, path=str(loaded.path), namespace=loaded.namespace)
         if loaded.cache_notice:
             self.events.emit("notice", model=name, message=loaded.cache_notice)
-        return self.model_info(name)
+        prefetch = self.cache.prefetch(loaded.namespace) if loaded.cache_notice is None else None
+        return {**self.model_info(name), "prefetch": prefetch}
 
     def unload_model(self, name: str) -> None:
         self.models.unload(name)
@@ -163,7 +173,7 @@ class Engine:
         checkpoint_every: int | None = None,
     ) -> GenerationResult:
         self._check_open()
-        self.poll()
+        self.poll(prepare=False)  # no buffers allocated for prefetches on the way to the first token
         params = SamplingParams(max_tokens, float(temperature), float(top_p), int(top_k), seed, tuple(stop))
         m = self.models.get(model)
         params.validate(_vocab_size(m))
@@ -197,15 +207,17 @@ class Engine:
         if every is not None and not self.cache.has_ssd:
             raise GenerationError("checkpoint_every needs the SSD tier (the engine was started with ssd=False)")
         self.last_result = Generation(self, req).run()
+        self.cache.prepare_reads()  # prefetching goes on after the generation (it yielded meanwhile)
         stats = self.last_result.stats
         self.events.emit("generation", **{k: v for k, v in stats.items() if not isinstance(v, (list, dict))})
         return self.last_result
 
     # --- cache control ---
 
-    def poll(self) -> None:
-        """Apply finished background work; give memory back if the machine runs short (owner thread)."""
-        self.cache.poll()
+    def poll(self, prepare: bool = True) -> None:
+        """Apply finished background work; give memory back if the machine runs short (owner thread).
+        prepare=False: do not allocate buffers for the next background reads now."""
+        self.cache.poll(prepare)
         self.memory.check("idle")
 
     def flush(self, timeout: float | None = None) -> dict:
@@ -229,122 +241,6 @@ class Engine:
             **self.memory.stats(),
             **self.cache.stats(),
         }
-
-    # --- sessions, named checkpoints, inspection ---
-
-    def close_session(self, session_id: str) -> None:
-        """Forget a chat session and its cache references; the cached state stays."""
-        self.sessions.close(session_id)
-        self.cache.drop_session(session_id)
-
-    def _resolve_entry(self, *, session=None, checkpoint=None, last=False, model=None):
-        """The cache entry a user means by --session / --checkpoint / --last (the default).
-
-        Restored from SSD when it is no longer resident.
-        """
-        if (session is not None) + (checkpoint is not None) + bool(last) > 1:
-            raise ValueError("choose one of session, checkpoint or last")
-        if checkpoint is not None:
-            record = self.names.get(checkpoint)
-            ns, tokens = record["namespace"], tuple(record["tokens"])
-        elif session is not None:
-            s = self.sessions.get(session)
-            ns = self.models.get(s.model or model).namespace
-            entry = self.cache.session_entry(session, ns)
-            if entry is None:
-                raise ValueError(f"session {session!r} has no cached state yet: generate in it first")
-            return entry
-        else:
-            if self.last_key is None:
-                raise ValueError("nothing generated yet: run a generation first")
-            ns, tokens = self.last_key
-        entry, _ = self.cache.restore_exact(tokens, ns)
-        if entry is None:
-            raise ValueError(f"the cached state of {checkpoint or 'the last generation'} is no longer in RAM or on SSD")
-        return entry
-
-    def checkpoint_save(self, name: str, *, session: str | None = None, model: str | None = None) -> dict:
-        """Pin the session's latest (or the last generation's) checkpoint under a name, durably."""
-        check_name(name)
-        self.poll()
-        entry = self._resolve_entry(session=session, model=model)
-        m = self.models.by_namespace(entry.ns)
-        s = self.sessions.get(session) if session else None
-        # The record first: a process starting meanwhile pins what the records name.
-        record = self.names.save(
-            name,
-            {
-                "namespace": entry.ns,
-                "model": m.name if m else None,
-                "tokens": list(entry.tokens),
-                "kv_bytes": entry.checkpoint.kv_bytes,
-                "durable": self.cache.has_ssd,
-                "session": {"id": s.id, "system": s.system, "messages": s.messages} if s else None,
-            },
-        )
-        if not self.cache.pin(entry, name):
-            self.names.remove(name)
-            raise CheckpointNameError(f"could not write checkpoint {name!r} to SSD: {entry.write_error or 'write failed'}")
-        self.events.emit("checkpoint_saved", name=name, tokens=len(entry.tokens))
-        return self._named_summary(record)
-
-    def checkpoint_restore(self, name: str) -> dict:
-        """Make a named checkpoint resident again and, for a session checkpoint, its chat history."""
-        record = self.names.get(name)
-        ns, tokens = record["namespace"], tuple(record["tokens"])
-        m = self.models.by_namespace(ns)
-        if m is None:
-            raise CheckpointNameError(
-                f"checkpoint {name!r} belongs to a model that is not loaded"
-                + (f" (it was saved from model {record['model']!r})" if record.get("model") else "")
-            )
-        entry, source = self.cache.restore_exact(tokens, ns)
-        if entry is None:
-            raise CheckpointNameError(f"checkpoint {name!r} is no longer in RAM or on SSD")
-        entry.pinned.add(name)
-        session = record.get("session")
-        if session:
-            s = self.sessions.get_or_create(session["id"], system=session.get("system"), model=m.name)
-            s.system, s.messages = session.get("system"), [dict(x) for x in session["messages"]]
-            s.last_prompt_tokens = len(tokens)
-            s.history = [(list(tokens), None)]  # the next turn keeps these ids where the text matches
-            self.cache.bind_session(s.id, entry)
-        self.events.emit("checkpoint_restored", name=name, tokens=len(tokens), source=source)
-        return {**self._named_summary(record), "source": source}
-
-    def checkpoint_remove(self, name: str) -> dict:
-        record = self.names.remove(name)
-        ns, tokens = record["namespace"], tuple(record["tokens"])
-        self.cache.unpin(ns, tokens, name)
-        return self._named_summary(record)
-
-    def checkpoint_list(self) -> list[dict]:
-        return [self._named_summary(r) for r in self.names.list()]
-
-    def _named_summary(self, record: dict) -> dict:
-        ns, tokens = record["namespace"], tuple(record["tokens"])
-        in_ram = self.cache.get_exact(tokens, ns) is not None
-        on_ssd = self.cache.on_ssd(tokens, ns)
-        return {
-            "name": record["name"],
-            "model": record.get("model"),
-            "tokens": len(tokens),
-            "kv_bytes": record.get("kv_bytes", record.get("bytes")),
-            "session": (record.get("session") or {}).get("id"),
-            "tier": "+".join(t for t, on in (("ram", in_ram), ("ssd", on_ssd)) if on) or "missing",
-            "saved": record.get("saved"),
-            "preview": self.models.preview(ns, tokens),
-        }
-
-    def kv_info(self, *, session=None, checkpoint=None, last=False, layer=None) -> list[dict]:
-        """Per-layer, per-array shapes, dtype, bytes, offset, hash prefix and value statistics."""
-        entry = self._resolve_entry(session=session, checkpoint=checkpoint, last=last)
-        return kv_inspect.kv_info(entry.checkpoint, layer)
-
-    def kv_export(self, *, session=None, checkpoint=None, last=False, layer=None) -> dict:
-        """The KV tensors as numpy copies ('layer{i}.keys' ...); bfloat16 becomes float32."""
-        entry = self._resolve_entry(session=session, checkpoint=checkpoint, last=last)
-        return kv_inspect.kv_export(entry.checkpoint, layer)
 
     def cache_entries(self, poll: bool = True) -> list[dict]:
         """Every RAM and SSD entry as plain data (no MLX arrays are read).
@@ -409,6 +305,7 @@ class Engine:
     def close(self) -> dict | None:
         if self._closed:
             return None
+        self.cache.close_reader()  # background reads are only a cache: stop them first
         report = self.flush()
         self.cache.close()
         self._closed = True

@@ -78,6 +78,17 @@ SCHEMA = {
     "writes_cancelled": "queued SSD writes dropped because a longer checkpoint superseded their entry",
     "dropped_unwritable": "RAM entries let go over budget while their SSD writes kept failing",
     "write_error": "the latest SSD write error, until a write succeeds again",
+    # background reads: prefetch after a model loads, %checkpoint restore, %session switch (cache/loading.py)
+    "prefetch_budget_bytes": "the prefetch budget set (None: a quarter of the RAM budget, or of the memory the kernel may use; 0: off)",
+    "prefetches_started": "background reads of SSD checkpoints queued (prefetches, named checkpoints, sessions)",
+    "prefetches_completed": "background reads that finished and were verified",
+    "prefetches_failed": "background reads that failed (a miss; a bad file or block is quarantined)",
+    "prefetches_dropped": "prefetches not adopted: no room left in RAM, memory pressure, resident already, or cancelled",
+    "prefetch_bytes": "KV bytes read by finished background reads",
+    "prefetches_in_progress": "background reads queued or being read now",
+    "prefetch_in_progress_bytes": "KV bytes of those reads",
+    "prefetch_waits": "lookups that waited for a background read of the file they needed (instead of a second read)",
+    "prefetch_wait_seconds": "seconds those lookups waited",
     # SSD tier (present when it is on)
     "ssd_files": "checkpoint files on SSD",
     "ssd_bytes": "unique bytes on SSD: manifests and files once each, each shared block once",

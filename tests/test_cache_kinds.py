@@ -146,7 +146,7 @@ RESTORE_SCRIPT = """
 import json, sys
 sys.path.insert(0, {tests!r})
 from mlxcache_kernel.engine import Engine, SamplingParams
-eng = Engine(cache_dir={cache!r})
+eng = Engine(cache_dir={cache!r}, prefetch_budget_bytes=0)  # the first lookup reads the file itself
 eng.load_model({model!r}, name="m")
 out = {{}}
 for mode, params in {modes!r}.items():

@@ -123,10 +123,11 @@ def test_restart_resume_identical_from_ssd(start_kernel):
     g2, s2 = k.execute(greedy), k.execute(seeded)
     assert generated_text(g2) == generated_text(g1) and generated_text(g2)
     assert generated_text(s2) == generated_text(s1)
+    # from SSD: read by the lookup, or prefetched into RAM when the model loaded
     c = counts(footer(g2))
-    assert c["ram"] == 0 and c["ssd"] == c["prompt"] - 1 and c["prefilled"] == 1
+    assert c["ram"] + c["ssd"] == c["prompt"] - 1 and c["prefilled"] == 1
     c = counts(footer(s2))
-    assert c["ram"] == 0 and c["ssd"] == c["prompt"] - 1
+    assert c["ram"] + c["ssd"] == c["prompt"] - 1
     assert "[mlxcache] before restart" in k.log.read_text()
 
 
@@ -149,7 +150,7 @@ def test_shutdown_flushes_pending_writes(start_kernel):
     again = k2.execute(cell)
     assert generated_text(again) == generated_text(first)
     c = counts(footer(again))
-    assert c["ssd"] == c["prompt"] - 1
+    assert c["ram"] + c["ssd"] == c["prompt"] - 1  # read back from SSD (or prefetched into RAM)
 
 
 def test_interrupt_then_resume_exactly(start_kernel, endless_model_dir):

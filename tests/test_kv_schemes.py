@@ -51,7 +51,7 @@ def test_quantized_kv_hits_equal_their_own_cold_runs(wide_model_dir, tmp_path, b
     eng.flush()
     eng.close()
     # the SSD tier holds the quantized bytes: a new engine restores them
-    with Engine(cache_dir=tmp_path / "c") as again:
+    with Engine(cache_dir=tmp_path / "c", prefetch_budget_bytes=0) as again:  # the lookup restores
         again.load_model(wide_model_dir, name="q", kv_bits=bits, kv_group_size=32)
         r = again.generate_tokens(DOC, SamplingParams(max_tokens=16))
         assert r.stats["cache_source"] == "ssd" and r.tokens == cold_greedy(wide_model_dir, tmp_path, bits)
@@ -73,7 +73,7 @@ def test_float_entries_never_serve_a_quantized_load(wide_model_dir, tmp_path):
     assert r.stats["cached_tokens"] == 0 and r.stats["cache_source"] is None
     eng.flush()
     eng.close()
-    with Engine(cache_dir=tmp_path / "c") as again:  # nor from SSD
+    with Engine(cache_dir=tmp_path / "c", prefetch_budget_bytes=0) as again:  # the lookup restores  # nor from SSD
         again.load_model(wide_model_dir, name="q4", kv_bits=4, kv_group_size=32)
         assert again.generate_tokens(DOC, SamplingParams(max_tokens=4)).stats["cache_source"] is None
 

@@ -84,7 +84,8 @@ def test_a_name_survives_other_processes_caps_clear_and_gc(tiny_model_dir, tmp_p
     eng.close()
     with Engine(cache_dir=cache) as fresh:  # a restart: the name restores from SSD
         fresh.load_model(tiny_model_dir, name="m")
-        assert fresh.checkpoint_restore("keep")["source"] == "ssd"
+        assert fresh.checkpoint_restore("keep")["source"] in ("loading", "ram")  # (prefetched when the model loaded)
+        assert fresh.cache.wait_reads(30)
         r = fresh.generate_tokens(DOC, PARAMS)
         assert r.stats["cache_source"] == "ram" and r.tokens == expected
     other.close()
@@ -125,7 +126,7 @@ def test_catalogue_deleted_or_corrupted_while_running_is_rebuilt(tiny_model_dir,
     eng.poll()  # the running engine follows to the rebuilt catalogue and re-pins its names
     other("clear", ssd=True)
     eng.cache_clear()
-    assert eng.checkpoint_restore("named")["source"] == "ssd"
+    assert eng.checkpoint_restore("named")["source"] == "loading"
     other.close()
     eng.close()
 

@@ -103,7 +103,7 @@ def test_dashboard_ssd_hit_after_restart(tmp_path, tiny_model_dir):
         eng.load_model(str(tiny_model_dir))
         eng.generate(PROMPT, max_tokens=4)
         eng.flush()
-    with Engine(cache_dir=tmp_path / "c") as eng2:
+    with Engine(cache_dir=tmp_path / "c", prefetch_budget_bytes=0) as eng2:  # the lookup reads the file
         eng2.load_model(str(tiny_model_dir))
         db = ResidencyDashboard(eng2, throttle_s=0)
         assert db.last_stats["ssd_files"] >= 1
@@ -369,7 +369,7 @@ def test_progress_from_real_prefill_and_restore(tmp_path, tiny_model_dir):
         assert p.tracker.phase == "prefill" and p.bar.value == p.bar.max > 64
         p.finish()
         eng.flush()
-    with Engine(cache_dir=tmp_path / "c", prefill_chunk=64) as eng:
+    with Engine(cache_dir=tmp_path / "c", prefill_chunk=64, prefetch_budget_bytes=0) as eng:  # a lookup restore
         eng.load_model(str(tiny_model_dir))
         buf = io.StringIO()
         tp = TextProgress(buf, throttle_s=0)

@@ -50,6 +50,7 @@ class Entry:
     hits: int = 0
     score: float = 0.0  # kept by the retention policy
     prompt_tokens: int | None = None  # a generation's final state: how much of it was the prompt
+    restored: bool = False  # read back from SSD (durable; where its prompt ended is not known)
 
     @property
     def tokens(self) -> tuple:
@@ -168,13 +169,15 @@ class PromptCache:
         rerun replaces) and losing that tail from RAM costs little
         (`_tail_expendable`). Never for a shared prefix alone (several
         questions about one document): the other question's state stays.
+        An entry just read back from SSD (`restored`) hands over to any
+        borrower: it is durable, so losing it from RAM costs a restore at most.
         """
         if not entry.checkpoint.can_hand_over or entry.borrowers or entry.pinned:
             return False
         if n == len(entry.tokens):
             return True
         reruns_prompt = entry.prompt_tokens is not None and n >= entry.prompt_tokens - 1
-        return reruns_prompt and self._tail_expendable(entry)
+        return (reruns_prompt or entry.restored) and self._tail_expendable(entry)
 
     def _tail_expendable(self, entry: Entry) -> bool:
         return True  # RAM only: the tail is a cached old answer, nothing else has it either way

@@ -2,7 +2,9 @@
 
 - take(): the RAM tier's best prefix, unless the SSD index (no I/O) has a
   strictly longer usable one; that file is restored, verified and published
-  in RAM at once.
+  in RAM at once (sharing a background read of it: loading.py).
+- Background reads (prefetch after a model loads, named checkpoints,
+  sessions) run on the reader thread and are adopted in poll() (loading.py).
 - put(): publishes in RAM and, with write-behind on, queues persistence.
 - Persistence, write states, pins and flush: durability.py (the base class).
 - The writer yields while a generation runs (`generating()`), unless RAM
@@ -14,7 +16,6 @@ class, never them.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -22,16 +23,14 @@ from typing import Callable, Sequence
 from ..kv.checkpoint import Checkpoint
 from ..kv.tokens import as_token_array, common_prefix_len
 from .durability import Durability, WriteState
+from .gate import GenerationGate
+from .loading import MIN_RESTORE_TOKENS, Loading
 from .ram import Entry, Lease, usable_length
-from .ssd.restore import restore
-from .ssd.store import CheckpointStore, CheckpointUnavailable
+from .ssd.store import CheckpointStore
 from .ssd.writer import CheckpointWriter
 
-# Reading and verifying a file costs more than prefilling a handful of tokens.
-MIN_RESTORE_TOKENS = 16
 
-
-class TieredPromptCache(Durability):
+class TieredPromptCache(Loading, Durability):
     def __init__(
         self,
         *,
@@ -42,16 +41,19 @@ class TieredPromptCache(Durability):
         idle_demote_s: float | None = None,
         emit: Callable[..., object] | None = None,
         retention=None,
+        prefetch_budget_bytes: int | None = None,
     ):
         super().__init__(ram_budget_bytes, emit, write_behind=write_behind, idle_demote_s=idle_demote_s,
                          retention=retention)
         self.pressure = None  # the engine's PressureGuard (memory.py), checked at each lookup
+        self.gate = GenerationGate()  # a generation runs: the writer and the reader yield
         self.store: CheckpointStore | None = None
         self.writer: CheckpointWriter | None = None
         if ssd_dir is not None:
             self.store = CheckpointStore(Path(ssd_dir), ssd_budget_bytes=ssd_budget_bytes, on_event=self._store_event,
                                          on_removed=self._file_removed)
-            self.writer = CheckpointWriter(self.store, under_pressure=self.under_pressure)
+            self.writer = CheckpointWriter(self.store, under_pressure=self.under_pressure, gate=self.gate)
+        self._init_loading(prefetch_budget_bytes)
 
     # --- wiring ---
 
@@ -69,8 +71,14 @@ class TieredPromptCache(Durability):
         return self.over_budget() or bool(self.pressure and self.pressure.active)
 
     def generating(self):
-        """Context for a running generation: the writer yields the cores."""
-        return self.writer.generating() if self.writer is not None else contextlib.nullcontext()
+        """Context for a running generation: the writer and the reader yield the cores."""
+        return self.gate.generating()
+
+    def poll(self, prepare: bool = True) -> None:
+        """Durability.poll, then adopt finished background reads; prepare=True also
+        allocates the next reads' buffers (not on a lookup's path: that costs time)."""
+        super().poll()
+        self._collect_reads(prepare)
 
     # --- lookup ---
 
@@ -82,18 +90,18 @@ class TieredPromptCache(Durability):
         progress: Callable[[str, int, int], None] | None = None,
         move: bool = False,
     ) -> Lease | None:
-        self.poll()
+        self.poll(prepare=False)
         if self.pressure is not None:
             self.pressure.check("lookup")
         prompt = as_token_array(prompt)  # once: the RAM and SSD lookups both compare arrays
         entry, n_ram = self.best(prompt, ns, session)
         if self.store is not None:
-            restored = self._restore_longer(prompt, ns, n_ram, progress)
+            restored = self._restore_longer(prompt, ns, n_ram, progress, move)
             if restored is not None:
                 return restored
         return self._serve(entry, n_ram, prompt, ns, move)
 
-    def _restore_longer(self, prompt, ns, n_ram, progress) -> Lease | None:
+    def _restore_longer(self, prompt, ns, n_ram, progress, move) -> Lease | None:
         prompt_array = as_token_array(prompt)
         handle = self.store.find(prompt, ns, min_len=max(MIN_RESTORE_TOKENS, n_ram + 1))
         if handle is None:
@@ -103,27 +111,26 @@ class TieredPromptCache(Durability):
         if n <= n_ram or n < MIN_RESTORE_TOKENS:
             return None
         t0 = time.perf_counter()
-        try:
-            if progress is not None:
-                progress("restore", 0, len(handle.tokens))
-            cp = restore(self.store, handle)
-        except CheckpointUnavailable as e:
-            self.counters["ssd_restore_failures"] += 1
-            self._emit("restore_failed", ns=ns, tokens=len(handle.tokens), reason=str(e))
+        if progress is not None:
+            progress("restore", 0, len(handle.tokens))
+        cp, job = self.read_now(handle)
+        if cp is None:
             return None
         if progress is not None:
             progress("restore", len(handle.tokens), len(handle.tokens))
-        if usable_length(cp, handle_tokens, prompt_array) != n:  # untrimmable entry that needs a trim
+        if usable_length(cp, as_token_array(cp.tokens), prompt_array) != n:  # untrimmable entry that needs a trim
             self._emit("restore_skipped", ns=ns, tokens=len(cp.tokens), reason="untrimmable")
+            if job.then:
+                self.adopt_job(job, cp)
             return None
-        entry = self.adopt(cp, ns)
+        entry = self.adopt_job(job, cp)
         self.counters["ssd_hits"] += 1
         self.counters["ssd_tokens"] += n
         self._emit(
             "hit", ns=ns, source="ssd", tokens=n, prompt_tokens=len(prompt),
             nbytes=cp.nbytes, seconds=time.perf_counter() - t0,
         )
-        lease = self.lend(entry, n, "ssd")
+        lease = self.lend(entry, n, "ssd", move)
         self.enforce_budget()
         return lease
 
@@ -157,6 +164,7 @@ class TieredPromptCache(Durability):
         entry is then detached, good for this one borrower only.
         """
         entry = super().put(cp, ns, evict=False) or Entry(ns, cp, as_token_array(cp.tokens))
+        entry.restored = True
         entry.write_state = WriteState.COMMITTED if self.store.contains(cp.tokens, ns) else WriteState.DIRTY
         return entry
 
@@ -169,12 +177,14 @@ class TieredPromptCache(Durability):
         handle = self.store.find(tokens + (-1,), ns, min_len=len(tokens))  # sentinel: at most `tokens`
         if handle is None or handle.match_len != len(tokens):
             return None, None
-        try:
-            cp = restore(self.store, handle)
-        except CheckpointUnavailable:
+        cp, job = self.read_now(handle)
+        if cp is None:
             return None, None
         self.counters["ssd_hits"] += 1
-        return self.adopt(cp.prefix(len(tokens)), ns), "ssd"
+        if job.exact is None:
+            job.exact = len(tokens)
+            cp = cp.prefix(len(tokens)) if len(cp.tokens) > len(tokens) else cp
+        return self.adopt_job(job, cp), "ssd"
 
     # --- views ---
 
@@ -231,6 +241,7 @@ class TieredPromptCache(Durability):
             "failed_bytes": sum(e.nbytes for e in failed),
             "write_error": self.write_error,
             **self.counters,
+            **self.loading_stats(),
         }
         if self.store is not None:
             out.update({f"ssd_{k}": v for k, v in self.store.stats().items()})
@@ -258,6 +269,7 @@ class TieredPromptCache(Durability):
         failed write, say): clearing frees memory, it does not lose state.
         Returns how many entries were kept for that reason.
         """
+        self.cancel_reads()
         if ssd or self.store is None:
             super().clear()
             if ssd and self.store is not None:
@@ -272,6 +284,7 @@ class TieredPromptCache(Durability):
         return kept
 
     def close(self) -> None:
+        self.close_reader()
         if self.writer is not None:
             self.writer.close()
             self.store.close()
