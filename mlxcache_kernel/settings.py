@@ -13,6 +13,10 @@ MLXCACHE_CACHE_DIR          MLXCache.cache_dir        cache directory (default: 
 MLXCACHE_RAM_BUDGET         MLXCache.ram_budget       RAM tier budget: ``2GiB``, ``512MB``, bytes
                                                       or ``25%`` of physical memory (default 25%)
 MLXCACHE_SSD_BUDGET         MLXCache.ssd_budget       SSD tier cap (same units; ``none`` = no cap)
+MLXCACHE_PREFETCH_BUDGET    MLXCache.prefetch_budget  how much recently used SSD state a model load
+                                                      brings back into RAM in the background (same
+                                                      units; ``auto``: a quarter of the RAM budget;
+                                                      ``0``/``off``: no prefetch)
 MLXCACHE_SSD                MLXCache.ssd              ``0`` turns the SSD tier off
 MLXCACHE_WRITE_BEHIND       MLXCache.write_behind     ``0``/``1``: persist checkpoints in the
                                                       background as they are published
@@ -127,6 +131,10 @@ class MLXCache(Configurable):
              "'25%' of memory ($MLXCACHE_RAM_BUDGET)"
     ).tag(config=True)
     ssd_budget = Unicode(help="SSD tier cap, same units, 'none' for no cap ($MLXCACHE_SSD_BUDGET)").tag(config=True)
+    prefetch_budget = Unicode(
+        help="RAM a model load fills in the background with the most recently used SSD checkpoints: 'auto' "
+             "(a quarter of the RAM budget), '512MB', bytes, '5%' of memory, or '0'/'off' ($MLXCACHE_PREFETCH_BUDGET)"
+    ).tag(config=True)
     ssd = Bool(help="Keep an SSD tier ($MLXCACHE_SSD)").tag(config=True)
     write_behind = Bool(help="Persist checkpoints in the background ($MLXCACHE_WRITE_BEHIND)").tag(config=True)
     default_model = Unicode(
@@ -153,6 +161,10 @@ class MLXCache(Configurable):
     @default("ssd_budget")
     def _ssd_budget_default(self):
         return _env("MLXCACHE_SSD_BUDGET", "none")
+
+    @default("prefetch_budget")
+    def _prefetch_budget_default(self):
+        return _env("MLXCACHE_PREFETCH_BUDGET", "auto")
 
     @default("ssd")
     def _ssd_default(self):
@@ -189,6 +201,15 @@ class MLXCache(Configurable):
     def ssd_budget_bytes(self) -> int | None:
         return parse_size(self.ssd_budget, what="SSD budget (MLXCACHE_SSD_BUDGET)", allow_none=True)
 
+    def prefetch_budget_bytes(self) -> int | None:
+        """None for 'auto' (the engine's default: a quarter of the RAM budget); 0 turns prefetch off."""
+        text = self.prefetch_budget.strip().lower()
+        if text == "auto":
+            return None
+        if text in _NONE:
+            return 0
+        return parse_size(self.prefetch_budget, what="prefetch budget (MLXCACHE_PREFETCH_BUDGET)")
+
     def default_model_spec(self) -> str | None:
         spec = (self.default_model or "").strip()
         return None if spec.lower() in _NONE else spec
@@ -201,6 +222,7 @@ class MLXCache(Configurable):
             "cache_dir": os.path.expanduser(self.cache_dir),
             "ram_budget_bytes": self.ram_budget_bytes(),
             "ssd_budget_bytes": self.ssd_budget_bytes(),
+            "prefetch_budget_bytes": self.prefetch_budget_bytes(),
             "ssd": bool(self.ssd),
             "write_behind": bool(self.write_behind),
             "prefill_chunk": int(self.prefill_chunk),
@@ -210,17 +232,14 @@ class MLXCache(Configurable):
     def summary(self) -> dict:
         """Settings as shown by ``%cache config`` (sizes resolved where they parse)."""
         out = {}
-        for name in ("cache_dir", "ram_budget", "ssd_budget", "ssd", "write_behind", "default_model",
-                     "prefill_chunk", "shutdown_flush_s", "idle_demote_s"):
+        for name in ("cache_dir", "ram_budget", "ssd_budget", "prefetch_budget", "ssd", "write_behind",
+                     "default_model", "prefill_chunk", "shutdown_flush_s", "idle_demote_s"):
             out[name] = getattr(self, name)
-        try:
-            out["ram_budget_bytes"] = self.ram_budget_bytes()
-        except ValueError as e:
-            out["ram_budget_bytes"] = f"invalid: {e}"
-        try:
-            out["ssd_budget_bytes"] = self.ssd_budget_bytes()
-        except ValueError as e:
-            out["ssd_budget_bytes"] = f"invalid: {e}"
+        for name in ("ram_budget_bytes", "ssd_budget_bytes", "prefetch_budget_bytes"):
+            try:
+                out[name] = getattr(self, name)()
+            except ValueError as e:
+                out[name] = f"invalid: {e}"
         return out
 
 

@@ -92,7 +92,8 @@ In two sentences: what did the group decide, and why?
         md("""
 Each run is labelled by where its prompt came from: the first run of this
 notebook prefills everything (cold), but run the notebook again and even the
-first generation finds its prompt on SSD.
+first generation finds its prompt cached: on SSD, or already back in RAM
+(loading a model brings its most recently used prompts back in the background).
 """),
         code("""
 def came_from(r):
@@ -189,7 +190,12 @@ The backup generator started within 9 seconds in all four monthly tests.
 Energy use fell 7 percent after the variable-speed drive on pump A was retuned.'''
 %model load
 """, "restart-kernel"),
-        md("The same cells again: the footer says the prompt came from SSD."),
+        md("""
+The same cells again. `%model load` above also started reading the most
+recently used prompt states from SSD back into RAM in the background, so the
+footer says the prompt came from RAM (or from SSD, when a cell runs before
+its read has finished: it then waits for that read instead of starting another).
+"""),
         code("""
 %%generate --max-tokens 32 --out after
 Summarize this report in one sentence:
@@ -205,7 +211,7 @@ import json, pathlib, tempfile
 saved = json.loads((pathlib.Path(tempfile.gettempdir()) / "mlxcache_restart_resume.json").read_text())
 print("greedy identical: ", after.tokens == saved["greedy"])
 print("sampled identical:", after_sampled.tokens == saved["sampled"])
-print("restored from:", after.stats["cache_source"], f"({after.stats['ssd_tokens']} of {after.stats['prompt_tokens']} tokens)")
+print("restored from:", after.stats["cache_source"], f"({after.stats['cached_tokens']} of {after.stats['prompt_tokens']} tokens)")
 """),
         md("""
 ## Interrupted generations resume too

@@ -464,7 +464,7 @@ def test_checkpoints(ip, capsys):
     # named checkpoints survive a full RAM clear and budget pressure
     run(ip, capsys, "%cache clear")
     res, out, _ = run(ip, capsys, "%checkpoint restore keep")
-    assert res.success and "'keep' restored" in out
+    assert res.success and "'keep' loading from SSD in the background" in out
     res, out, _ = run(ip, capsys, "%checkpoint rm keep")
     assert res.success
     res, out, _ = run(ip, capsys, "%checkpoint list")

@@ -27,6 +27,7 @@ from typing import Callable
 import ipywidgets as W
 
 from .dashboard_render import (
+    prefetch_label,
     ram_label,
     render_counters,
     render_entries,
@@ -42,7 +43,7 @@ from .history import History, memory_label
 
 __all__ = ["ResidencyDashboard"]
 
-PENDING_POLL_S = 0.5  # while writes are pending, refresh this often (when the loop is idle)
+PENDING_POLL_S = 0.5  # while writes or reads are pending, refresh this often (when the loop is idle)
 
 
 def _kernel_scheduler() -> Callable[[Callable[[], None]], None] | None:
@@ -114,6 +115,7 @@ class ResidencyDashboard(W.VBox):
         self.ssd_label = W.HTML()
         self.write_bar = W.FloatProgress(value=0.0, min=0.0, max=1.0, description="writes", bar_style="warning")
         self.write_label = W.HTML()
+        self.prefetch_html = W.HTML()
         self.counters_html = W.HTML()
         self.memory_html = W.HTML()
         self.history_html = W.HTML()
@@ -125,7 +127,7 @@ class ResidencyDashboard(W.VBox):
             (self.counters_html, "mlxc-counters-box"), (self.entries_html, "mlxc-entries-box"),
             (self.memory_html, "mlxc-memory-box"), (self.history_html, "mlxc-history-box"),
             (self.log_html, "mlxc-log-box"), (self.ram_bar, "mlxc-ram-bar"), (self.ssd_bar, "mlxc-ssd-bar"),
-            (self.write_bar, "mlxc-write-bar"),
+            (self.write_bar, "mlxc-write-bar"), (self.prefetch_html, "mlxc-prefetch"),
         ]:
             w.add_class(cls)
         row = lambda a, b: W.HBox([a, b], layout=W.Layout(align_items="center"))  # noqa: E731
@@ -135,6 +137,7 @@ class ResidencyDashboard(W.VBox):
                 row(self.ram_bar, self.ram_label),
                 row(self.ssd_bar, self.ssd_label),
                 row(self.write_bar, self.write_label),
+                self.prefetch_html,
                 self.memory_html,
                 self.history_html,
                 self.counters_html,
@@ -240,8 +243,9 @@ class ResidencyDashboard(W.VBox):
         self.state.update(stats, eng.cache_entries())
         self._show_stats(log)
         self._set(self.entries_html, render_entries(self.state.entries))
-        if stats.get("pending_writes") and self._call_later is not None and not self._timer:
-            # the writer reports progress by polling, not events
+        if (stats.get("pending_writes") or stats.get("prefetches_in_progress")) and self._call_later is not None \
+                and not self._timer:
+            # the writer and the reader report progress by polling, not events
             self._timer = True
             self.state.mark_dirty()
             self._call_later(PENDING_POLL_S, self._timer_fired)
@@ -264,6 +268,7 @@ class ResidencyDashboard(W.VBox):
         done, total = write_progress(s)
         self._bar(self.write_bar, done if total else 0, total or 1)
         self._set(self.write_label, write_label(s))
+        self._set(self.prefetch_html, prefetch_label(s))
         self._set(self.memory_html, memory_label(s))
         self.history.add(s)
         self._set(self.history_html, self.history.render())

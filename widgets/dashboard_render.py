@@ -12,8 +12,8 @@ import time
 from .dashboard_state import COUNTERS
 from .format import esc, fmt_ago, fmt_bytes, fmt_count, fmt_seconds, preview_text
 
-__all__ = ["CSS", "render_counters", "render_entries", "render_log", "ram_label", "ssd_label", "ssd_enabled",
-           "write_label", "write_progress"]
+__all__ = ["CSS", "prefetch_label", "render_counters", "render_entries", "render_log", "ram_label", "ssd_label",
+           "ssd_enabled", "write_label", "write_progress"]
 
 MAX_ROWS = 50
 
@@ -174,3 +174,16 @@ def write_label(s: dict) -> str:
         extra += f" · <span class='mlxc-state-failed' title='{esc(s['write_error'])}'>writes failing: " \
                  f"{esc(preview_text(s['write_error'], 80))}</span>"
     return f"<span data-pending='{pending}' data-failed='{failed}'>{pending} pending ({fmt_bytes(pbytes)}){cur}{extra}</span>"
+
+
+def prefetch_label(s: dict) -> str:
+    """Background reads from SSD (prefetches, named checkpoints, sessions): in progress and done."""
+    busy, done = s.get("prefetches_in_progress") or 0, s.get("prefetches_completed") or 0
+    text = f"{busy} in progress ({fmt_bytes(s.get('prefetch_in_progress_bytes') or 0)})" if busy else "none in progress"
+    text += f" · {done} done ({fmt_bytes(s.get('prefetch_bytes') or 0)})"
+    for key, what in (("prefetches_dropped", "dropped"), ("prefetch_waits", "waited for by a lookup")):
+        if s.get(key):
+            text += f" · {fmt_count(s[key])} {what}"
+    if s.get("prefetches_failed"):
+        text += f" · <span class='mlxc-state-failed'>{fmt_count(s['prefetches_failed'])} failed</span>"
+    return f"<span data-in-progress='{busy}' data-done='{done}'>prefetch: {text}</span>"

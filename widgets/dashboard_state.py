@@ -27,6 +27,7 @@ COUNTERS = [
     ("bytes written", "bytes_written", ("bytes_written",), "b"),
     ("bytes deduplicated", "bytes_deduplicated", ("ssd_bytes_deduplicated",), "b"),
     ("bytes read", "bytes_read", ("ssd_restore_bytes",), "b"),
+    ("prefetched", "prefetched", ("prefetches_completed",), "n"),
     ("writes committed", "writes_committed", ("writes_committed",), "n"),
     ("failures", "failures", ("writes_failed", "ssd_restore_failures"), "n"),
     ("quarantined", "quarantined", ("ssd_quarantined",), "n"),

@@ -120,12 +120,17 @@ class AdminMagics(EngineMagics):
               f"{info.get('kv_scheme')} · {format_bytes(info.get('parameters_bytes'))} in {fmt_s(info['load_s'])}")
         if info.get("cache_notice"):
             print(f"note: {info['cache_notice']}")
+        prefetch = info.get("prefetch") or {}
+        if prefetch.get("checkpoints"):
+            n = prefetch["checkpoints"]
+            print(f"loading {n} recently used cached prompt{'s' if n != 1 else ''} ({format_bytes(prefetch['bytes'])}) "
+                  "from SSD in the background")
 
     # --- %session ---
 
     @magic_arguments()
     @kwds(epilog=examples("session"))
-    @argument("action", choices=["new", "list", "show", "reset", "close"], help="what to do")
+    @argument("action", choices=["new", "list", "show", "switch", "reset", "close"], help="what to do")
     @argument("id", nargs="?", help="session id (letters, digits, '.', '_', '-')")
     @argument("--system", default=None, help="new: the session's system prompt")
     @argument("--model", "-m", default=None, help="new: the session's model")
@@ -137,6 +142,7 @@ class AdminMagics(EngineMagics):
         %session new ID [--system TEXT] [--model N]
         %session list
         %session show ID      the conversation so far
+        %session switch ID    bring its cached state back into RAM (in the background from SSD)
         %session reset ID     forget the turns (the cached states stay until evicted)
         %session close ID     drop the session and its cache references (cached state is not deleted)
         """
@@ -164,6 +170,12 @@ class AdminMagics(EngineMagics):
                 print(f"[system] {s.system}")
             for msg in s.messages:
                 print(f"[{msg['role']}] {msg['content']}")
+        elif args.action == "switch":
+            info = eng.session_switch(args.id)
+            state = {"ram": "its state is in RAM", "loading": "loading its state from SSD in the background",
+                     None: "no cached state (the next turn prefills)"}[info["source"]]
+            tokens = f" ({info['tokens']} tokens)" if info["tokens"] else ""
+            print(f"session {args.id!r}: {state}{tokens}")
         elif args.action == "reset":
             eng.sessions.reset(args.id)
             print(f"session {args.id!r} reset")
@@ -210,6 +222,8 @@ class AdminMagics(EngineMagics):
         else:
             info = eng.checkpoint_restore(args.name)
         done = "saved" if args.action == "save" else "restored"
+        if info.get("source") == "loading":
+            done = "loading from SSD in the background"
         print(f"checkpoint {args.name!r} {done}{describe_checkpoint(info)}")
         return None
 

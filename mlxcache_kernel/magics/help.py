@@ -43,6 +43,7 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%session new chat2 --model small", "a chat on another loaded model"),
         ("%session list", "every chat"),
         ("%session show chat1", "the conversation so far"),
+        ("%session switch chat1", "bring its cached state back into RAM"),
         ("%session reset chat1", "forget the turns"),
         ("%session close chat1", "drop the chat"),
     ],
@@ -96,14 +97,14 @@ mlxcache: a resident model and a RAM/SSD prompt cache. Add ? to any magic for ev
       {{name}} writes a literal {name}; --literal turns interpolation off
       the footer: prompt tokens from RAM / SSD / prefilled, TTFT, tok/s
 
-  %session new|list|show|reset|close ID           multi-turn chats (%%generate --session ID)
+  %session new|list|show|switch|reset|close ID    multi-turn chats (%%generate --session ID)
   %checkpoint save|list|restore|rm NAME           named states no budget evicts
   %cache stats | ls [--all] [--model M] [--session S] | flush | clear [--ssd] | gc | verify | config
   %kv inspect|export [--session ID | --checkpoint NAME | --last] [--layer L] [--to VAR] [--widget]
   %dashboard                                      live RAM/SSD residency, writes, hits
 
-Settings: MLXCACHE_CACHE_DIR, MLXCACHE_RAM_BUDGET, MLXCACHE_SSD_BUDGET, MLXCACHE_DEFAULT_MODEL
-(or c.MLXCache.* in IPython config); %cache config shows them."""
+Settings: MLXCACHE_CACHE_DIR, MLXCACHE_RAM_BUDGET, MLXCACHE_SSD_BUDGET, MLXCACHE_PREFETCH_BUDGET,
+MLXCACHE_DEFAULT_MODEL (or c.MLXCache.* in IPython config); %cache config shows them."""
 
 
 @magics_class
