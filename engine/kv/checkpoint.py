@@ -191,7 +191,7 @@ class Checkpoint:
         layers = []
         for i, spec in enumerate(layout):
             arrays = tuple(tensors[f"layers.{i}.{j}"] for j in range(int(spec["arrays"])))
-            layers.append(LayerState(spec["kind"], arrays, dict(spec["meta"])))
+            layers.append(codec(spec["kind"]).rebuilt(arrays, dict(spec["meta"])))
         attachments = {
             k.removeprefix("attachments."): v for k, v in tensors.items() if k.startswith("attachments.")
         }

@@ -95,6 +95,10 @@ class Codec:
     def can_hand_over(self, layer: LayerState) -> bool:
         return False
 
+    def rebuilt(self, arrays: tuple, meta: dict) -> LayerState:
+        """A layer from arrays read back from storage: whole buffers nothing else holds."""
+        return LayerState(self.kind, arrays, meta)
+
     def hand_over(self, layer: LayerState, n: int) -> Any:
         raise ValueError(f"{self.kind} cannot hand over its buffers")
 
@@ -122,6 +126,10 @@ class PlainKV(Codec):
 
     def can_hand_over(self, layer):
         return len(layer.parents) == 2
+
+    def rebuilt(self, arrays, meta):
+        # restored keys and values are whole buffers of their own: a borrower may take them
+        return LayerState(self.kind, arrays, meta, tuple(arrays) if len(arrays) == 2 else ())
 
     def hand_over(self, layer, n):
         # The whole live buffers at offset n: once the donor is dropped, the
