@@ -159,3 +159,23 @@ def test_close_stops_thread(tmp_path):
     w.submit(plain_job(range(1, 9)))
     w.close()
     assert not w._thread.is_alive() and [c.ok for c in w.poll()] == [True]
+
+
+def test_abort_gives_up_a_write_in_progress_at_its_next_pause(tmp_path):
+    from mlxcache_kernel.engine.cache.ssd.writer import WriteCancelled
+
+    store = CheckpointStore(tmp_path)
+    store.register_namespace("ns", IDENTITY)
+    w = CheckpointWriter(store)
+    with w.generating():  # the job starts and pauses at its first pause point
+        w.submit(plain_job(range(1, 65), nbytes_per_tensor=8 << 20, key="k"))
+        time.sleep(0.2)
+        assert w.in_progress == (0, 16 << 20)
+        assert w.abort("k", 2.0)  # wakes within the pause's 0.5 s nap, then stops
+    [done] = w.poll()
+    assert not done.ok and isinstance(done.error, WriteCancelled)
+    assert store.stats()["files"] == 0 and not store.catalog.files()  # nothing committed
+    assert w.abort("nothing", 0.1)  # nothing being written under that key: nothing to wait for
+    w.submit(plain_job(range(1, 65), nbytes_per_tensor=8 << 20, key="k"))  # the same write again: fine
+    assert w.wait(30) and [c.ok for c in w.poll()] == [True] and store.stats()["files"] == 1
+    w.close()

@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 from ..kv.checkpoint import Checkpoint
 from ..kv.tokens import token_key
 from .ram import Entry, PromptCache
-from .ssd.writer import WriteJob
+from .ssd.writer import WriteCancelled, WriteJob
 
 RETRY_FAILED_AFTER_S = 5.0  # first retry of a failed write; doubles per failure
 RETRY_MAX_S = 300.0
@@ -243,6 +243,11 @@ class Durability(PromptCache):
             return
         ns, tokens = done.key
         entry = self.get_exact(tokens, ns)
+        if isinstance(done.error, WriteCancelled):  # given up for a borrower (tiered._may_move): not a failure
+            self.counters["writes_cancelled"] += 1
+            if entry is not None and entry.write_state == WriteState.PENDING:
+                entry.write_state = WriteState.DIRTY
+            return
         if done.ok:
             self.counters["writes_committed"] += 1
             self.counters["bytes_written"] += int(done.bytes or 0)

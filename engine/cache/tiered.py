@@ -29,6 +29,8 @@ from .ram import Entry, Lease, usable_length
 from .ssd.store import CheckpointStore
 from .ssd.writer import CheckpointWriter
 
+ABORT_WAIT_S = 0.05  # a rerun waits this long at most for the write it stops to reach a pause point
+
 
 class TieredPromptCache(Loading, Durability):
     def __init__(
@@ -139,23 +141,26 @@ class TieredPromptCache(Loading, Durability):
             return False
         if entry.write_state != WriteState.PENDING:
             return True
-        # Its write still waits in the queue. A borrower extending all of it
-        # writes a successor that covers it: drop that write and take the
-        # buffers (no copy of the prefix). One being written reads them: lend views.
+        # Its write is queued or being written. A borrower extending all of it
+        # writes a successor that covers it, and one rerunning its prompt
+        # replaces its old answer: drop that write (or stop it at its next
+        # pause point, a few ms) and take the buffers: no copy of the prefix,
+        # so a rerun costs the same whether the last write finished or not.
         key = (entry.ns, entry.tokens)
-        if n == len(entry.tokens) and self.writer.cancel(key):
+        if self.writer.cancel(key):
             self.counters["writes_cancelled"] += 1
             entry.write_state = WriteState.DIRTY
             return True
-        # Being written: short of memory, wait for it rather than hold a second copy.
-        if n == len(entry.tokens) and self.under_pressure() and self.writer.wait_written(key, 2.0):
-            self.drain_completions()
-            return entry.write_state == WriteState.COMMITTED
-        return False
+        if not self.writer.abort(key, ABORT_WAIT_S):
+            return False  # still writing (a slow disk): lend views
+        self.drain_completions()  # committed after all, or given up (dirty); its views are released here
+        return True
 
     def _tail_expendable(self, entry: Entry) -> bool:
-        # With SSD on, only a durable entry's tail may leave RAM (a restore away).
-        return self.store is None or self.store.has_durable_prefix(entry.tokens, entry.ns)
+        # With SSD on, only a durable entry's tail may leave RAM (a restore away),
+        # or one whose write is still queued (dropped by _may_move, the rerun replaces it).
+        return (self.store is None or entry.write_state == WriteState.PENDING
+                or self.store.has_durable_prefix(entry.tokens, entry.ns))
 
     def adopt(self, cp: Checkpoint, ns: str) -> Entry:
         """Publish a checkpoint restored from SSD: resident at once, already durable.

@@ -26,6 +26,10 @@ from .persist import persist
 from .store import CheckpointStore
 
 
+class WriteCancelled(Exception):
+    """A write given up at a pause point (`CheckpointWriter.abort`): nothing of it was committed."""
+
+
 @dataclass
 class WriteJob:
     namespace: str
@@ -91,6 +95,7 @@ class CheckpointWriter:
         self._queue: collections.deque = collections.deque()  # jobs
         self._done: list = []  # (job, completion), emptied by poll()
         self._busy: WriteJob | None = None  # job being written
+        self._abort: Any = None  # key of the job being written that should stop at its next pause
         self._progress = (0, 0)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="ckpt-writer", daemon=True)
@@ -144,6 +149,22 @@ class CheckpointWriter:
                     del self._queue[i]
                     self._cv.notify_all()
                     return True
+        return False
+
+    def abort(self, key: Any, timeout: float) -> bool:
+        """Stop the job being written under this key at its next pause point (blocks already
+        written stay, unreferenced, for gc) and wait for it, at most `timeout` s. True when it
+        is no longer being written: given up (a WriteCancelled completion) or, if it got past
+        its last pause first, committed. Owner thread: its borrower takes the buffers next."""
+        with self._cv:
+            if self._busy is None or self._busy.key != key:
+                return True
+            self._abort = key
+        if self.wait_written(key, timeout):
+            return True
+        with self._cv:  # not at a pause point in time (a long fsync): let it finish after all
+            if self._abort == key:
+                self._abort = None
         return False
 
     def wait_written(self, key: Any, timeout: float) -> bool:
@@ -203,7 +224,11 @@ class CheckpointWriter:
         return not self.under_pressure()
 
     def _pause(self, job: WriteJob) -> None:
-        while self._must_wait(job):
+        while True:
+            if self._abort is not None and self._abort == job.key:
+                raise WriteCancelled(f"write of {len(job.tokens)} tokens given up: its buffers went to a borrower")
+            if not self._must_wait(job):
+                return
             self.gate.wait_idle(0.5)
 
     def _on_progress(self, done: int, total: int) -> None:
@@ -225,7 +250,7 @@ class CheckpointWriter:
                 # reference is never the last one to its views
                 self._done.append((job, completion))
                 job = None
-                self._busy = None
+                self._busy = self._abort = None
                 self._cv.notify_all()
 
     def _write(self, job: WriteJob) -> Completion:
