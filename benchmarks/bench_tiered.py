@@ -28,7 +28,7 @@ def bench_restart(model_dir: str, length: int) -> dict:
             eng.load_model(model_dir)
             prompt = prompt_tokens(eng.models.get().tokenizer, length, salt=f"<{length}> ")
             cold = eng.generate_tokens(prompt, SamplingParams(max_tokens=8))
-        with Engine(cache_dir=d) as eng:  # the restart: an empty RAM tier
+        with Engine(cache_dir=d, prefetch_budget_bytes=0) as eng:  # the restart: an empty RAM tier, no prefetch
             eng.load_model(model_dir)
             hit = eng.generate_tokens(prompt, SamplingParams(max_tokens=8))
             restored = eng.stats()["ssd_restore_bytes"]

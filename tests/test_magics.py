@@ -562,7 +562,8 @@ def test_unload_flushes_and_removes_magics(ip, capsys):
     ip.extension_manager.loaded.discard("mlxcache_kernel")
     ip.run_line_magic("load_ext", "mlxcache_kernel")
     again = run(ip, capsys, f"{GEN}\npersist me")[0].result
-    assert again.stats["cache_source"] == "ssd"
+    assert again.stats["cache_source"] in ("ssd", "ram")  # read now, or prefetched when the model loaded
+    assert again.stats["cached_tokens"] == again.stats["prompt_tokens"] - 1
 
 
 def test_get_engine(ip):

@@ -76,9 +76,10 @@ class TieredPromptCache(Loading, Durability):
         """Context for a running generation: the writer and the reader yield the cores."""
         return self.gate.generating()
 
-    def poll(self, prepare: bool = True) -> None:
+    def poll(self, prepare: bool = False) -> None:
         """Durability.poll, then adopt finished background reads; prepare=True also
-        allocates the next reads' buffers (not on a lookup's path: that costs time)."""
+        allocates the next reads' buffers (between cells: not on a lookup's path, nor
+        in a flush at shutdown)."""
         super().poll()
         self._collect_reads(prepare)
 
@@ -92,7 +93,7 @@ class TieredPromptCache(Loading, Durability):
         progress: Callable[[str, int, int], None] | None = None,
         move: bool = False,
     ) -> Lease | None:
-        self.poll(prepare=False)
+        self.poll()
         if self.pressure is not None:
             self.pressure.check("lookup")
         prompt = as_token_array(prompt)  # once: the RAM and SSD lookups both compare arrays
