@@ -32,7 +32,7 @@ def ip(shell, tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("MLXCACHE_DEFAULT_MODEL", str(tiny_model_dir))
     monkeypatch.setenv("MLXCACHE_RAM_BUDGET", "256MiB")
     for var in ("MLXCACHE_SSD_BUDGET", "MLXCACHE_WRITE_BEHIND", "MLXCACHE_PREFILL_CHUNK", "MLXCACHE_SSD",
-                "MLXCACHE_IDLE_DEMOTE_S"):
+                "MLXCACHE_IDLE_DEMOTE_S", "MLXCACHE_PREFETCH_BUDGET"):
         monkeypatch.delenv(var, raising=False)
     mlxcache_kernel.unload_ipython_extension(shell)
     shell.extension_manager.loaded.discard("mlxcache_kernel")
@@ -380,6 +380,21 @@ def test_sessions(ip, capsys):
     # closing keeps the cached state: the same conversation start is still a hit
     again = run(ip, capsys, f'{GEN} --system "Be brief."\nFirst question')[0].result
     assert again.stats["cached_tokens"] > 0
+
+
+def test_session_switch_loads_its_state_in_the_background(ip, capsys):
+    t1 = run(ip, capsys, f"{GEN} --session chat\nFirst question")[0].result
+    res, out, _ = run(ip, capsys, "%session switch chat")
+    assert res.success and "'chat': its state is in RAM" in out
+    run(ip, capsys, "%cache clear")  # flushes first: the state is on SSD only
+    res, out, _ = run(ip, capsys, "%session switch chat")
+    assert res.success and "loading its state from SSD in the background" in out
+    t2 = run(ip, capsys, f"{GEN} --session chat\nSecond question")[0].result
+    assert t2.stats["cached_tokens"] >= t1.stats["prompt_tokens"]
+    assert engine(ip).stats()["ssd_restores"] == 1  # one read, shared with the generation if need be
+    assert "unknown session 'nope'" in usage_error(ip, capsys, "%session switch nope")
+    res, out, _ = run(ip, capsys, "%cache config")
+    assert "prefetch_budget: auto" in out and "prefetch_budget_bytes: None" in out
 
 
 def test_session_errors(ip, capsys):
