@@ -37,10 +37,12 @@ from ...system import make_private_dir, unlink_quietly
 MAGIC = b"MLXBLK2\n"
 _PREFIX = struct.Struct("<8sI")
 SUFFIX = ".blk"
-# Tokens per block, chosen in benchmarks/bench_blocks.py (docs/benchmarks.md):
-# small enough that a chat turn rewrites little of its last, partial block,
-# large enough to keep file counts and per-block costs down (~2.9 MB for SmolLM2).
-BLOCK_TOKENS = 64
+# Tokens per block, chosen in benchmarks/bench_blocks.py (docs/benchmarks.md). A
+# chat turn rewrites its last, partial block: a 20-turn chat wrote 1.43x its
+# final KV with 32 tokens, 1.86x with 64, 2.8x with 128. 32 tokens of SmolLM2
+# are 1.5 MB, inside the 1-4 MB a Redis value does best with, and a 1.5k-token
+# prompt is 48 files.
+BLOCK_TOKENS = 32
 _IOV_MAX = 512  # iovecs per preadv/writev call (Linux allows 1024)
 
 

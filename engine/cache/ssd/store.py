@@ -218,7 +218,7 @@ class CheckpointStore(Upkeep):
         """Final path for a checkpoint of `tokens`; creates the namespace dir."""
         return make_private_dir(self.root / validate_namespace(namespace)) / (token_key(tokens) + SUFFIX)
 
-    def commit(self, tmp: Path, info: FileInfo, write_id: int | None = None) -> None:
+    def commit(self, tmp: Path, info: FileInfo, write_id: int | None = None, new_blocks: dict | None = None) -> None:
         """Rename a finished temp file into place and record it with its block references,
         in one transaction that also ends the write's block claims (writer thread)."""
         h = info.header
@@ -230,6 +230,8 @@ class CheckpointStore(Upkeep):
             except (OSError, CorruptCheckpoint):
                 pass
             old = self.catalog.file(h.namespace, token_key(h.tokens))
+            if new_blocks:
+                self.catalog.add_blocks(new_blocks, db)
             os.replace(tmp, info.path)
             freed = self.catalog.add_file(db, _row(Path(info.path), h))
             if old is not None and old.path != str(info.path):  # a format 1 file of the same tokens

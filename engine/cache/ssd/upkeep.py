@@ -73,9 +73,10 @@ class Upkeep:
         self._reconcile_blocks()
         self.sync()
 
-    def _reconcile_blocks(self) -> None:
-        """Block files without a row are recorded (then freed if nothing references them);
-        rows whose file vanished are dropped (a later write of that block restores it)."""
+    def _reconcile_blocks(self, free: bool = True) -> None:
+        """Block files without a row are recorded (then, with `free`, removed if nothing
+        references or claims them); rows whose file vanished are dropped (a later
+        write of that block brings it back)."""
         known = self.catalog.blocks()
         on_disk = {}
         for d in sorted(self.blocks_root.iterdir()) if self.blocks_root.is_dir() else ():
@@ -96,7 +97,8 @@ class Upkeep:
         with self.catalog.transaction() as db:
             for name in set(known) - set(on_disk):
                 self.catalog.drop_block(db, name)
-            self._unlink_blocks(self.catalog.free_blocks(db, list(unknown)))
+            if free:
+                self._unlink_blocks(self.catalog.free_blocks(db, list(unknown)))
 
     def _unlink_blocks(self, freed: list[tuple[str, int]]) -> None:
         for name, _ in freed:
@@ -202,7 +204,7 @@ class Upkeep:
         quarantined = sorted((self.root / QUARANTINE).iterdir())
         temps = [p for d in self._namespace_dirs() + [d for d in self.blocks_root.iterdir() if d.is_dir()]
                  for p in self._clean_stale_temps(d, dry_run=True)]
-        self._reconcile_blocks()  # block files a killed writer left without a row get one
+        self._reconcile_blocks(free=False)  # block files a killed writer left without a row get one
         with self.catalog.transaction() as db:
             freed = self.catalog.free_blocks(db)
             if dry_run:
