@@ -47,8 +47,8 @@ class RemoteLink:
             raise ValueError(f"remote publish must be one of {', '.join(PUBLISH_MODES)}, not {publish!r}")
         self.tier, self.publish_mode = tier, publish
         self.prefill_rate, self.is_named = prefill_rate, is_named
-        self.counters = {"remote_hits": 0, "remote_tokens": 0, "remote_misses": 0, "remote_skipped": 0,
-                         "remote_published": 0, "remote_fetch_seconds": 0.0}
+        self.counters = {f"remote_{k}": 0 for k in link_counter_names()}
+        self.counters["remote_fetch_seconds"] = 0.0
 
     # --- lookup (owner thread) ---
 
@@ -124,8 +124,43 @@ class RemoteLink:
         if self.tier.publish(h.namespace, h.tokens, bt, getters, layout):
             self.counters["remote_published"] += 1
 
-    def stats(self) -> dict:
-        out = dict(self.counters)
-        out.update({f"remote_{k}": v for k, v in self.tier.stats().items() if not k.startswith("remote_")})
+def attach(cache, url: str, *, secret: str | bytes | None = None, publish: str = "all", salt: str = "",
+           prefill_rate: Callable[[str], float | None] = lambda ns: None) -> RemoteLink:
+    """Connect `cache` (a TieredPromptCache) to a remote tier: lookups fall back to it,
+    committed checkpoints are published to it. A bad URL raises ValueError (redacted)."""
+    secret = secret.encode() if isinstance(secret, str) else secret
+    link = RemoteLink(RemoteTier(url, secret=secret or None, salt=salt), publish=publish, prefill_rate=prefill_rate,
+                      is_named=lambda ns, tokens: cache.store is not None and cache.store.is_pinned(ns, tokens))
+    cache.remote = link
+    if cache.writer is not None:
+        cache.writer.on_committed = lambda info: link.published(info, cache.store.blocks_root)
+    return link
+
+
+def flush(link: RemoteLink | None, timeout: float | None) -> list[str]:
+    """Wait for queued publications; their failures (credentials removed)."""
+    return [] if link is None else link.tier.wait(timeout)
+
+
+_TIER_KEYS = ("publish_pending", "publish_failed", "blocks_uploaded", "blocks_skipped", "bytes_read", "bytes_written",
+              "mac_rejected", "errors", "get_bandwidth_bytes_per_s")
+
+
+def remote_stats(link: RemoteLink | None) -> dict:
+    """The remote_* keys of Engine.stats() (metrics.SCHEMA): zeros and None while the tier is off."""
+    if link is None:
+        out = {f"remote_{k}": 0 for k in (*link_counter_names(), *_TIER_KEYS)}
+        out.update(remote_url=None, remote_publish=None, remote_state=None, remote_last_error=None,
+                   remote_get_bandwidth_bytes_per_s=None, remote_fetch_seconds=0.0)
         return out
+    t = link.tier.stats()
+    out = dict(link.counters)
+    out.update({f"remote_{k}": t.get(k) for k in _TIER_KEYS})
+    out.update(remote_url=t["url"], remote_publish=link.publish_mode, remote_state=t["breaker"],
+               remote_last_error=t["last_error"])
+    return out
+
+
+def link_counter_names() -> tuple:
+    return ("hits", "tokens", "misses", "skipped", "published")
 

@@ -2,7 +2,9 @@
 
 - take(): the RAM tier's best prefix, unless the SSD index (no I/O) has a
   strictly longer usable one; that file is restored, verified and published
-  in RAM at once.
+  in RAM at once. Failing both, a longer prefix in the remote tier
+  (remote_link.py), if fetching it beats prefilling, is fetched, verified,
+  published in RAM and written through to SSD.
 - put(): publishes in RAM and, with write-behind on, queues persistence.
 - Persistence, write states, pins and flush: durability.py (the base class).
 - The writer yields while a generation runs (`generating()`), unless RAM
@@ -26,6 +28,8 @@ from .ram import Entry, Lease, usable_length
 from .ssd.restore import restore
 from .ssd.store import CheckpointStore, CheckpointUnavailable
 from .ssd.writer import CheckpointWriter
+from .remote.tier import RemoteMiss
+from .remote_link import RemoteLink, remote_stats
 
 # Reading and verifying a file costs more than prefilling a handful of tokens.
 MIN_RESTORE_TOKENS = 16
@@ -48,6 +52,7 @@ class TieredPromptCache(Durability):
         self.pressure = None  # the engine's PressureGuard (memory.py), checked at each lookup
         self.store: CheckpointStore | None = None
         self.writer: CheckpointWriter | None = None
+        self.remote: RemoteLink | None = None  # set by the engine when a remote URL is configured
         if ssd_dir is not None:
             self.store = CheckpointStore(Path(ssd_dir), ssd_budget_bytes=ssd_budget_bytes, on_event=self._store_event,
                                          on_removed=self._file_removed)
@@ -91,7 +96,29 @@ class TieredPromptCache(Durability):
             restored = self._restore_longer(prompt, ns, n_ram, progress)
             if restored is not None:
                 return restored
+        if self.remote is not None:
+            fetched = self._fetch_remote(prompt, ns, n_ram)
+            if fetched is not None:
+                return fetched
         return self._serve(entry, n_ram, prompt, ns, move)
+
+    def _fetch_remote(self, prompt, ns, n_ram) -> Lease | None:
+        t0 = time.perf_counter()
+        try:
+            cp = self.remote.lookup(prompt, ns, n_ram)
+        except RemoteMiss as e:
+            self._emit("restore_failed", ns=ns, source="remote", reason=str(e))
+            return None
+        if cp is None:
+            return None
+        entry = self.adopt(cp, ns)  # dirty: the write-through below stores its blocks locally
+        if self.store is not None and self.write_behind:
+            self.queue_dirty()
+        self._emit("hit", ns=ns, source="remote", tokens=len(cp), prompt_tokens=len(prompt), nbytes=cp.nbytes,
+                   seconds=time.perf_counter() - t0)
+        lease = self.lend(entry, len(cp), "remote")
+        self.enforce_budget()
+        return lease
 
     def _restore_longer(self, prompt, ns, n_ram, progress) -> Lease | None:
         prompt_array = as_token_array(prompt)
@@ -157,7 +184,8 @@ class TieredPromptCache(Durability):
         entry is then detached, good for this one borrower only.
         """
         entry = super().put(cp, ns, evict=False) or Entry(ns, cp, as_token_array(cp.tokens))
-        entry.write_state = WriteState.COMMITTED if self.store.contains(cp.tokens, ns) else WriteState.DIRTY
+        durable = self.store is not None and self.store.contains(cp.tokens, ns)
+        entry.write_state = WriteState.COMMITTED if durable else WriteState.DIRTY if self.store else WriteState.NONE
         return entry
 
     def restore_exact(self, tokens: Sequence[int], ns: str) -> tuple[Entry | None, str | None]:
@@ -234,6 +262,7 @@ class TieredPromptCache(Durability):
         }
         if self.store is not None:
             out.update({f"ssd_{k}": v for k, v in self.store.stats().items()})
+        out.update(remote_stats(self.remote))
         return out
 
     @property
@@ -275,4 +304,6 @@ class TieredPromptCache(Durability):
         if self.writer is not None:
             self.writer.close()
             self.store.close()
+        if self.remote is not None:
+            self.remote.tier.close()
 

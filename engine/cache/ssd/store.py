@@ -154,6 +154,10 @@ class CheckpointStore(Upkeep):
         cap = len(prompt_tokens) - 1 if max_len is None else min(len(prompt_tokens) - 1, max_len)
         return self.index.find(prompt_tokens, namespace, cap, min_len)
 
+    def is_pinned(self, namespace: str, tokens: Sequence[int]) -> bool:
+        """Whether a name pins the checkpoint of exactly `tokens`."""
+        return (namespace, token_key(tokens)) in set(self.catalog.pins().values())
+
     def has_durable_prefix(self, tokens: Sequence[int], namespace: str) -> bool:
         """Whether a committed file can serve exactly `tokens` (exact, or trimmable and longer)."""
         return self.contains(tokens, namespace) or self.index.covers(tokens, namespace)

@@ -85,6 +85,7 @@ class CheckpointWriter:
         self.store = store
         self.under_pressure = under_pressure or (lambda: False)
         self.yield_to_generation = True  # off only to measure what yielding buys
+        self.on_committed: Callable[[Any], None] | None = None  # writer thread, after each publish (remote tier)
         self._generating = threading.Event()
         self._idle = threading.Event()  # set whenever no generation runs
         self._idle.set()
@@ -246,6 +247,11 @@ class CheckpointWriter:
             entry = self.store.publish(info)
             if job.on_commit is not None:
                 job.on_commit(info)
+            if self.on_committed is not None and not job.urgent:  # in-flight intervals stay local
+                try:
+                    self.on_committed(info)
+                except Exception:
+                    pass  # publication is best effort; its own failures are reported by its queue
             return Completion(job.key, True, None, info.path, done.bytes_written, time.perf_counter() - t0, job.namespace,
                               n, entry)
         except Exception as exc:
