@@ -76,7 +76,7 @@ def _engine_case(d: str, block_tokens: int) -> dict:
         s = eng.stats()
         out["ssd_unique_bytes"], out["ssd_blocks"] = s["ssd_bytes"], s["ssd_blocks"]
         out["ssd_bytes_deduplicated"] = s["ssd_bytes_deduplicated"]
-    out["block_files"] = sum(1 for _ in Path(d, "checkpoints", "blocks").glob("*/*.blk"))
+    out["block_files"] = sum(1 for _ in Path(d, "checkpoints", "blocks").glob("*.blk"))
     return out
 
 

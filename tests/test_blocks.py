@@ -36,7 +36,7 @@ PER_TOKEN = 2 * 2 * 2 * 8 * 4  # kv_prefix: 2 layers x (K, V) x 2 heads x 8 dims
 
 
 def block_files(root: Path) -> list[Path]:
-    return sorted((root / "blocks").glob("*/*.blk"))
+    return sorted((root / "blocks").glob("*.blk"))
 
 
 def restored_arrays(store, n):

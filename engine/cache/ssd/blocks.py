@@ -1,6 +1,6 @@
 """Format 2 blocks: immutable files of KV token spans, named by the BLAKE3 of their bytes.
 
-    root/blocks/<2 hex>/<64 hex>.blk
+    root/blocks/<64 hex>.blk      (one flat directory: a write fsyncs it once)
 
 A block holds, for one span [start, end) of token positions, the slice
 [..., start:end, :] of every span tensor of a checkpoint (see
@@ -79,7 +79,7 @@ def spans(n_tokens: int, block_tokens: int = BLOCK_TOKENS) -> list[tuple[int, in
 
 
 def block_path(root: Path, name: str) -> Path:
-    return Path(root) / name[:2] / (name + SUFFIX)
+    return Path(root) / (name + SUFFIX)
 
 
 def header(start: int, end: int, tensors: Sequence[tuple[str, str, tuple]]) -> bytes:

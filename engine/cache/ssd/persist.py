@@ -93,7 +93,7 @@ def persist(store: CheckpointStore, job, *, pause: Callable[[], None] | None = N
             done += r.nbytes
             if progress is not None:
                 progress(done, total + inline_bytes)
-        for d in sorted(dirs) + ([store.blocks_root] if dirs else []):
+        for d in dirs:
             fsync_dir(d)
         new_blocks = {r.name: r.nbytes for r, _, _ in to_write.values()}
         saved = sum(r.nbytes for r in refs) - total

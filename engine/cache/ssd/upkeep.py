@@ -78,13 +78,10 @@ class Upkeep:
         references or claims them); rows whose file vanished are dropped (a later
         write of that block brings it back)."""
         known = self.catalog.blocks()
-        on_disk = {}
-        for d in sorted(self.blocks_root.iterdir()) if self.blocks_root.is_dir() else ():
-            if d.is_dir():
-                self._clean_stale_temps(d)
-                for n in os.listdir(d):
-                    if n.endswith(blocks.SUFFIX) and not n.startswith("."):
-                        on_disk[n[: -len(blocks.SUFFIX)]] = d / n
+        d = self.blocks_root
+        self._clean_stale_temps(d)
+        on_disk = {n[: -len(blocks.SUFFIX)]: d / n for n in os.listdir(d)
+                   if n.endswith(blocks.SUFFIX) and not n.startswith(".")}
         unknown = {}
         for name, p in on_disk.items():
             if name not in known:
@@ -202,8 +199,7 @@ class Upkeep:
         """Quarantined files, temp files of crashed writers and blocks no manifest
         references (and no live writer claims): what goes, listed."""
         quarantined = sorted((self.root / QUARANTINE).iterdir())
-        temps = [p for d in self._namespace_dirs() + [d for d in self.blocks_root.iterdir() if d.is_dir()]
-                 for p in self._clean_stale_temps(d, dry_run=True)]
+        temps = [p for d in self._namespace_dirs() + [self.blocks_root] for p in self._clean_stale_temps(d, dry_run=True)]
         self._reconcile_blocks(free=False)  # block files a killed writer left without a row get one
         with self.catalog.transaction() as db:
             freed = self.catalog.free_blocks(db)
