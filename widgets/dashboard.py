@@ -32,6 +32,7 @@ from .dashboard_render import (
     render_entries,
     render_log,
     ssd_enabled,
+    remote_label,
     ssd_label,
     write_label,
     write_progress,
@@ -116,6 +117,7 @@ class ResidencyDashboard(W.VBox):
         self.write_label = W.HTML()
         self.counters_html = W.HTML()
         self.memory_html = W.HTML()
+        self.remote_html = W.HTML()
         self.history_html = W.HTML()
         self.history = History()
         self.entries_html = W.HTML()
@@ -124,6 +126,7 @@ class ResidencyDashboard(W.VBox):
             (self.ram_label, "mlxc-ram"), (self.ssd_label, "mlxc-ssd"), (self.write_label, "mlxc-writes"),
             (self.counters_html, "mlxc-counters-box"), (self.entries_html, "mlxc-entries-box"),
             (self.memory_html, "mlxc-memory-box"), (self.history_html, "mlxc-history-box"),
+            (self.remote_html, "mlxc-remote-box"),
             (self.log_html, "mlxc-log-box"), (self.ram_bar, "mlxc-ram-bar"), (self.ssd_bar, "mlxc-ssd-bar"),
             (self.write_bar, "mlxc-write-bar"),
         ]:
@@ -135,6 +138,7 @@ class ResidencyDashboard(W.VBox):
                 row(self.ram_bar, self.ram_label),
                 row(self.ssd_bar, self.ssd_label),
                 row(self.write_bar, self.write_label),
+                self.remote_html,
                 self.memory_html,
                 self.history_html,
                 self.counters_html,
@@ -265,6 +269,7 @@ class ResidencyDashboard(W.VBox):
         self._bar(self.write_bar, done if total else 0, total or 1)
         self._set(self.write_label, write_label(s))
         self._set(self.memory_html, memory_label(s))
+        self._set(self.remote_html, remote_label(s))
         self.history.add(s)
         self._set(self.history_html, self.history.render())
         self._set(self.counters_html, render_counters(self.state.counters))
