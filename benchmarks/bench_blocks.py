@@ -97,13 +97,10 @@ def _files_of(d: Path) -> list[Path]:
 
 
 def _drop(paths) -> None:
+    from bench_storage import drop_cache
+
     for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_cache(p)
 
 
 def _child(kind: str, d: str, cold: bool) -> None:
