@@ -21,6 +21,7 @@ Bytes only: no MLX, no catalogue (store.py decides what exists).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -84,10 +85,16 @@ def block_path(root: Path, name: str) -> Path:
 
 def header(start: int, end: int, tensors: Sequence[tuple[str, str, tuple]]) -> bytes:
     """The block's prefix and header, from the full tensors' (name, dtype, shape)."""
-    body = json.dumps({"start": start, "end": end, "tensors": [
-        [name, dtype, [*shape[:-2], end - start, shape[-1]]] for name, dtype, shape in tensors]},
-        separators=(",", ":")).encode()
+    body = b'{"start":%d,"end":%d,"tensors":%s}' % (start, end, _tensors_json(end - start, tuple(
+        (name, dtype, tuple(shape)) for name, dtype, shape in tensors)))
     return _PREFIX.pack(MAGIC, len(body)) + body
+
+
+@functools.lru_cache(maxsize=256)
+def _tensors_json(span: int, tensors: tuple) -> bytes:
+    # the same for every full block of a checkpoint: JSON-encoding it once saves ~70 us a block
+    return json.dumps([[name, dtype, [*shape[:-2], span, shape[-1]]] for name, dtype, shape in tensors],
+                      separators=(",", ":")).encode()
 
 
 class SpanViews:
