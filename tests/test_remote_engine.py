@@ -129,3 +129,18 @@ def test_bad_urls_and_publish_modes_are_clear_errors(tiny_model_dir, tmp_path):
     assert "hunter2" not in str(e.value)
     with pytest.raises(ValueError, match="publish"):
         Engine(cache_dir=tmp_path / "y", remote_url="redis://127.0.0.1:1", remote_publish="sometimes")
+
+
+def test_named_mode_publishes_only_named_checkpoints(server, tiny_model_dir, tmp_path):
+    url = server.url(password=PW)
+    with engine(tmp_path / "a", tiny_model_dir, url, remote_publish="named") as a:
+        cold = run(a)
+        assert a.flush()["remote_failed"] == [] and a.stats()["remote_blocks_uploaded"] == 0
+        other = run(a, prompt_ids(300, seed=2))
+        a.checkpoint_save("doc")  # the last generation's state, named: now it goes remote
+        a.flush()
+        assert a.stats()["remote_blocks_uploaded"] >= 9
+    with engine(tmp_path / "b", tiny_model_dir, url) as b:
+        assert run(b).stats["cache_source"] is None  # the unnamed one stayed local
+        hit = run(b, prompt_ids(300, seed=2))
+        assert hit.stats["cache_source"] == "remote" and hit.tokens == other.tokens != cold.tokens

@@ -154,6 +154,13 @@ class TieredPromptCache(Durability):
         self.enforce_budget()
         return lease
 
+    def publish_remote(self, tokens: Sequence[int], ns: str) -> None:
+        """Publish a committed checkpoint now: it was just named (remote_publish=named)."""
+        if self.remote is not None and self.store is not None:
+            info = self.store.file_info(ns, tokens)
+            if info is not None:
+                self.remote.published(info, self.store.blocks_root)
+
     def _may_move(self, entry: Entry, n: int) -> bool:
         if not super()._may_move(entry, n):
             return False

@@ -154,6 +154,16 @@ class CheckpointStore(Upkeep):
         cap = len(prompt_tokens) - 1 if max_len is None else min(len(prompt_tokens) - 1, max_len)
         return self.index.find(prompt_tokens, namespace, cap, min_len)
 
+    def file_info(self, namespace: str, tokens: Sequence[int]) -> FileInfo | None:
+        """The committed checkpoint of exactly `tokens`, read from its header (None if there is none)."""
+        with self._lock:
+            e = self._entries.get((namespace, token_key(tokens)))
+        try:
+            h = fmt.read_header(e.path) if e is not None else None
+        except (OSError, CorruptCheckpoint, NewerFormat):
+            return None
+        return FileInfo(e.path, h, h.file_size, h.raw_bytes, 0.0) if h is not None else None
+
     def is_pinned(self, namespace: str, tokens: Sequence[int]) -> bool:
         """Whether a name pins the checkpoint of exactly `tokens`."""
         return (namespace, token_key(tokens)) in set(self.catalog.pins().values())
