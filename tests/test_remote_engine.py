@@ -142,5 +142,11 @@ def test_named_mode_publishes_only_named_checkpoints(server, tiny_model_dir, tmp
         assert a.stats()["remote_blocks_uploaded"] >= 9
     with engine(tmp_path / "b", tiny_model_dir, url) as b:
         assert run(b).stats["cache_source"] is None  # the unnamed one stayed local
-        hit = run(b, prompt_ids(300, seed=2))
+        # b has now measured that the tiny model prefills 300 tokens faster than the remote
+        # could be read: the published prefix is skipped (go remote only where it beats recompute)
+        skipped = run(b, prompt_ids(300, seed=2))
+        assert skipped.stats["cache_source"] is None and b.stats()["remote_skipped"] >= 1
+    # A fresh machine, with no prefill rate measured yet, fetches it.
+    with engine(tmp_path / "c", tiny_model_dir, url) as c:
+        hit = run(c, prompt_ids(300, seed=2))
         assert hit.stats["cache_source"] == "remote" and hit.tokens == other.tokens != cold.tokens
