@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from . import blas
+from .cache.remote_link import attach as attach_remote, flush as flush_remote
 from .cache.tiered import TieredPromptCache
 from .events import EventBus
 from .generation import GenerationError, SamplingParams
@@ -58,6 +59,9 @@ class Engine(StateMethods):
         retention: str = "lru",
         trace_path: str | os.PathLike | None = None,
         prefetch_budget_bytes: int | None = None,
+        remote_url: str | None = None,
+        remote_secret: str | bytes | None = None,
+        remote_publish: str = "all",
     ):
         """prefetch_budget_bytes: how much of the SSD tier's most recently used state each
         `load_model` brings back into RAM in the background (None: a quarter of the RAM
@@ -92,6 +96,10 @@ class Engine(StateMethods):
         self.inflight = InflightRecords(self.cache.catalog, legacy_dir=self.cache_dir / "inflight")
         self.cache.pins_source = lambda: {r["name"]: (r["namespace"], tuple(r["tokens"])) for r in self.names.list()}
         self.cache.sync_pins()
+        remote_url = remote_url or os.environ.get("MLXCACHE_REMOTE_URL") or None
+        if remote_url:  # a shared tier below SSD (Redis / Valkey); a bad URL is a clear ValueError
+            attach_remote(self.cache, remote_url, secret=remote_secret or os.environ.get("MLXCACHE_REMOTE_SECRET"),
+                          publish=remote_publish, prefill_rate=self.metrics.prefill_rate.get)
         self._closed = False
 
     # --- models ---
@@ -221,8 +229,10 @@ class Engine(StateMethods):
         self.memory.check("idle")
 
     def flush(self, timeout: float | None = None) -> dict:
-        """Wait until every queued write is durable; returns a report."""
-        return self.cache.flush(timeout=timeout)
+        """Wait until every queued write is durable (and published remotely); returns a report."""
+        report = self.cache.flush(timeout=timeout)
+        report["remote_failed"] = flush_remote(self.cache.remote, timeout)
+        return report
 
     def wait_for_writes(self, timeout: float | None = None) -> dict:
         """Wait for writes already queued, from any thread (touches no MLX, queues nothing)."""

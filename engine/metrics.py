@@ -31,6 +31,7 @@ SCHEMA = {
     "engine_cached_tokens": "prompt tokens served from the cache (RAM or SSD)",
     "engine_ram_tokens": "prompt tokens served from RAM",
     "engine_ssd_tokens": "prompt tokens served from SSD",
+    "engine_remote_tokens": "prompt tokens served from the remote tier",
     "engine_prefilled_tokens": "prompt tokens forwarded through the model",
     "engine_prefill_s": "seconds spent prefilling",
     "engine_prefill_s_saved": "prefill seconds the cache saved, at each model's measured prefill rate",
@@ -107,10 +108,30 @@ SCHEMA = {
     "ssd_newer_format_files": "files of a newer format version, left alone",
     "ssd_processes": "processes using this cache directory now (this one included)",
     "ssd_processes_pending_writes": "SSD writes those processes have pending",
+    # the remote tier (None or 0 while it is off)
+    "remote_url": "the remote tier's URL, credentials removed (None: off)",
+    "remote_publish": "which checkpoints are published remotely: all, named or none",
+    "remote_state": "ok, or open until <time> (the circuit breaker stopped calling a failing remote)",
+    "remote_last_error": "the remote's last error, credentials removed",
+    "remote_hits": "lookups served from the remote tier",
+    "remote_tokens": "tokens fetched from the remote tier",
+    "remote_misses": "remote reads that failed or did not verify (a miss)",
+    "remote_skipped": "remote prefixes not fetched because prefilling was estimated faster",
+    "remote_fetch_seconds": "seconds spent fetching and rebuilding remote prefixes",
+    "remote_published": "checkpoints queued for publication",
+    "remote_publish_pending": "publications waiting or running",
+    "remote_publish_failed": "publications that failed",
+    "remote_blocks_uploaded": "blocks uploaded (the remote lacked them)",
+    "remote_blocks_skipped": "blocks not uploaded because the remote had them",
+    "remote_bytes_read": "bytes read from the remote",
+    "remote_bytes_written": "bytes written to the remote",
+    "remote_mac_rejected": "prefix records rejected by their MAC (written without the team secret)",
+    "remote_errors": "calls to the remote that failed",
+    "remote_get_bandwidth_bytes_per_s": "measured remote read bandwidth (None until measured)",
 }
 
 _GENERATION_COUNTERS = (
-    "generations", "prompt_tokens", "cached_tokens", "ram_tokens", "ssd_tokens",
+    "generations", "prompt_tokens", "cached_tokens", "ram_tokens", "ssd_tokens", "remote_tokens",
     "prefilled_tokens", "prefill_s", "prefill_s_saved", "decode_tokens",
 )
 
@@ -125,7 +146,8 @@ class GenerationMetrics:
     def record(self, ns: str, stats: dict) -> None:
         c = self.counters
         c["generations"] += 1
-        for k in ("prompt_tokens", "cached_tokens", "ram_tokens", "ssd_tokens", "prefilled_tokens", "decode_tokens"):
+        for k in ("prompt_tokens", "cached_tokens", "ram_tokens", "ssd_tokens", "remote_tokens", "prefilled_tokens",
+                  "decode_tokens"):
             c[k] += stats[k]
         c["prefill_s"] += stats["prefill_s"]
         prefilled, seconds = stats["prefilled_tokens"], stats["prefill_s"]
@@ -155,6 +177,7 @@ def generation_stats(*, prompt_tokens, cached, source, prefilled, lookup_s, pref
         "cache_source": source,
         "ram_tokens": cached if source == "ram" else 0,
         "ssd_tokens": cached if source == "ssd" else 0,
+        "remote_tokens": cached if source == "remote" else 0,
         "prefilled_tokens": prefilled,
         "lookup_s": lookup_s,
         "prefill_s": prefill_s,

@@ -69,6 +69,7 @@ class StateMethods:
         if not self.cache.pin(entry, name):
             self.names.remove(name)
             raise CheckpointNameError(f"could not write checkpoint {name!r} to SSD: {entry.write_error or 'write failed'}")
+        self.cache.publish_remote(entry.tokens, entry.ns)  # with remote_publish=named, names go remote
         self.events.emit("checkpoint_saved", name=name, tokens=len(entry.tokens))
         return self._named_summary(record)
 

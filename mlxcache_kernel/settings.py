@@ -25,6 +25,13 @@ MLXCACHE_DEFAULT_MODEL      MLXCache.default_model    loaded on first use: a pat
                                                       Instruct) or ``none``
 MLXCACHE_PREFILL_CHUNK      MLXCache.prefill_chunk    prefill chunk size in tokens (default 512)
 MLXCACHE_SHUTDOWN_FLUSH_S   MLXCache.shutdown_flush_s how long shutdown waits for pending writes
+MLXCACHE_REMOTE_URL         MLXCache.remote_url       a shared tier below SSD: ``redis://``,
+                                                      ``rediss://`` (TLS), ``redis+cluster://``;
+                                                      ACL user and password in the URL (off unless
+                                                      set; never printed)
+MLXCACHE_REMOTE_SECRET      MLXCache.remote_secret    the team secret that signs prefix records (16+
+                                                      bytes); readers reject records without it
+MLXCACHE_REMOTE_PUBLISH     MLXCache.remote_publish   ``all`` (default), ``named`` or ``none``
 ==========================  ========================  ===========================================
 """
 
@@ -147,6 +154,13 @@ class MLXCache(Configurable):
     idle_demote_s = Float(
         help="Demote RAM entries unused this many seconds to SSD; 0 = never ($MLXCACHE_IDLE_DEMOTE_S)"
     ).tag(config=True)
+    remote_url = Unicode(
+        help="Shared remote tier (Redis / Valkey) URL; '' = off ($MLXCACHE_REMOTE_URL). Never printed whole."
+    ).tag(config=True)
+    remote_secret = Unicode(help="Team secret signing remote prefix records ($MLXCACHE_REMOTE_SECRET)").tag(config=True)
+    remote_publish = Unicode(help="Which checkpoints go remote: all, named, none ($MLXCACHE_REMOTE_PUBLISH)").tag(
+        config=True
+    )
 
     @default("cache_dir")
     def _cache_dir_default(self):
@@ -190,6 +204,18 @@ class MLXCache(Configurable):
     def _idle_demote_default(self):
         return _env_number("MLXCACHE_IDLE_DEMOTE_S", "0", float, "seconds")
 
+    @default("remote_url")
+    def _remote_url_default(self):
+        return _env("MLXCACHE_REMOTE_URL", "")
+
+    @default("remote_secret")
+    def _remote_secret_default(self):
+        return _env("MLXCACHE_REMOTE_SECRET", "")
+
+    @default("remote_publish")
+    def _remote_publish_default(self):
+        return _env("MLXCACHE_REMOTE_PUBLISH", "all")
+
     # --- resolved values ---
 
     def ram_budget_bytes(self) -> int | None:
@@ -227,6 +253,9 @@ class MLXCache(Configurable):
             "write_behind": bool(self.write_behind),
             "prefill_chunk": int(self.prefill_chunk),
             "idle_demote_s": float(self.idle_demote_s) if self.idle_demote_s > 0 else None,
+            "remote_url": self.remote_url.strip() or None,
+            "remote_secret": self.remote_secret or None,
+            "remote_publish": self.remote_publish.strip().lower() or "all",
         }
 
     def summary(self) -> dict:
@@ -235,6 +264,11 @@ class MLXCache(Configurable):
         for name in ("cache_dir", "ram_budget", "ssd_budget", "prefetch_budget", "ssd", "write_behind",
                      "default_model", "prefill_chunk", "shutdown_flush_s", "idle_demote_s"):
             out[name] = getattr(self, name)
+        from mlxcache_kernel.engine.cache.remote.config import redact
+
+        out["remote_url"] = redact(self.remote_url) if self.remote_url.strip() else "off"
+        out["remote_secret"] = "set" if self.remote_secret else "not set"
+        out["remote_publish"] = self.remote_publish
         for name in ("ram_budget_bytes", "ssd_budget_bytes", "prefetch_budget_bytes"):
             try:
                 out[name] = getattr(self, name)()

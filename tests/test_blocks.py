@@ -36,7 +36,7 @@ PER_TOKEN = 2 * 2 * 2 * 8 * 4  # kv_prefix: 2 layers x (K, V) x 2 heads x 8 dims
 
 
 def block_files(root: Path) -> list[Path]:
-    return sorted((root / "blocks").glob("*/*.blk"))
+    return sorted((root / "blocks").glob("*.blk"))
 
 
 def restored_arrays(store, n):
@@ -104,17 +104,25 @@ def test_corrupt_block_is_a_miss_that_quarantines_only_that_block(tmp_path):
     assert len(block_files(tmp_path / "other")) == 1
 
 
-def test_kill_between_blocks_and_manifest_leaves_no_dangling_manifest(tmp_path):
-    r = subprocess.run([sys.executable, WORKER, "kill-before-manifest", str(tmp_path), str(3 * BT)],
+def _kill_before_manifest(root: Path, n: int) -> None:
+    r = subprocess.run([sys.executable, WORKER, "kill-before-manifest", str(root), str(n)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == -9, r.stderr
+
+
+def test_kill_between_blocks_and_manifest_leaves_no_dangling_manifest(tmp_path):
+    s = open_store(tmp_path)  # open while the writer dies: gc finds what it left
+    _kill_before_manifest(tmp_path, 3 * BT)
     assert len(block_files(tmp_path)) == 3 and not list(tmp_path.glob(f"{NS}/*.ckpt"))
-    s = open_store(tmp_path)
     assert s.entries() == [] and s.find(list(TOKENS[: 3 * BT]) + [-1], NS) is None
     preview = s.gc(dry_run=True)
     assert len(preview["blocks_removed"]) == 3 and len(block_files(tmp_path)) == 3
     assert len(s.gc()["blocks_removed"]) == 3 and block_files(tmp_path) == []
     assert s.stats()["bytes"] == 0
+    _kill_before_manifest(tmp_path, 2 * BT)  # a process that starts later cleans up at once
+    assert len(block_files(tmp_path)) == 2
+    s2 = open_store(tmp_path)
+    assert block_files(tmp_path) == [] and s2.stats()["bytes"] == 0 and s2.entries() == []
 
 
 def test_gc_beside_writers_in_other_processes_never_removes_a_referenced_block(tmp_path):

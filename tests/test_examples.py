@@ -209,7 +209,7 @@ def kill9_and_resume(spec_prefix: Path, model_dir, tmp_path: Path, *, sampling: 
 
 @pytest.mark.parametrize("sampling", ["", " --temperature 0.6 --top-k 40 --seed 9"], ids=["greedy", "seeded"])
 def test_kill9_during_checkpointed_generation_resumes_exactly(sampling, spec_prefix, endless_model_dir, tmp_path):
-    kill9_and_resume(spec_prefix, endless_model_dir, tmp_path, sampling=sampling, max_tokens=360, every=16,
+    kill9_and_resume(spec_prefix, endless_model_dir, tmp_path, sampling=sampling, max_tokens=1000, every=16,
                      kill_after=96, prompt="Tell a very long story about a lighthouse keeper.")
 
 

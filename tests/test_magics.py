@@ -444,7 +444,7 @@ def test_cache_verify_and_gc(ip, capsys):
     run(ip, capsys, "%cache flush")
     res, out, _ = run(ip, capsys, "%cache verify")
     assert res.success and "intact" in out
-    files = list(Path(engine(ip).cache_dir).rglob("*.ckpt"))
+    files = list(Path(engine(ip).cache_dir).rglob("*.blk"))  # the KV lives in shared blocks
     assert files
     victim = max(files, key=lambda p: p.stat().st_size)
     data = bytearray(victim.read_bytes())
@@ -600,3 +600,18 @@ def test_kv_export_bfloat16(ip, capsys, tmp_path):
     kvs = ip.user_ns["kvs"]
     assert kvs and all(a.dtype == np.float32 and np.isfinite(a).all() for a in kvs.values())
     assert any(np.abs(a).max() > 0 for a in kvs.values())
+
+
+def test_remote_settings_are_shown_without_credentials(monkeypatch):
+    from mlxcache_kernel.settings import MLXCache
+
+    monkeypatch.setenv("MLXCACHE_REMOTE_URL", "rediss://team:pa55-SECRET@cache.example:6380")
+    monkeypatch.setenv("MLXCACHE_REMOTE_SECRET", "team-mac-secret-SECRET")
+    s = MLXCache()
+    shown = s.summary()
+    assert shown["remote_url"] == "rediss://***@cache.example:6380" and shown["remote_secret"] == "set"
+    assert "SECRET" not in repr(shown) and shown["remote_publish"] == "all"
+    kw = s.engine_kwargs()
+    assert kw["remote_url"].startswith("rediss://team:") and kw["remote_secret"] == "team-mac-secret-SECRET"
+    monkeypatch.delenv("MLXCACHE_REMOTE_URL")
+    assert MLXCache().summary()["remote_url"] == "off" and MLXCache().engine_kwargs()["remote_url"] is None

@@ -39,7 +39,8 @@ def test_footer_bar_splits_the_prompt_in_proportion():
 
 
 def test_footer_bar_shows_remote_tokens():
-    g = _gen(prompt_tokens=10, ram_tokens=0, ssd_tokens=0, prefilled_tokens=2, cached_tokens=8, cache_source="remote")
+    g = _gen(prompt_tokens=10, ram_tokens=0, ssd_tokens=0, remote_tokens=8, prefilled_tokens=2, cached_tokens=8,
+             cache_source="remote")
     assert _widths(g._repr_html_()) == {"remote": 80.0, "prefilled": 20.0}
     assert "8 remote" in g._repr_html_()
 

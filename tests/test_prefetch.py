@@ -36,7 +36,7 @@ def written(cache_dir, model_dir, prompts, **kw) -> list:
 
 def flip_blocks(cache_dir: Path) -> int:
     n = 0
-    for path in (cache_dir / "checkpoints" / "blocks").glob("*/*.blk"):
+    for path in (cache_dir / "checkpoints" / "blocks").rglob("*.blk"):
         with open(path, "r+b") as f:
             f.seek(path.stat().st_size // 2)
             b = f.read(1)

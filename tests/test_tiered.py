@@ -111,7 +111,7 @@ def test_bad_file_is_a_quarantined_miss(tiny_model_dir, tmp_path, cold_tokens, c
     eng.generate(PROMPT, max_tokens=20)
     eng.close()
     if CORRUPTIONS[corruption] == "blocks":
-        for path in (cache / "checkpoints" / "blocks").glob("*/*.blk"):
+        for path in (cache / "checkpoints" / "blocks").glob("*.blk"):
             _flip(path, path.stat().st_size // 2)
     else:
         for path in ckpt_files(cache):

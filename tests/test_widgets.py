@@ -541,6 +541,13 @@ def test_labels_show_shared_directories_failing_writes_and_ram_only():
                        "ssd_bytes_deduplicated": 5 << 20})
     assert "3.0 MB unique" in dedup or "3 MB unique" in dedup or "unique of" in dedup
     assert "7 shared blocks" in dedup and "not rewritten (deduplicated)" in dedup and "data-deduplicated='5242880'" in dedup
+    from mlxcache_kernel.widgets.dashboard_render import remote_label
+
+    assert remote_label({"remote_url": None}) == ""
+    remote = remote_label({"remote_url": "redis://***@10.0.0.5:6379", "remote_state": "open until 12:00:05",
+                           "remote_last_error": "connection refused", "remote_hits": 3, "remote_tokens": 960})
+    assert "remote redis://***@10.0.0.5:6379" in remote and "open until 12:00:05" in remote
+    assert "3 hits (960 tokens)" in remote and "last error: connection refused" in remote
     off = ssd_label({"ssd_enabled": False, "ssd_disabled_reason": "cache directory /x is not usable (<denied>)"})
     assert "SSD tier off: cache directory /x is not usable (&lt;denied&gt;)" in off
     failing = write_label({"pending_writes": 0, "write_error": "[Errno 28] No space left on device"})

@@ -33,6 +33,7 @@ from .dashboard_render import (
     render_entries,
     render_log,
     ssd_enabled,
+    remote_label,
     ssd_label,
     write_label,
     write_progress,
@@ -118,6 +119,7 @@ class ResidencyDashboard(W.VBox):
         self.prefetch_html = W.HTML()
         self.counters_html = W.HTML()
         self.memory_html = W.HTML()
+        self.remote_html = W.HTML()
         self.history_html = W.HTML()
         self.history = History()
         self.entries_html = W.HTML()
@@ -126,6 +128,7 @@ class ResidencyDashboard(W.VBox):
             (self.ram_label, "mlxc-ram"), (self.ssd_label, "mlxc-ssd"), (self.write_label, "mlxc-writes"),
             (self.counters_html, "mlxc-counters-box"), (self.entries_html, "mlxc-entries-box"),
             (self.memory_html, "mlxc-memory-box"), (self.history_html, "mlxc-history-box"),
+            (self.remote_html, "mlxc-remote-box"),
             (self.log_html, "mlxc-log-box"), (self.ram_bar, "mlxc-ram-bar"), (self.ssd_bar, "mlxc-ssd-bar"),
             (self.write_bar, "mlxc-write-bar"), (self.prefetch_html, "mlxc-prefetch"),
         ]:
@@ -138,6 +141,7 @@ class ResidencyDashboard(W.VBox):
                 row(self.ssd_bar, self.ssd_label),
                 row(self.write_bar, self.write_label),
                 self.prefetch_html,
+                self.remote_html,
                 self.memory_html,
                 self.history_html,
                 self.counters_html,
@@ -270,6 +274,7 @@ class ResidencyDashboard(W.VBox):
         self._set(self.write_label, write_label(s))
         self._set(self.prefetch_html, prefetch_label(s))
         self._set(self.memory_html, memory_label(s))
+        self._set(self.remote_html, remote_label(s))
         self.history.add(s)
         self._set(self.history_html, self.history.render())
         self._set(self.counters_html, render_counters(self.state.counters))

@@ -12,8 +12,8 @@ import time
 from .dashboard_state import COUNTERS
 from .format import esc, fmt_ago, fmt_bytes, fmt_count, fmt_seconds, preview_text
 
-__all__ = ["CSS", "prefetch_label", "render_counters", "render_entries", "render_log", "ram_label", "ssd_label",
-           "ssd_enabled", "write_label", "write_progress"]
+__all__ = ["CSS", "prefetch_label", "render_counters", "render_entries", "render_log", "ram_label", "remote_label",
+           "ssd_label", "ssd_enabled", "write_label", "write_progress"]
 
 MAX_ROWS = 50
 
@@ -146,6 +146,22 @@ def ssd_label(s: dict) -> str:
     return (
         f"<span data-used='{used}' data-processes='{procs}' data-deduplicated='{saved}'>{fmt_bytes(used)} unique of "
         f"{fmt_bytes(cap) if cap else 'no cap'} · {files} checkpoint{'' if files == 1 else 's'}{dedup}{shared}</span>"
+    )
+
+
+def remote_label(s: dict) -> str:
+    """The remote tier's line: where (credentials removed), its state, hits and publications; empty when off."""
+    url = s.get("remote_url")
+    if not url:
+        return ""
+    state = s.get("remote_state") or "ok"
+    cls = "mlxc-state-failed" if state != "ok" else ""
+    err = f" · last error: {esc(s['remote_last_error'])}" if state != "ok" and s.get("remote_last_error") else ""
+    return (
+        f"<div class='mlxc-remote' data-state='{esc(state)}'>remote {esc(url)}: <span class='{cls}'>{esc(state)}</span>"
+        f" · {s.get('remote_hits') or 0} hits ({s.get('remote_tokens') or 0} tokens) · {s.get('remote_misses') or 0}"
+        f" misses · {s.get('remote_blocks_uploaded') or 0} blocks uploaded, {s.get('remote_publish_pending') or 0}"
+        f" pending{err}</div>"
     )
 
 

@@ -237,9 +237,12 @@ class Catalog:
             present = {n for n in set(names) if db.execute("SELECT 1 FROM blocks WHERE name=?", (n,)).fetchone()}
         return set(names) - present
 
-    def add_blocks(self, sizes: dict[str, int]) -> None:
-        with self.transaction() as db:
-            db.executemany("INSERT OR REPLACE INTO blocks VALUES(?,?,?)", [(n, b, time.time()) for n, b in sizes.items()])
+    def add_blocks(self, sizes: dict[str, int], db: sqlite3.Connection | None = None) -> None:
+        """Record blocks on disk (in the caller's transaction when given)."""
+        if db is None:
+            with self.transaction() as db:
+                return self.add_blocks(sizes, db)
+        db.executemany("INSERT OR REPLACE INTO blocks VALUES(?,?,?)", [(n, b, time.time()) for n, b in sizes.items()])
 
     def release(self, db: sqlite3.Connection, write_id: int) -> list[str]:
         """End a write's claims (its manifest now references the blocks, or it failed)."""

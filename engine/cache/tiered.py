@@ -2,7 +2,9 @@
 
 - take(): the RAM tier's best prefix, unless the SSD index (no I/O) has a
   strictly longer usable one; that file is restored, verified and published
-  in RAM at once (sharing a background read of it: loading.py).
+  in RAM at once (sharing a background read of it: loading.py). Failing both,
+  a longer prefix in the remote tier (remote_link.py), if fetching it beats
+  prefilling, is fetched, verified, published in RAM and written through to SSD.
 - Background reads (prefetch after a model loads, named checkpoints,
   sessions) run on the reader thread and are adopted in poll() (loading.py).
 - put(): publishes in RAM and, with write-behind on, queues persistence.
@@ -28,6 +30,8 @@ from .loading import MIN_RESTORE_TOKENS, Loading
 from .ram import Entry, Lease, usable_length
 from .ssd.store import CheckpointStore
 from .ssd.writer import CheckpointWriter
+from .remote.tier import RemoteMiss
+from .remote_link import RemoteLink, remote_stats
 
 ABORT_WAIT_S = 0.05  # a rerun waits this long at most for the write it stops to reach a pause point
 
@@ -51,6 +55,7 @@ class TieredPromptCache(Loading, Durability):
         self.gate = GenerationGate()  # a generation runs: the writer and the reader yield
         self.store: CheckpointStore | None = None
         self.writer: CheckpointWriter | None = None
+        self.remote: RemoteLink | None = None  # set by the engine when a remote URL is configured
         if ssd_dir is not None:
             self.store = CheckpointStore(Path(ssd_dir), ssd_budget_bytes=ssd_budget_bytes, on_event=self._store_event,
                                          on_removed=self._file_removed)
@@ -102,7 +107,29 @@ class TieredPromptCache(Loading, Durability):
             restored = self._restore_longer(prompt, ns, n_ram, progress, move)
             if restored is not None:
                 return restored
+        if self.remote is not None:
+            fetched = self._fetch_remote(prompt, ns, n_ram)
+            if fetched is not None:
+                return fetched
         return self._serve(entry, n_ram, prompt, ns, move)
+
+    def _fetch_remote(self, prompt, ns, n_ram) -> Lease | None:
+        t0 = time.perf_counter()
+        try:
+            cp = self.remote.lookup(prompt, ns, n_ram)
+        except RemoteMiss as e:
+            self._emit("restore_failed", ns=ns, source="remote", reason=str(e))
+            return None
+        if cp is None:
+            return None
+        entry = self.adopt(cp, ns)  # dirty: the write-through below stores its blocks locally
+        if self.store is not None and self.write_behind:
+            self.queue_dirty()
+        self._emit("hit", ns=ns, source="remote", tokens=len(cp), prompt_tokens=len(prompt), nbytes=cp.nbytes,
+                   seconds=time.perf_counter() - t0)
+        lease = self.lend(entry, len(cp), "remote")
+        self.enforce_budget()
+        return lease
 
     def _restore_longer(self, prompt, ns, n_ram, progress, move) -> Lease | None:
         prompt_array = as_token_array(prompt)
@@ -136,6 +163,13 @@ class TieredPromptCache(Loading, Durability):
         lease = self.lend(entry, n, "ssd", move)
         self.enforce_budget()
         return lease
+
+    def publish_remote(self, tokens: Sequence[int], ns: str) -> None:
+        """Publish a committed checkpoint now: it was just named (remote_publish=named)."""
+        if self.remote is not None and self.store is not None:
+            info = self.store.file_info(ns, tokens)
+            if info is not None:
+                self.remote.published(info, self.store.blocks_root)
 
     def _may_move(self, entry: Entry, n: int) -> bool:
         if not super()._may_move(entry, n):
@@ -171,7 +205,8 @@ class TieredPromptCache(Loading, Durability):
         """
         entry = super().put(cp, ns, evict=False) or Entry(ns, cp, as_token_array(cp.tokens))
         entry.restored = True
-        entry.write_state = WriteState.COMMITTED if self.store.contains(cp.tokens, ns) else WriteState.DIRTY
+        durable = self.store is not None and self.store.contains(cp.tokens, ns)
+        entry.write_state = WriteState.COMMITTED if durable else WriteState.DIRTY if self.store else WriteState.NONE
         return entry
 
     def restore_exact(self, tokens: Sequence[int], ns: str) -> tuple[Entry | None, str | None]:
@@ -251,6 +286,7 @@ class TieredPromptCache(Loading, Durability):
         }
         if self.store is not None:
             out.update({f"ssd_{k}": v for k, v in self.store.stats().items()})
+        out.update(remote_stats(self.remote))
         return out
 
     @property
@@ -294,4 +330,6 @@ class TieredPromptCache(Loading, Durability):
         if self.writer is not None:
             self.writer.close()
             self.store.close()
+        if self.remote is not None:
+            self.remote.tier.close()
 

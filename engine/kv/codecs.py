@@ -92,6 +92,12 @@ class Codec:
         """Per array: whether it is a token span (see `linear`); inline state otherwise."""
         return (self.linear(layer.meta),) * len(layer.arrays)
 
+    def meta_at(self, meta: dict, n: int) -> dict:
+        """The scalars of a linear state cut to its first n positions (a remote prefix)."""
+        if not self.linear(meta):
+            raise ValueError(f"{self.kind} state is not a token span")
+        return dict(meta, offset=n)
+
     def can_hand_over(self, layer: LayerState) -> bool:
         return False
 
@@ -201,6 +207,9 @@ class RotatingKV(Codec):
     def linear(self, meta):  # until the ring wraps
         return self.trimmable(meta)
 
+    def meta_at(self, meta, n):
+        return dict(super().meta_at(meta, n), idx=n)
+
 
 class ChunkedKV(Codec):
     """`ChunkedKVCache`: keeps the current attention chunk; drops the front as chunks fill.
@@ -286,6 +295,13 @@ class Composite(Codec):
     def linear_arrays(self, layer):
         return tuple(flag for p in self.parts(layer) for flag in codec(p.kind).linear_arrays(p))
 
+    def linear(self, meta):
+        return all(codec(p["kind"]).linear(p["meta"]) for p in meta["parts"])
+
+    def meta_at(self, meta, n):
+        parts = [dict(p, meta=codec(p["kind"]).meta_at(p["meta"], n)) for p in meta["parts"]]
+        return dict(meta, parts=parts, offset=n)
+
     def min_reusable_offset(self, meta):
         return max((codec(p["kind"]).min_reusable_offset(p["meta"]) for p in meta["parts"]), default=0)
 
@@ -311,6 +327,11 @@ def kind_of(c: Any) -> str:
 def capture_layer(c: Any) -> LayerState:
     """The exact state of one live cache (new array objects, no copy)."""
     return codec(kind_of(c)).capture(c)
+
+
+def layout_at(layout: list[dict], n: int) -> list[dict]:
+    """A checkpoint layout (Checkpoint.layout()) of linear layers, cut to n positions."""
+    return [dict(spec, meta=codec(spec["kind"]).meta_at(spec["meta"], n)) for spec in layout]
 
 
 def unsupported(caches: list) -> list[str]:

@@ -317,8 +317,9 @@ class AdminMagics(EngineMagics):
         t0 = time.perf_counter()
         bad = self.engine.cache_verify()
         if not bad:
-            files = self.engine.stats().get("ssd_files", "?")
-            print(f"verify: all {files} SSD files are intact ({fmt_s(time.perf_counter() - t0)})")
+            s = self.engine.stats()
+            print(f"verify: all {s.get('ssd_files', '?')} SSD checkpoints and their {s.get('ssd_blocks', 0)} blocks "
+                  f"are intact ({fmt_s(time.perf_counter() - t0)})")
             return
         print(f"verify: {len(bad)} bad file(s), quarantined:")
         for b in bad:

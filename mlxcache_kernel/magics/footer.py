@@ -21,7 +21,7 @@ SPANS = (("ram", "RAM", "#2e7d32"), ("ssd", "SSD", "#1565c0"), ("remote", "remot
 def footer_spans(stats: dict) -> dict[str, int]:
     """Prompt tokens per source: ram, ssd, remote (``cached_tokens`` when the source is remote), prefilled."""
     n = int(stats.get("prompt_tokens") or 0)
-    remote = int(stats.get("cached_tokens") or 0) if stats.get("cache_source") == "remote" else 0
+    remote = int(stats.get("remote_tokens") or 0)
     return {"ram": int(stats.get("ram_tokens") or 0), "ssd": int(stats.get("ssd_tokens") or 0), "remote": remote,
             "prefilled": int(stats.get("prefilled_tokens", n) or 0)}
 
@@ -78,7 +78,8 @@ class Generation:
         n = s.get("prompt_tokens", 0)
         prompt = (
             f"{n} prompt tokens: {s.get('ram_tokens', 0)} from RAM, {s.get('ssd_tokens', 0)} from SSD, "
-            f"{s.get('prefilled_tokens', n)} prefilled" + ("" if self.use_cache else " (cache off)")
+            + (f"{s['remote_tokens']} from remote, " if s.get("remote_tokens") else "")
+            + f"{s.get('prefilled_tokens', n)} prefilled" + ("" if self.use_cache else " (cache off)")
         )
         tps = s.get("decode_tokens_per_s")
         parts = [

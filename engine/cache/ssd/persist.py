@@ -5,10 +5,10 @@
 2. Claim those names in the catalogue (`pending`): from now on no process
    frees them, and the claim says which are already on disk.
 3. Write only the missing blocks (temp, fsync, rename), fsync their
-   directories, record them.
+   directories.
 4. Unless an identical manifest is already stored, write the manifest and
-   commit it: rename and catalogue row (with its block references) in one
-   transaction, which also ends the claims.
+   commit it: rename, catalogue row, its block references and the new
+   blocks' rows in one transaction, which also ends the claims.
 
 A kill -9 anywhere leaves either no manifest or one whose blocks are all
 durable; blocks nobody references are gc's (their claim dies with the
@@ -93,10 +93,9 @@ def persist(store: CheckpointStore, job, *, pause: Callable[[], None] | None = N
             done += r.nbytes
             if progress is not None:
                 progress(done, total + inline_bytes)
-        for d in sorted(dirs) + ([store.blocks_root] if dirs else []):
+        for d in dirs:
             fsync_dir(d)
-        if to_write:
-            store.catalog.add_blocks({r.name: r.nbytes for r, _, _ in to_write.values()})
+        new_blocks = {r.name: r.nbytes for r, _, _ in to_write.values()}
         saved = sum(r.nbytes for r in refs) - total
         stored = _same_as_stored(store, job, refs) if not to_write else None
         if stored is not None:
@@ -107,7 +106,7 @@ def persist(store: CheckpointStore, job, *, pause: Callable[[], None] | None = N
             min_reusable_offset=job.min_reusable_offset, host_tensors=job.host_tensors, codec=job.codec,
             trimmable=job.trimmable, pause=pause, blocks=refs,
             progress=None if progress is None else (lambda d, _t: progress(total + d, total + inline_bytes)),
-            commit=lambda tmp, info: store.commit(tmp, info, write_id),
+            commit=lambda tmp, info: store.commit(tmp, info, write_id, new_blocks),
         )
         committed = True
         info = fmt.FileInfo(info.path, info.header, info.file_bytes, info.raw_bytes, time.perf_counter() - t0)

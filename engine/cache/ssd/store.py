@@ -151,6 +151,20 @@ class CheckpointStore(Upkeep):
         cap = len(prompt_tokens) - 1 if max_len is None else min(len(prompt_tokens) - 1, max_len)
         return self.index.find(prompt_tokens, namespace, cap, min_len)
 
+    def file_info(self, namespace: str, tokens: Sequence[int]) -> FileInfo | None:
+        """The committed checkpoint of exactly `tokens`, read from its header (None if there is none)."""
+        with self._lock:
+            e = self._entries.get((namespace, token_key(tokens)))
+        try:
+            h = fmt.read_header(e.path) if e is not None else None
+        except (OSError, CorruptCheckpoint, NewerFormat):
+            return None
+        return FileInfo(e.path, h, h.file_size, h.raw_bytes, 0.0) if h is not None else None
+
+    def is_pinned(self, namespace: str, tokens: Sequence[int]) -> bool:
+        """Whether a name pins the checkpoint of exactly `tokens`."""
+        return (namespace, token_key(tokens)) in set(self.catalog.pins().values())
+
     def has_durable_prefix(self, tokens: Sequence[int], namespace: str) -> bool:
         """Whether a committed file can serve exactly `tokens` (exact, or trimmable and longer)."""
         return self.contains(tokens, namespace) or self.index.covers(tokens, namespace)
@@ -197,7 +211,7 @@ class CheckpointStore(Upkeep):
         """Final path for a checkpoint of `tokens`; creates the namespace dir."""
         return make_private_dir(self.root / validate_namespace(namespace)) / (token_key(tokens) + SUFFIX)
 
-    def commit(self, tmp: Path, info: FileInfo, write_id: int | None = None) -> None:
+    def commit(self, tmp: Path, info: FileInfo, write_id: int | None = None, new_blocks: dict | None = None) -> None:
         """Rename a finished temp file into place and record it with its block references,
         in one transaction that also ends the write's block claims (writer thread)."""
         h = info.header
@@ -209,6 +223,8 @@ class CheckpointStore(Upkeep):
             except (OSError, CorruptCheckpoint):
                 pass
             old = self.catalog.file(h.namespace, token_key(h.tokens))
+            if new_blocks:
+                self.catalog.add_blocks(new_blocks, db)
             os.replace(tmp, info.path)
             freed = self.catalog.add_file(db, _row(Path(info.path), h))
             if old is not None and old.path != str(info.path):  # a format 1 file of the same tokens

@@ -73,17 +73,15 @@ class Upkeep:
         self._reconcile_blocks()
         self.sync()
 
-    def _reconcile_blocks(self) -> None:
-        """Block files without a row are recorded (then freed if nothing references them);
-        rows whose file vanished are dropped (a later write of that block restores it)."""
+    def _reconcile_blocks(self, free: bool = True) -> None:
+        """Block files without a row are recorded (then, with `free`, removed if nothing
+        references or claims them); rows whose file vanished are dropped (a later
+        write of that block brings it back)."""
         known = self.catalog.blocks()
-        on_disk = {}
-        for d in sorted(self.blocks_root.iterdir()) if self.blocks_root.is_dir() else ():
-            if d.is_dir():
-                self._clean_stale_temps(d)
-                for n in os.listdir(d):
-                    if n.endswith(blocks.SUFFIX) and not n.startswith("."):
-                        on_disk[n[: -len(blocks.SUFFIX)]] = d / n
+        d = self.blocks_root
+        self._clean_stale_temps(d)
+        on_disk = {n[: -len(blocks.SUFFIX)]: d / n for n in os.listdir(d)
+                   if n.endswith(blocks.SUFFIX) and not n.startswith(".")}
         unknown = {}
         for name, p in on_disk.items():
             if name not in known:
@@ -96,7 +94,8 @@ class Upkeep:
         with self.catalog.transaction() as db:
             for name in set(known) - set(on_disk):
                 self.catalog.drop_block(db, name)
-            self._unlink_blocks(self.catalog.free_blocks(db, list(unknown)))
+            if free:
+                self._unlink_blocks(self.catalog.free_blocks(db, list(unknown)))
 
     def _unlink_blocks(self, freed: list[tuple[str, int]]) -> None:
         for name, _ in freed:
@@ -200,9 +199,8 @@ class Upkeep:
         """Quarantined files, temp files of crashed writers and blocks no manifest
         references (and no live writer claims): what goes, listed."""
         quarantined = sorted((self.root / QUARANTINE).iterdir())
-        temps = [p for d in self._namespace_dirs() + [d for d in self.blocks_root.iterdir() if d.is_dir()]
-                 for p in self._clean_stale_temps(d, dry_run=True)]
-        self._reconcile_blocks()  # block files a killed writer left without a row get one
+        temps = [p for d in self._namespace_dirs() + [self.blocks_root] for p in self._clean_stale_temps(d, dry_run=True)]
+        self._reconcile_blocks(free=False)  # block files a killed writer left without a row get one
         with self.catalog.transaction() as db:
             freed = self.catalog.free_blocks(db)
             if dry_run:

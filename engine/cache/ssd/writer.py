@@ -91,6 +91,7 @@ class CheckpointWriter:
         self.under_pressure = under_pressure or (lambda: False)
         self.yield_to_generation = True  # off only to measure what yielding buys
         self.gate = gate or GenerationGate()  # shared with the reader (tiered.py)
+        self.on_committed: Callable[[Any], None] | None = None  # writer thread, after each publish (remote tier)
         self._cv = threading.Condition()
         self._queue: collections.deque = collections.deque()  # jobs
         self._done: list = []  # (job, completion), emptied by poll()
@@ -263,6 +264,11 @@ class CheckpointWriter:
             entry = self.store.publish(info)
             if job.on_commit is not None:
                 job.on_commit(info)
+            if self.on_committed is not None and not job.urgent:  # in-flight intervals stay local
+                try:
+                    self.on_committed(info)
+                except Exception:
+                    pass  # publication is best effort; its own failures are reported by its queue
             return Completion(job.key, True, None, info.path, done.bytes_written, time.perf_counter() - t0, job.namespace,
                               n, entry)
         except Exception as exc:

@@ -1,0 +1,130 @@
+"""Remote-tier hits against a cold prefill and a local SSD hit (SmolLM2, loopback Redis).
+
+    .venv/bin/python benchmarks/bench_remote_ttft.py [--lengths 2048 8192] [--repeat 3] [--cold-max 2048]
+
+A machine publishes a prompt's KV (its blocks and signed prefix records) to a
+redis-server this benchmark starts; then, each in a fresh process: another
+machine's engine (its own empty cache directory) reruns the prompt and is
+served from the remote; the publishing machine's directory, restarted without
+a remote, is served from its SSD; and a cold engine prefills. Prompts longer
+than --cold-max use KV tiled from a real prefill (same shapes and value
+distribution; a cold 8k prefill takes minutes here), so their cold TTFT is
+taken from the measured prefill rate instead (marked "estimated").
+Target: remote hit <= 0.1x cold at 2k. Prints one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import default_model, emit, median, prompt_tokens
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from redis_servers import RedisServer, missing  # noqa: E402
+
+SECRET = "bench-team-secret-0123456789"
+PW = "bench-pw-123"
+
+
+def _engine(cache_dir: str, url: str | None):
+    from mlxcache_kernel.engine import Engine
+
+    eng = Engine(cache_dir=cache_dir, remote_url=url, remote_secret=SECRET, prefetch_budget_bytes=0)  # a lookup's hit
+    eng.load_model(default_model(), name="m")
+    return eng
+
+
+def _publish(cache_dir: str, url: str, n: int, cold_max: int) -> dict:
+    """The first machine: its state for an n-token prompt, committed and published."""
+    from bench_storage import make_checkpoint, real_kv
+
+    from mlxcache_kernel.engine import SamplingParams
+
+    eng = _engine(cache_dir, url)
+    tok = eng.models.get("m").tokenizer
+    if n <= cold_max:  # a real run: its TTFT is the cold reference
+        ids = prompt_tokens(tok, n)
+        r = eng.generate_tokens(ids, SamplingParams(max_tokens=1), model="m")
+        cold, rate = r.stats["ttft_s"], r.stats["prefill_tokens_per_s"]
+    else:  # tiled real KV for the first n-1 tokens (what a rerun of the prompt reuses)
+        ids = list(range(1, n)) + [7]  # make_checkpoint's state holds tokens 1..n-1
+        base, _ = real_kv(2048)
+        eng.cache.put(make_checkpoint(n - 1, base), eng.models.get("m").namespace)
+        cold, rate = None, None
+    report = eng.flush()
+    eng.close()
+    return {"ids": ids, "cold_s": cold, "prefill_tokens_per_s": rate, "publish_failed": report["remote_failed"]}
+
+
+def _child(cache_dir: str, url: str, ids_file: str) -> None:
+    """One rerun in a fresh process: prints its TTFT, source and the remote bytes moved."""
+    from mlxcache_kernel.engine import SamplingParams
+
+    ids = json.loads(Path(ids_file).read_text())
+    eng = _engine(cache_dir, url or None)
+    r = eng.generate_tokens(ids, SamplingParams(max_tokens=1), model="m")
+    s = eng.stats()
+    print(json.dumps({"ttft_s": r.stats["ttft_s"], "source": r.stats["cache_source"],
+                      "cached": r.stats["cached_tokens"], "remote_bytes_read": s["remote_bytes_read"]}))
+    eng.close()
+
+
+def _run_child(*args) -> dict:
+    out = subprocess.run([sys.executable, __file__, "_child", *args], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["_child"]:
+        _child(*sys.argv[2:5])
+        return
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--cold-max", type=int, default=2048)
+    args = ap.parse_args()
+    if missing():
+        raise SystemExit(missing())
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        server = RedisServer(Path(d) / "redis", password=PW).start()
+        try:
+            url = server.url(password=PW)
+            for n in args.lengths:
+                server.client().flushall()
+                a = str(Path(d) / f"a{n}")
+                pub = _publish(a, url, n, args.cold_max)
+                ids_file = Path(d) / f"ids{n}.json"
+                ids_file.write_text(json.dumps(pub["ids"]))
+                remote = [_run_child(str(Path(d) / f"b{n}-{i}"), url, str(ids_file)) for i in range(args.repeat)]
+                ssd = [_run_child(a, "", str(ids_file)) for _ in range(args.repeat)]
+                assert all(r["source"] == "remote" for r in remote), remote
+                assert all(r["source"] == "ssd" for r in ssd), ssd
+                row = {"tokens": n, "remote_hit_ttft_s": median([r["ttft_s"] for r in remote]),
+                       "ssd_hit_ttft_s": median([r["ttft_s"] for r in ssd]),
+                       "remote_bytes_per_hit": remote[0]["remote_bytes_read"], "cached_tokens": remote[0]["cached"],
+                       "publish_failed": pub["publish_failed"]}
+                if pub["cold_s"] is not None:
+                    row["cold_ttft_s"] = pub["cold_s"]
+                    row["remote_over_cold"] = round(row["remote_hit_ttft_s"] / pub["cold_s"], 4)
+                    row["prefill_tokens_per_s"] = pub["prefill_tokens_per_s"]
+                row["remote_over_ssd"] = round(row["remote_hit_ttft_s"] / row["ssd_hit_ttft_s"], 3)
+                rows.append(row)
+        finally:
+            server.stop()
+    for row in rows:  # longer prompts: cold estimated from the shorter run's measured prefill rate
+        if "cold_ttft_s" not in row and rows[0].get("prefill_tokens_per_s"):
+            est = row["tokens"] / rows[0]["prefill_tokens_per_s"]  # optimistic: attention grows with length
+            row["cold_ttft_s_estimated"] = round(est, 2)
+            row["remote_over_cold_estimated"] = round(row["remote_hit_ttft_s"] / est, 4)
+    emit({"case": "remote_ttft", "model": default_model(), "target": "remote hit <= 0.1x cold at 2k",
+          "repeat": args.repeat, "results": rows})
+
+
+if __name__ == "__main__":
+    main()
