@@ -247,6 +247,9 @@ def test_round_trip_with_acl_user(server):
         s = tier.stats()
         assert (s["blocks_uploaded"], s["blocks_skipped"], s["hits"], s["errors"]) == (5, 5, 5, 0)
         assert c.ttl(KeySpace().block(blocks[0][0])) > 3600  # refreshed by the second publication
+        c.expire(KeySpace().block(blocks[1][0]), 50)
+        assert tier.get_blocks([blocks[1][0]]) == [values[1]]
+        assert c.ttl(KeySpace().block(blocks[1][0])) > 3600  # and by a read: blocks in use stay
         assert s["get_bandwidth_bytes_per_s"] > 0 and s["latency_s"] > 0
 
 

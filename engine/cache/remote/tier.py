@@ -189,7 +189,8 @@ class RemoteTier:
             chunk = keys[first:first + self.probe_batch]
             t0 = time.perf_counter()
             try:
-                values = self._pipe("probe", lambda p: [p.get(self.keys.record(k)) for k in chunk])
+                # GETEX: a record (and below, a block) in use lives another TTL
+                values = self._pipe("probe", lambda p: [p.getex(self.keys.record(k), ex=self.ttl_s) for k in chunk])
             except RemoteError:
                 break  # counted; the records already verified stay good
             self.meter.round_trip(time.perf_counter() - t0)
@@ -215,7 +216,8 @@ class RemoteTier:
         for chunk in ([] if why else _chunks(names, GET_BATCH)):
             t0 = time.perf_counter()
             try:
-                values = self._pipe("read blocks", lambda p, c=chunk: [p.get(self.keys.block(n)) for n in c])
+                values = self._pipe("read blocks",
+                                    lambda p, c=chunk: [p.getex(self.keys.block(n), ex=self.ttl_s) for n in c])
             except RemoteError as e:
                 why = str(e)
                 break
