@@ -151,3 +151,24 @@ def test_named_mode_publishes_only_named_checkpoints(server, tiny_model_dir, tmp
     with engine(tmp_path / "c", tiny_model_dir, url) as c:
         hit = run(c, prompt_ids(300, seed=2))
         assert hit.stats["cache_source"] == "remote" and hit.tokens == other.tokens != cold.tokens
+
+
+def test_server_killed_between_probe_and_block_reads_is_a_miss(server, tiny_model_dir, tmp_path, monkeypatch):
+    from mlxcache_kernel.engine.cache.remote.tier import RemoteTier
+
+    url = server.url(password=PW)
+    with engine(tmp_path / "a", tiny_model_dir, url) as a:
+        cold = run(a)
+        a.flush()
+    read_blocks = RemoteTier.get_blocks
+
+    def killed_first(self, names):  # the records were found; the server dies before the blocks come
+        server.kill()
+        return read_blocks(self, names)
+
+    monkeypatch.setattr(RemoteTier, "get_blocks", killed_first)
+    with engine(tmp_path / "b", tiny_model_dir, url) as b:
+        r = run(b)
+        assert r.stats["cache_source"] is None and r.tokens == cold.tokens
+        s = b.stats()
+        assert s["remote_misses"] == 1 and s["remote_hits"] == 0 and PW not in str(s)
