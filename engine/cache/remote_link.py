@@ -34,6 +34,7 @@ from .remote.tier import RemoteMiss, RemoteTier
 from .ssd import blocks
 from .ssd import format as fmt
 from .ssd.blocks import CorruptBlock
+from .ssd.restore import empty_buffer
 
 PUBLISH_MODES = ("all", "named", "none")
 DEFAULT_PREFILL_TOKENS_PER_S = 100.0  # until this namespace's prefill rate is measured
@@ -63,8 +64,12 @@ class RemoteLink:
         if not records or records[-1].end <= have:
             return None
         layout = records[-1].layout
-        specs = [(name, dtype, tuple(shape)) for name, dtype, shape in layout["tensors"]]
-        per_token = sum(int(np.prod(s[:-2] + s[-1:])) * fmt.host_dtype(d).itemsize for _, d, s in specs)
+        try:  # signed by a team member, but maybe by another build: a layout we cannot use is a miss
+            specs = [(str(name), str(dtype), tuple(int(x) for x in shape)) for name, dtype, shape in layout["tensors"]]
+            per_token = sum(int(np.prod(s[:-2] + s[-1:])) * fmt.host_dtype(d).itemsize for _, d, s in specs)
+        except (KeyError, TypeError, ValueError) as e:
+            self.counters["remote_misses"] += 1
+            raise RemoteMiss(f"remote record has an unusable layout: {e}") from None
         rate = self.prefill_rate(ns) or DEFAULT_PREFILL_TOKENS_PER_S
         if not self.tier.worth_fetching(records[-1].end - have, per_token, rate, block_size=bt):
             self.counters["remote_skipped"] += 1
@@ -80,7 +85,7 @@ class RemoteLink:
             return None
         try:
             cp = self._build(prompt[:n], layout, specs, values, [r.block for r in records])
-        except (CorruptBlock, ValueError, KeyError, TypeError) as e:
+        except (CorruptBlock, ValueError, KeyError, TypeError, AttributeError) as e:
             self.counters["remote_misses"] += 1
             raise RemoteMiss(f"remote blocks do not rebuild a checkpoint: {e}") from None
         self.counters["remote_hits"] += 1
@@ -94,7 +99,7 @@ class RemoteLink:
         arrays, views = {}, []
         for name, dtype, shape in specs:  # MLX buffers the blocks are copied into
             full = (*shape[:-2], n, shape[-1])
-            a = mx.empty(full, dtype=mx.uint16 if dtype == "bfloat16" else getattr(mx, dtype))
+            a = empty_buffer(dtype, full)
             arrays[name] = (a, dtype)
         mx.eval([a for a, _ in arrays.values()])
         views = [np.asarray(a) for a, _ in arrays.values()]

@@ -25,6 +25,12 @@ from .store import CheckpointStore
 _MX_NAMES = {"bool": "bool_"}
 
 
+def empty_buffer(dtype: str, shape) -> mx.array:
+    """An unevaluated MLX buffer for a stored tensor (bfloat16 as its uint16 bits): every
+    byte is overwritten, and verified, before anyone sees it, so it is not zeroed."""
+    return mx.empty(shape, dtype=mx.uint16 if dtype == "bfloat16" else getattr(mx, _MX_NAMES.get(dtype, dtype)))
+
+
 class Restore:
     def __init__(self, store: CheckpointStore, entry: IndexEntry, *, touch: bool = True):
         """Open `entry` and allocate its buffers (owner thread); CheckpointUnavailable on a miss.
@@ -52,8 +58,7 @@ class Restore:
 
     def _allocate(self, name, dtype, shape):
         host = fmt.host_dtype(dtype)
-        # every byte is overwritten (and verified) before anyone sees it: no need to zero it
-        a = mx.empty(shape, dtype=mx.uint16 if dtype == "bfloat16" else getattr(mx, _MX_NAMES.get(dtype, dtype)))
+        a = empty_buffer(dtype, shape)
         mx.eval(a)
         self._keep.append((name, dtype, a))
         view = np.asarray(a)
