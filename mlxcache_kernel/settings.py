@@ -114,8 +114,7 @@ def parse_bool(value, *, what: str = "flag") -> bool:
     raise ValueError(f"{what}: expected 0/1 (or true/false), got {value!r}")
 
 
-def _env_number(name: str, fallback: str, cast, unit: str):
-    raw = _env(name, fallback)
+def _number(name: str, raw: str, cast, unit: str):
     try:
         return cast(raw)
     except ValueError:
@@ -125,6 +124,17 @@ def _env_number(name: str, fallback: str, cast, unit: str):
 def _env(name: str, fallback: str) -> str:
     value = os.environ.get(name)
     return fallback if value is None else value
+
+
+def _from_env(trait: str, env: str, fallback: str, parse=None):
+    """A trait's dynamic default: `env` (or `fallback`), parsed, read when the settings are created."""
+
+    @default(trait)
+    def read(self):
+        raw = _env(env, fallback)
+        return raw if parse is None else parse(raw, env)
+
+    return read
 
 
 class MLXCache(Configurable):
@@ -168,53 +178,23 @@ class MLXCache(Configurable):
 
         return _env("MLXCACHE_CACHE_DIR", "") or str(default_cache_dir())
 
-    @default("ram_budget")
-    def _ram_budget_default(self):
-        return _env("MLXCACHE_RAM_BUDGET", "auto")
-
-    @default("ssd_budget")
-    def _ssd_budget_default(self):
-        return _env("MLXCACHE_SSD_BUDGET", "none")
-
-    @default("prefetch_budget")
-    def _prefetch_budget_default(self):
-        return _env("MLXCACHE_PREFETCH_BUDGET", "auto")
-
-    @default("ssd")
-    def _ssd_default(self):
-        return parse_bool(_env("MLXCACHE_SSD", "1"), what="MLXCACHE_SSD")
-
-    @default("write_behind")
-    def _write_behind_default(self):
-        return parse_bool(_env("MLXCACHE_WRITE_BEHIND", "1"), what="MLXCACHE_WRITE_BEHIND")
-
-    @default("default_model")
-    def _default_model_default(self):
-        return _env("MLXCACHE_DEFAULT_MODEL", DEFAULT_MODEL_ALIAS)
-
-    @default("prefill_chunk")
-    def _prefill_chunk_default(self):
-        return _env_number("MLXCACHE_PREFILL_CHUNK", "512", int, "a number of tokens")
-
-    @default("shutdown_flush_s")
-    def _shutdown_flush_default(self):
-        return _env_number("MLXCACHE_SHUTDOWN_FLUSH_S", "3.5", float, "seconds")
-
-    @default("idle_demote_s")
-    def _idle_demote_default(self):
-        return _env_number("MLXCACHE_IDLE_DEMOTE_S", "0", float, "seconds")
-
-    @default("remote_url")
-    def _remote_url_default(self):
-        return _env("MLXCACHE_REMOTE_URL", "")
-
-    @default("remote_secret")
-    def _remote_secret_default(self):
-        return _env("MLXCACHE_REMOTE_SECRET", "")
-
-    @default("remote_publish")
-    def _remote_publish_default(self):
-        return _env("MLXCACHE_REMOTE_PUBLISH", "all")
+    # Each setting's default is its environment variable, read when the settings are created.
+    _ram_budget_default = _from_env("ram_budget", "MLXCACHE_RAM_BUDGET", "auto")
+    _ssd_budget_default = _from_env("ssd_budget", "MLXCACHE_SSD_BUDGET", "none")
+    _prefetch_budget_default = _from_env("prefetch_budget", "MLXCACHE_PREFETCH_BUDGET", "auto")
+    _ssd_default = _from_env("ssd", "MLXCACHE_SSD", "1", lambda raw, env: parse_bool(raw, what=env))
+    _write_behind_default = _from_env("write_behind", "MLXCACHE_WRITE_BEHIND", "1",
+                                      lambda raw, env: parse_bool(raw, what=env))
+    _default_model_default = _from_env("default_model", "MLXCACHE_DEFAULT_MODEL", DEFAULT_MODEL_ALIAS)
+    _prefill_chunk_default = _from_env("prefill_chunk", "MLXCACHE_PREFILL_CHUNK", "512",
+                                       lambda raw, env: _number(env, raw, int, "a number of tokens"))
+    _shutdown_flush_default = _from_env("shutdown_flush_s", "MLXCACHE_SHUTDOWN_FLUSH_S", "3.5",
+                                        lambda raw, env: _number(env, raw, float, "seconds"))
+    _idle_demote_default = _from_env("idle_demote_s", "MLXCACHE_IDLE_DEMOTE_S", "0",
+                                     lambda raw, env: _number(env, raw, float, "seconds"))
+    _remote_url_default = _from_env("remote_url", "MLXCACHE_REMOTE_URL", "")
+    _remote_secret_default = _from_env("remote_secret", "MLXCACHE_REMOTE_SECRET", "")
+    _remote_publish_default = _from_env("remote_publish", "MLXCACHE_REMOTE_PUBLISH", "all")
 
     # --- resolved values ---
 
