@@ -58,7 +58,7 @@ class RemoteLink:
         if it is longer than `have` and worth fetching; None otherwise."""
         bt = blocks.BLOCK_TOKENS
         cap = len(prompt) - 1
-        if cap // bt * bt <= have:
+        if cap // bt * bt - have < self.tier.min_fetch_tokens:  # too short to beat a prefill: no round trip
             return None
         records = self.tier.probe(ns, prompt[: cap // bt * bt], bt)
         if not records or records[-1].end <= have:

@@ -129,10 +129,6 @@ class SpanViews:
         return [v[start * row : end * row] for views, row in self._leads for v in views]
 
 
-def runs(arrays: Sequence[np.ndarray], start: int, end: int) -> list[memoryview]:
-    return SpanViews(arrays).runs(start, end)
-
-
 def name_of(head: bytes, data: Sequence[memoryview]) -> str:
     h = blake3.blake3(head)
     for mv in data:

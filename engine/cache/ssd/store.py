@@ -294,9 +294,7 @@ class CheckpointStore(Upkeep):
             s["files"] = len(self._entries)
             s["kv_bytes"] = sum(e.raw_bytes for e in self._entries.values())
             s["budget_bytes"] = self.ssd_budget_bytes
-        blocks_now = self.catalog.blocks()
-        s["blocks"] = len(blocks_now)
-        s["block_bytes"] = sum(blocks_now.values())
+        s["blocks"], s["block_bytes"] = self.catalog.block_totals()
         with self._lock:  # unique bytes: each manifest or file once, each block once
             s["bytes"] = sum(e.file_bytes for e in self._entries.values()) + s["block_bytes"]
         processes = self.catalog.processes()
