@@ -47,9 +47,8 @@ def _inline_digests(job) -> list[str]:
     return out
 
 
-def _same_as_stored(store: CheckpointStore, job, refs: list[BlockRef]) -> fmt.FileInfo | None:
-    """The stored manifest of these tokens, if it holds exactly this state."""
-    path = store.prepare_path(job.namespace, job.tokens)
+def _same_as_stored(store: CheckpointStore, job, refs: list[BlockRef], path) -> fmt.FileInfo | None:
+    """The stored manifest at `path` (these tokens'), if it holds exactly this state."""
     try:
         h = fmt.read_header(path)
     except (OSError, fmt.CorruptCheckpoint, fmt.NewerFormat):
@@ -85,19 +84,17 @@ def persist(store: CheckpointStore, job, *, pause: Callable[[], None] | None = N
                     if r.name in missing or not blocks.block_path(store.blocks_root, r.name).exists()}
         total = sum(r.nbytes for r, _, _ in to_write.values())
         inline_bytes = sum(h.nbytes for h in job.host_tensors if not getattr(h, "span", False))
-        done, dirs = 0, set()
+        done = 0
         for r, head, data in to_write.values():
-            block_file = blocks.block_path(store.blocks_root, r.name)
-            blocks.write(block_file, head, data, pause)
-            dirs.add(block_file.parent)
+            blocks.write(blocks.block_path(store.blocks_root, r.name), head, data, pause)
             done += r.nbytes
             if progress is not None:
                 progress(done, total + inline_bytes)
-        for d in dirs:
-            fsync_dir(d)
+        if to_write:  # one directory holds every block: one fsync makes their renames durable
+            fsync_dir(store.blocks_root)
         new_blocks = {r.name: r.nbytes for r, _, _ in to_write.values()}
         saved = sum(r.nbytes for r in refs) - total
-        stored = _same_as_stored(store, job, refs) if not to_write else None
+        stored = _same_as_stored(store, job, refs, path) if not to_write else None
         if stored is not None:
             return Persisted(stored, 0, saved + stored.file_bytes)
         info = fmt.write_checkpoint(
