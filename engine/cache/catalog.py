@@ -250,9 +250,10 @@ class Catalog:
         db.execute("DELETE FROM pending WHERE pid=? AND write_id=?", (self.pid, write_id))
         return names
 
-    def free_blocks(self, db: sqlite3.Connection, names=None) -> list[tuple[str, int]]:
+    def free_blocks(self, db: sqlite3.Connection, names=None, dry_run: bool = False) -> list[tuple[str, int]]:
         """Forget the blocks among `names` (all when None) that no manifest references and
-        no live writer claims; returns (name, bytes) of each, for the caller to unlink."""
+        no live writer claims; returns (name, bytes) of each, for the caller to unlink
+        (dry_run: only list them)."""
         now = time.time()
         for pid, since in db.execute("SELECT pid, MAX(since) FROM pending GROUP BY pid").fetchall():
             if not pid_alive(pid) or now - since > LEASE_TTL_S:
@@ -266,7 +267,8 @@ class Catalog:
             if db.execute("SELECT 1 FROM pending WHERE block=? LIMIT 1", (n,)).fetchone():
                 continue
             row = db.execute("SELECT bytes FROM blocks WHERE name=?", (n,)).fetchone()
-            db.execute("DELETE FROM blocks WHERE name=?", (n,))
+            if not dry_run:
+                db.execute("DELETE FROM blocks WHERE name=?", (n,))
             out.append((n, row[0] if row else 0))
         return out
 

@@ -202,11 +202,8 @@ class Upkeep:
         temps = [p for d in self._namespace_dirs() + [self.blocks_root] for p in self._clean_stale_temps(d, dry_run=True)]
         self._reconcile_blocks(free=False)  # block files a killed writer left without a row get one
         with self.catalog.transaction() as db:
-            freed = self.catalog.free_blocks(db)
-            if dry_run:
-                db.execute("ROLLBACK")
-                db.execute("BEGIN")  # the context manager commits this empty one
-            else:
+            freed = self.catalog.free_blocks(db, dry_run=dry_run)
+            if not dry_run:
                 self._unlink_blocks(freed)
         if not dry_run:
             for p in quarantined + temps:
