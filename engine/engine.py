@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from . import blas
+from .batch import DEFAULT_BATCH_SIZE, BatchRun, batch_seeds, row_tokens
 from .cache.remote_link import attach as attach_remote, flush as flush_remote
 from .cache.tiered import TieredPromptCache
 from .events import EventBus
@@ -193,6 +194,48 @@ class Engine(StateMethods):
         if session is not None:
             self.sessions.get(session).record_turn(prompt, result.text, tokens, result.tokens)
         return result
+
+    def generate_batch(
+        self,
+        prompts: Sequence,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        seed: int | Sequence[int] = 0,
+        model: str | None = None,
+        *,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: Sequence[str] = (),
+        system: str | None = None,
+        raw: bool = False,
+        use_cache: bool = True,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        on_progress: Callable[[str, int, int], None] | None = None,
+        on_row: Callable[[int, GenerationResult], None] | None = None,
+    ) -> list[GenerationResult]:
+        """One GenerationResult per prompt (a string, or a list of token ids), in order (batch.py).
+
+        Each row takes its longest cached prefix like `generate`; a prefix rows share is
+        prefilled once; the rows decode together (mlx-lm's BatchGenerator, `batch_size` at
+        a time). Row i samples with seed + i, or seed[i] when seed is a list. Stats per
+        row: those of `generate` (cached tokens: what the cache held before the batch) plus
+        batch_shared_tokens, batch_index, batch_rows, batch_mode ("batched" or "serial").
+        on_progress(phase, done, total): "restore"/"prefill" in tokens, "decode" in
+        generated tokens of the most possible; on_row(index, result) as each row finishes.
+        """
+        self._check_open()
+        self.poll(prepare=False)
+        m = self.models.get(model)
+        rows = row_tokens(prompts, lambda p: self.encode_prompt(p, model=m.name, system=system, raw=raw),
+                          _vocab_size(m))
+        params = [SamplingParams(max_tokens, float(temperature), float(top_p), int(top_k), s, tuple(stop))
+                  .validate(_vocab_size(m)) for s in batch_seeds(seed, len(rows))]
+        if not rows:
+            return []
+        results = BatchRun(self, m, rows, params, use_cache=use_cache, batch_size=batch_size,
+                           on_progress=on_progress, on_row=on_row).run()
+        self.last_result = results[-1]
+        return results
 
     def generate_tokens(
         self, tokens: Sequence[int], params: SamplingParams, *, model: str | None = None, **options
