@@ -106,13 +106,16 @@ class Engine(StateMethods):
     # --- models ---
 
     def load_model(self, path_or_id, name: str = "default", *, kv_bits: int | None = None,
-                   kv_group_size: int = 64) -> dict:
+                   kv_group_size: int = 64, adapter_path=None) -> dict:
         """Load a model; kv_bits (4 or 8) quantizes its KV cache (RAM and SSD hold the quantized bytes).
+        adapter_path: an mlx-lm LoRA adapter directory applied to it; its weights and config are part
+        of the cache namespace (the base model and each adapter keep caches of their own).
 
         Then its most recently used SSD checkpoints start loading into RAM in the
         background (up to the prefetch budget); "prefetch" in the result says how many.
         """
-        loaded = self.models.load(path_or_id, name, kv_bits=kv_bits, kv_group_size=kv_group_size)
+        loaded = self.models.load(path_or_id, name, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                                  adapter_path=adapter_path)
         self.cache.register_namespace(loaded.namespace, loaded.identity)
         self.events.emit("model_loaded", name=name, path=str(loaded.path), namespace=loaded.namespace)
         if loaded.cache_notice:

@@ -196,6 +196,11 @@ class GenerateMagics(EngineMagics):
                    "after a crash, kill or interrupt resumes from it")
     @argument("--no-cache", action="store_true", help="neither look up nor publish prompt caches")
     @argument("--literal", action="store_true", help="no {name} interpolation")
+    @argument("--batch", default=None, metavar="VAR",
+              help="the cell is a template over the items of VAR (a list, Series or DataFrame: {item}, "
+                   "{column}); the rows decode together and the result is a table")
+    @argument("--n", type=int, default=None, dest="samples", metavar="K",
+              help="K samples of the prompt (seeds s..s+K-1) from one prefill; with --batch, K per item")
     @cell_magic
     @usage_errors
     def generate(self, line, cell):
@@ -206,11 +211,15 @@ class GenerateMagics(EngineMagics):
         writes a literal {name}). The footer tells how many prompt tokens came
         from RAM, from SSD or were prefilled, the time to first token and the
         decode speed. Returns (and with --out stores) the result: .text,
-        .tokens, .stats.
+        .tokens, .stats. With --batch VAR or --n K, many prompts run as one batch (batch.py).
         """
         args = parse_args(self.generate, line)
         if args.out is not None and not args.out.isidentifier():
             raise UsageError(f"--out needs a variable name, got {args.out!r}")
+        if args.batch is not None or args.samples is not None:
+            from .batch import run_batch
+
+            return run_batch(self, args, cell, in_kernel=_in_kernel(self.shell))
         if args.checkpoint_every is not None and args.checkpoint_every < 1:
             raise UsageError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
         if args.checkpoint_every is not None and args.no_cache:
