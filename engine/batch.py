@@ -234,18 +234,22 @@ class BatchRun:
         generated = 0
         try:
             for step in itertools.count():
+                joined = []
                 while pending and len(active) < size:  # a row joins as another finishes
                     row = pending.popleft()
-                    caches = self._prepare(row)
                     p = row.gen.req.params
-                    [uid] = gen.insert([row.tokens[-1:]], max_tokens=[p.max_tokens], caches=[caches],
+                    [uid] = gen.insert([row.tokens[-1:]], max_tokens=[p.max_tokens], caches=[self._prepare(row)],
                                        all_tokens=[row.tokens[:-1]], samplers=[_sampler(p)])
                     active[uid] = row
+                    joined.append(row)
                 if not active:
                     break
                 responses = gen.next_generated()
                 if not responses:
                     raise RuntimeError("mlx-lm's BatchGenerator stopped before every row finished")
+                for row in joined:  # merged into the batch caches (a copy): the row's own caches can go
+                    if row.lease is not None:
+                        row.lease.release()
                 now = time.perf_counter()
                 for r in responses:
                     generated += 1
@@ -321,6 +325,8 @@ class BatchRun:
                 raise
             if self.use_cache:
                 g._publish_final(caches)
+            if row.lease is not None:
+                row.lease.release()
             self._result(row)
 
     def _result(self, row: Row) -> None:
