@@ -10,7 +10,8 @@ on the default model; wall time of, each from an empty cache:
 
 Then the same two engine contenders with the document already cached (a
 question asked before), and what the rows copy: mlx-lm merges every row's KV
-into its left-padded batch caches (`merge_copy_bytes`); `peak_memory_bytes` is
+into its left-padded batch caches (`merge_copy_bytes`), after each row's own caches held
+`row_own_cache_bytes` (all rows, as they join); `peak_memory_bytes` is
 MLX's peak during each contender. Greedy agreement of the batch with the serial
 loop is reported as it is (batch numerics differ from B = 1).
 
@@ -60,6 +61,27 @@ def fresh_engine(model: str, d: str) -> Engine:
     return eng
 
 
+class RowBytes:
+    """What each row's own caches hold when it joins the batch (instrumenting `BatchRun._prepare`):
+    a row whose first append copied the shared document holds it again; views of it hold nothing."""
+
+    def __init__(self):
+        from mlxcache_kernel.engine.batch import BatchRun
+
+        self.rows: list[int] = []
+        real = BatchRun._prepare
+
+        def prepare(run, row):
+            caches = real(run, row)
+            self.rows.append(sum(int(c.nbytes) for c in caches))
+            return caches
+
+        BatchRun._prepare = prepare
+
+
+ROW_BYTES = None
+
+
 def run_rows(model: str, doc: str, n: int, max_tokens: int, warm_doc: bool) -> dict:
     params = SamplingParams(max_tokens=max_tokens)
     out = {"rows": n, "doc_cached_before": warm_doc, "load_before": loadavg()}
@@ -71,6 +93,7 @@ def run_rows(model: str, doc: str, n: int, max_tokens: int, warm_doc: bool) -> d
                 eng.generate(f"Read this report.\n\n{doc}\n\nSummarize it.", max_tokens=1)
             prefilled0 = eng.stats()["engine_prefilled_tokens"]
             if name == "generate_batch":
+                ROW_BYTES.rows.clear()
                 rs, wall, peak = timed(lambda: eng.generate_batch(prompts, max_tokens=max_tokens))
             else:
                 rs, wall, peak = timed(lambda: [eng.generate_tokens(p, params) for p in prompts])
@@ -87,6 +110,7 @@ def run_rows(model: str, doc: str, n: int, max_tokens: int, warm_doc: bool) -> d
                 out[name]["merge_copy_bytes"] = int(per_token * sum(len(p) for p in prompts))
                 out[name]["batch_cache_bytes"] = int(per_token * width * n)
                 out[name]["kv_bytes_per_token"] = per_token
+                out[name]["row_own_cache_bytes"] = sum(ROW_BYTES.rows)  # before the merge, all rows
             eng.flush()
     if not warm_doc:
         import mlx_lm
@@ -111,6 +135,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--skip-warm", action="store_true", help="skip the runs with the document cached beforehand")
     args = ap.parse_args()
+    global ROW_BYTES
+    ROW_BYTES = RowBytes()
     model = default_model()
     with tempfile.TemporaryDirectory() as d, fresh_engine(model, d) as eng:
         tok = eng.models.get().tokenizer
