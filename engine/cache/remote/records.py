@@ -1,51 +1,97 @@
 """Prefix records: what a prefix key points at, sealed with a keyed BLAKE3 MAC.
 
-    value = b"MXR1" || tag (32 bytes) || JSON body
-    tag   = BLAKE3-keyed(mac_key, prefix key || body)
+    value = b"MXR2" || tag (32 bytes) || JSON body
+    tag   = BLAKE3-keyed(mac key, kind || prefix key || body)
 
-The body names the block holding this span of KV, the span, the namespace
-and the engine's small layout JSON (opaque here). The tag covers the prefix
-key too, so a record copied to another prefix's key fails: otherwise anyone
-able to write to the server could make a prompt load another prompt's KV.
-The MAC key is derived from the team secret; without a secret the tag is an
-unkeyed BLAKE3, which catches damage but not forgery (a remote only trusted
-users can write to). Blocks need no MAC: their name is their hash, and a
-record that passed its MAC chose the name.
+Two kinds hang from a prefix key (the chain key of full blocks 0..i):
+
+- a chain record (kind "c"): block i's name and the engine's layout JSON
+  (opaque here), so a reader can rebuild the first i+1 blocks of KV. A
+  chain record without a layout is a marker: the prefix continues (towards
+  an exact record), but its blocks alone are no usable state.
+- an exact record (kind "x"): up to MAX_EXACT_STATES whole checkpoints
+  whose state is exact only at its own length (recurrent, a wrapped ring),
+  each the prefix's full blocks plus `tail`, the few tokens after them, and
+  the manifest that holds the inline state and names its blocks (a prompt's
+  boundary and the end of its answer often share their full blocks).
+
+Every body carries the key id of the secret that sealed it (rotation) and
+its issue time: a record older than `max_age_s`, or issued more than a day
+ahead of this clock, is stale. The tag covers the kind and the prefix key,
+so a record copied to another key fails: otherwise anyone able to write to
+the server could make a prompt load another prompt's KV.
+
+`unseal` is the only parser of what the server returns, and it never
+raises: anything but a well-formed, verified, fresh record of the expected
+kind is (None, reason). Nothing here is parsed before its size is bounded
+(the caller reads at most MAX_RECORD_BYTES).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Sequence
 
 import blake3
 
-from .keys import is_block_name
+from .keys import REMOTE_FORMAT, TeamKeys, is_block_name
 
-MAGIC = b"MXR1"
+MAGIC = b"MXR2"
 TAG_BYTES = 32
-MAX_LAYOUT_BYTES = 64 * 1024
-_MAC_CONTEXT = "mlxcache-kernel 2026-12 remote prefix record MAC v1"
+MAX_RECORD_BYTES = 64 * 1024  # a longer value at a record key is not read
+MAX_LAYOUT_BYTES = MAX_RECORD_BYTES - 1024
+MAX_AGE_S = 30 * 24 * 3600  # a record must be republished (re-sealed) within this
+MAX_SKEW_S = 24 * 3600  # clocks disagree; a record further in the future is refused
+MAX_VALUE_BYTES = 1 << 30  # no block or manifest is larger
+MAX_EXACT_STATES = 8  # exact states kept under one prefix key, newest first
+CHAIN, EXACT = "c", "x"
+_MAX_INDEX = 1 << 24
+_INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True)
 class RemoteRecord:
-    index: int  # the block's position: it covers tokens [start, end)
+    """A chain record: block `index` of a prefix covers tokens [start, end)."""
+
+    index: int
     start: int
     end: int
-    block: str  # the block's name (BLAKE3 hex of its value)
+    block: str | None  # the block's name (BLAKE3 hex of its value); None in a marker without blocks
     namespace: str
-    layout: dict = field(default_factory=dict, compare=False)
+    layout: dict | None = None  # None: a marker (the prefix continues; no plain state here)
+    key_id: str = ""
+    issued: int = 0
 
 
-def mac_key(secret: bytes | None) -> bytes | None:
-    """The 32-byte MAC key derived from the team secret (None: unkeyed tags)."""
-    if secret is None:
-        return None
-    if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
-        raise ValueError("the remote secret must be at least 16 bytes (bytes, not str)")
-    return blake3.blake3(bytes(secret), derive_key_context=_MAC_CONTEXT).digest()
+@dataclass(frozen=True)
+class ExactRecord:
+    """A whole checkpoint of (index + 1) full blocks plus `tail`, held by `manifest`."""
+
+    index: int
+    tail: tuple
+    manifest: str  # BLAKE3 hex of the manifest value
+    size: int  # the manifest's bytes
+    nbytes: int  # the manifest and every block it names: what a fetch reads
+    namespace: str
+    key_id: str = ""
+    issued: int = 0
+
+    def length(self, block_size: int) -> int:
+        return (self.index + 1) * block_size + len(self.tail)
+
+
+@dataclass(frozen=True)
+class ExactSet:
+    """The exact states under one prefix key (kind "x"), newest first."""
+
+    index: int
+    namespace: str
+    states: tuple  # of ExactRecord
+    key_id: str = ""
+    issued: int = 0
 
 
 def encode_layout(layout: dict) -> str:
@@ -58,31 +104,84 @@ def encode_layout(layout: dict) -> str:
     return text
 
 
-def _tag(prefix_key: bytes, body: bytes, key: bytes | None) -> bytes:
-    data = prefix_key + body
-    return blake3.blake3(data, key=key).digest() if key is not None else blake3.blake3(data).digest()
+def _tag(kind: str, prefix_key: bytes, body: bytes, keys: TeamKeys) -> bytes:
+    data = kind.encode() + prefix_key + body
+    return (blake3.blake3(data, key=keys.mac) if keys.mac is not None else blake3.blake3(data)).digest()
 
 
-def seal(prefix_key: bytes, rec: RemoteRecord, layout_json: str, key: bytes | None) -> bytes:
-    body = (f'{{"v":1,"index":{rec.index},"start":{rec.start},"end":{rec.end},'
-            f'"block":{json.dumps(rec.block)},"namespace":{json.dumps(rec.namespace)},'
-            f'"layout":{layout_json}}}').encode()
-    return MAGIC + _tag(prefix_key, body, key) + body
+def _seal(kind: str, prefix_key: bytes, fields: dict, keys: TeamKeys, now: float, raw_tail: str = "") -> bytes:
+    doc = {"v": REMOTE_FORMAT, "t": kind, "kid": keys.key_id, "iat": int(now), **fields}
+    text = json.dumps(doc, separators=(",", ":"))
+    body = (text[:-1] + raw_tail + "}" if raw_tail else text).encode()
+    return MAGIC + _tag(kind, prefix_key, body, keys) + body
 
 
-def unseal(prefix_key: bytes, value: bytes, key: bytes | None) -> RemoteRecord | None:
-    """The record, or None if its tag does not verify under `key` or its body is malformed."""
-    if not isinstance(value, bytes) or len(value) <= len(MAGIC) + TAG_BYTES or not value.startswith(MAGIC):
+def seal_chain(prefix_key: bytes, rec: RemoteRecord, layout_json: str | None, keys: TeamKeys, now: float) -> bytes:
+    fields = {"ns": rec.namespace, "i": rec.index, "start": rec.start, "end": rec.end, "block": rec.block}
+    return _seal(CHAIN, prefix_key, fields, keys, now, f',"layout":{layout_json or "null"}')
+
+
+def seal_exact(prefix_key: bytes, states: Sequence[ExactRecord], keys: TeamKeys, now: float) -> bytes:
+    """Up to MAX_EXACT_STATES states of one prefix key (the same index and namespace), newest first."""
+    states = list(states)[:MAX_EXACT_STATES]
+    fields = {"ns": states[0].namespace, "i": states[0].index, "states": [
+        {"tail": list(x.tail), "manifest": x.manifest, "size": x.size, "bytes": x.nbytes,
+         "iat": x.issued or int(now)} for x in states]}
+    return _seal(EXACT, prefix_key, fields, keys, now)
+
+
+def _no_floats(text):
+    raise ValueError(f"no floats or constants in a record: {text[:20]!r}")
+
+
+def _int(v, lo: int, hi: int) -> bool:
+    return type(v) is int and lo <= v <= hi
+
+
+def unseal(kind: str, prefix_key: bytes, value, keys: TeamKeys, *, now: float,
+           max_age_s: float = MAX_AGE_S) -> tuple[RemoteRecord | ExactSet | None, str | None]:
+    """(record, None), or (None, why): "mac" (not sealed by this secret for this key and kind),
+    "malformed" (verified but not a record this build reads) or "stale" (too old, or from the future)."""
+    head = len(MAGIC) + TAG_BYTES
+    if not isinstance(value, bytes) or not head < len(value) <= MAX_RECORD_BYTES or not value.startswith(MAGIC):
+        return None, "malformed"
+    body = value[head:]
+    if not hmac.compare_digest(value[len(MAGIC):head], _tag(kind, prefix_key, body, keys)):
+        return None, "mac"
+    try:  # deep nesting (RecursionError), huge integers, bad UTF-8: a miss like any other malformed body
+        d = json.loads(body, parse_float=_no_floats, parse_constant=_no_floats)
+        rec = _parse(kind, d, keys)
+    except Exception:  # noqa: BLE001 - a verified body from another build is still only a miss
+        return None, "malformed"
+    if rec is None:
+        return None, "malformed"
+    if not now - max_age_s <= rec.issued <= now + MAX_SKEW_S:
+        return None, "stale"
+    if kind == EXACT:
+        rec = dataclasses.replace(rec, states=tuple(x for x in rec.states if now - max_age_s <= x.issued))
+    return rec, None
+
+
+def _parse(kind: str, d, keys: TeamKeys):
+    if not (type(d) is dict and d.get("v") == REMOTE_FORMAT and d.get("t") == kind and d.get("kid") == keys.key_id
+            and _int(d.get("iat"), 0, 1 << 40) and _int(d.get("i"), 0, _MAX_INDEX)
+            and type(d.get("ns")) is str and 0 < len(d["ns"]) <= 1024):
         return None
-    tag, body = value[len(MAGIC):len(MAGIC) + TAG_BYTES], value[len(MAGIC) + TAG_BYTES:]
-    if not hmac.compare_digest(tag, _tag(prefix_key, body, key)):
+    if kind == CHAIN:
+        block, layout = d.get("block"), d.get("layout")
+        if not (_int(d.get("start"), 0, _MAX_INDEX << 12) and _int(d.get("end"), d["start"] + 1, _MAX_INDEX << 12)
+                and (block is None or is_block_name(block)) and (layout is None or type(layout) is dict)):
+            return None
+        return RemoteRecord(d["i"], d["start"], d["end"], block, d["ns"], layout, d["kid"], d["iat"])
+    states = d.get("states")
+    if type(states) is not list or not 0 < len(states) <= MAX_EXACT_STATES:
         return None
-    try:
-        d = json.loads(body)
-        rec = RemoteRecord(int(d["index"]), int(d["start"]), int(d["end"]), d["block"], d["namespace"],
-                           d["layout"])
-    except (ValueError, KeyError, TypeError):
-        return None
-    if d.get("v") != 1 or not is_block_name(rec.block) or not isinstance(rec.layout, dict):
-        return None
-    return rec
+    out = []
+    for x in states:
+        tail = x.get("tail") if type(x) is dict else None
+        if not (type(tail) is list and len(tail) <= 4096 and all(_int(t, 0, _INT32_MAX) for t in tail)
+                and is_block_name(x.get("manifest")) and _int(x.get("size"), 1, MAX_VALUE_BYTES)
+                and _int(x.get("bytes"), x["size"], 1 << 50) and _int(x.get("iat"), 0, d["iat"])):
+            return None
+        out.append(ExactRecord(d["i"], tuple(tail), x["manifest"], x["size"], x["bytes"], d["ns"], d["kid"], x["iat"]))
+    return ExactSet(d["i"], d["ns"], tuple(out), d["kid"], d["iat"])
