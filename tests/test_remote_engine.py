@@ -314,3 +314,46 @@ def test_server_killed_between_probe_and_block_reads_is_a_miss(server, tiny_mode
     with pytest.warns(UserWarning, match="failed or not finished at close") as said:  # its own publication
         b.close()
     assert PW not in str(said[0].message)
+
+
+NOTEBOOK_CELLS = [
+    "%config MLXCache", "%config MLXCache.remote_url", "%cache config",
+    "%%generate --max-tokens 4\nHello there, tell me a story about the sea and a lighthouse keeper.",
+    "%cache flush", "%cache stats", "%env", "%env MLXCACHE_REMOTE_PASSWORD", "%env MLXCACHE_REMOTE_URL",
+    "from mlxcache_kernel import get_engine\neng = get_engine()\n"
+    "w = eng.cache.remote.tier.writer._client  # the publication's redis-py client\n"
+    "eng.cache.remote.tier, w, w.connection_pool, eng.stats()['remote_url']",
+    "import logging\nlogging.getLogger('mlxcache_kernel').warning('%s', get_engine().cache.remote.tier)",
+    "%dashboard",
+]
+
+
+def test_no_credential_in_a_notebook_run_on_the_kernel(tiny_model_dir, spec_prefix, tmp_path):
+    """The password (in the URL and in $MLXCACHE_REMOTE_PASSWORD) and the secret never reach a
+    cell's output, the widget state or anything else nbformat saves."""
+    import os
+
+    import nbformat
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    from mlxcache_kernel.runner import execute_notebook
+
+    require("redis")
+    server = RedisServer(tmp_path / "redis", password=PW).start()
+    try:
+        env = dict(os.environ, MLXCACHE_CACHE_DIR=str(tmp_path / "cache"), MLXCACHE_DEFAULT_MODEL=str(tiny_model_dir),
+                   MLXCACHE_REMOTE_URL=server.url("default", PW), MLXCACHE_REMOTE_PASSWORD=PW,
+                   MLXCACHE_REMOTE_SECRET=SECRET, JUPYTER_PLATFORM_DIRS="1")
+        path = tmp_path / "credentials.ipynb"
+        nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in NOTEBOOK_CELLS]), path)
+        ksm = KernelSpecManager(kernel_dirs=[str(spec_prefix / "share" / "jupyter" / "kernels")])
+        nbformat.write(execute_notebook(path, env=env, kernel_spec_manager=ksm, timeout=300), path)
+        saved = path.read_text()
+        assert f"redis://***@127.0.0.1:{server.port}" in saved  # the cells ran and showed the tier
+        assert "remote_auth" in saved and "key id" in saved and "MLXCACHE_REMOTE_PASSWORD" in saved
+        assert "ConnectionPool" in saved and "<REDACTED>" in saved  # redis>=7.4 hides the password
+        for secret in (PW, SECRET):
+            assert secret not in saved, f"{secret!r} saved in the notebook"
+        assert server.client().dbsize() > 0  # and the tier was used: the generation was published
+    finally:
+        server.stop()
