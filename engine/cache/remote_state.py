@@ -106,7 +106,8 @@ def parse_layout(layout, block_tokens: int) -> SpanLayout | None:
         return None
     expected = set()
     for i, spec in enumerate(layers):
-        if not (type(spec) is dict and spec.get("kind") in CODECS and _int(spec.get("arrays"), 0, MAX_ARRAYS)
+        if not (type(spec) is dict and type(spec.get("kind")) is str and spec["kind"] in CODECS
+                and _int(spec.get("arrays"), 0, MAX_ARRAYS)
                 and type(spec.get("meta")) is dict and _plain(spec["meta"])):
             return None
         expected.update(f"layers.{i}.{j}" for j in range(spec["arrays"]))
