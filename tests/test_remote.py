@@ -188,8 +188,8 @@ def test_records_are_sealed_to_their_key_kind_and_secret():
     team = TeamKeys(SECRET)
     k1, k2 = (blake3.blake3(bytes([i])).digest() for i in (1, 2))
     now = time.time()
-    rec = RemoteRecord(3, 192, 256, "ab" * 32, "ns", {"layers": 2}, team.key_id, int(now))
-    value = seal_chain(k1, rec, json.dumps(rec.layout), team, now)
+    rec = RemoteRecord(3, 192, 256, "ab" * 32, "ns", b'{"layers":2}', team.key_id, int(now))
+    value = seal_chain(k1, rec, rec.layout.decode(), team, now)
     assert unseal("c", k1, value, team, now=now) == (rec, None)
     assert unseal("c", k1, value, TeamKeys(OTHER), now=now) == (None, "mac")  # another team
     assert unseal("c", k2, value, team, now=now) == (None, "mac")  # replayed under another prefix
@@ -282,7 +282,7 @@ def test_round_trip_with_acl_user(server):
         recs = found.records
         assert [r.block for r in recs] == [b.name for b in blocks] and found.key_id == tier.keys[0].key_id
         assert [(r.start, r.end) for r in recs] == [(i * BS, (i + 1) * BS) for i in range(5)]
-        assert recs[0].layout == {"layers": 4} and found.exact is None
+        assert json.loads(recs[0].layout) == {"layers": 4} and found.exact is None
         assert tier.get_blocks(items(blocks)) == values
         assert tier.probe("ns-acl", toks[: 3 * BS + 10], BS).records == recs[:3]  # a shorter prompt: its own blocks
         assert tier.probe("ns-acl", toks[:BS - 1], BS).records == []

@@ -1,9 +1,10 @@
 """Fuzzing what the remote tier parses: every malformed record or layout is a miss, never an exception.
 
 `unseal` (the one parser of record values) gets raw bytes and, behind a
-valid MAC, arbitrary JSON bodies and mutations of real records; `parse_layout`
-(what a chain record's layout becomes before anything is sized from it)
-gets arbitrary JSON and mutations of a real layout. The values are nasty
+valid MAC, arbitrary JSON bodies and mutations of real records (packed chain
+records with fields out of range, exact records' JSON); `parse_layout` (what
+a chain record's layout bytes become before anything is sized from them)
+gets arbitrary JSON and mutations of a real layout, as bytes and as values. The values are nasty
 on purpose: deep nesting, huge and negative numbers, floats, NaN and
 infinities, wrong types, unhashable keys, overflowing shapes, missing and
 extra fields, cut and corrupted text.
@@ -26,8 +27,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from mlxcache_kernel.engine.cache.remote import TeamKeys
-from mlxcache_kernel.engine.cache.remote.records import (CHAIN, EXACT, MAGIC, MAX_RECORD_BYTES, MAX_VALUE_BYTES,
-                                                         ExactSet, RemoteRecord, _tag, unseal)
+from mlxcache_kernel.engine.cache.remote.records import (CHAIN, CHAIN_HEAD, EXACT, MAGIC, MAX_RECORD_BYTES,
+                                                         MAX_VALUE_BYTES, ExactSet, RemoteRecord, _tag, unseal)
 from mlxcache_kernel.engine.cache.remote_state import SpanLayout, parse_layout
 
 EXAMPLES = {"raw": 10_000, "json_bodies": 2_000, "seeded_bodies": 30_000, "mutated_records": 24_000,
@@ -96,11 +97,29 @@ def check_unseal(kind: str, value) -> None:
         assert isinstance(rec, RemoteRecord if kind == CHAIN else ExactSet) and rec.key_id == KEYS.key_id
 
 
-def real_record(kind: str) -> dict:
-    base = {"v": 2, "t": kind, "kid": KEYS.key_id, "iat": int(NOW), "ns": "ns", "i": 3}
-    if kind == CHAIN:
-        return {**base, "start": 96, "end": 128, "block": "ab" * 32, "layout": real_layout()}
-    return {**base, "states": [{"tail": [1, 2], "manifest": "cd" * 32, "size": 10, "bytes": 20, "iat": int(NOW)}]}
+def real_exact() -> dict:
+    return {"v": 2, "t": EXACT, "kid": KEYS.key_id, "iat": int(NOW), "ns": "ns", "i": 3,
+            "states": [{"tail": [1, 2], "manifest": "cd" * 32, "size": 10, "bytes": 20, "iat": int(NOW)}]}
+
+
+def chain_body(rng: random.Random | None = None) -> bytes:
+    """A chain record's packed body: the real one, or (with rng) one with fields out of range,
+    a namespace of any bytes and a layout that is nasty, mutated or absent."""
+    fields = [2, 3, KEYS.key_id_bytes, int(NOW), 3, 96, 128, bytes(range(32)), 2]
+    widest = [255, 255, None, 2**64 - 1, 2**32 - 1, 2**32 - 1, 2**32 - 1, None, 2**16 - 1]  # what each field holds
+    ns, layout = b"ns", json.dumps(real_layout()).encode()
+    if rng is not None:
+        for _ in range(rng.randint(1, 3)):
+            i = rng.randrange(len(fields))
+            if widest[i] is None:  # key id, block digest
+                fields[i] = rng.randbytes(len(fields[i]))
+            else:
+                fields[i] = min(widest[i], rng.choice([0, 1, 2, 3, 4, 255, 2**16 - 1, 2**24 + 1, 2**32 - 1, 2**64 - 1,
+                                                       rng.randrange(2**16), int(NOW) + 10**6]))
+        ns = rng.choice([ns, rng.randbytes(rng.randrange(8)), "é".encode() * 3, b"\xff\xfe"])
+        layout = rng.choice([layout, b"", json.dumps(mutated(rng, real_layout())).encode(),
+                             json.dumps(nasty(rng)).encode()])
+    return CHAIN_HEAD.pack(*fields) + ns + layout
 
 
 def real_layout() -> dict:
@@ -165,13 +184,14 @@ def test_overflowing_shapes_are_misses(shape):
     layout["tensors"][0][2] = shape
     assert parse_layout(layout, BT) is None
     assert parse_layout(real_layout(), BT) is not None  # the real one parses
-    check_unseal(CHAIN, sealed(CHAIN, json.dumps(real_record(CHAIN)).encode()))
+    assert parse_layout(json.dumps(layout).encode(), BT) is None
 
 
-def test_the_real_record_parses():
-    for kind in (CHAIN, EXACT):
-        rec, why = unseal(kind, PREFIX, sealed(kind, json.dumps(real_record(kind)).encode()), KEYS, now=NOW)
+def test_the_real_records_parse():
+    for kind, body in ((CHAIN, chain_body()), (EXACT, json.dumps(real_exact()).encode())):
+        rec, why = unseal(kind, PREFIX, sealed(kind, body), KEYS, now=NOW)
         assert why is None and rec.index == 3
+    assert parse_layout(unseal(CHAIN, PREFIX, sealed(CHAIN, chain_body()), KEYS, now=NOW)[0].layout, BT) is not None
 
 
 # --- hypothesis ---
@@ -206,7 +226,8 @@ def test_unseal_seeded_nasty_bodies(kind, seed):
 @given(kind=st.sampled_from([CHAIN, EXACT]), seed=seeds)
 def test_unseal_mutated_real_records(kind, seed):
     rng = random.Random(seed)
-    check_unseal(kind, sealed(kind, damaged(rng, json.dumps(mutated(rng, real_record(kind))).encode())))
+    body = chain_body(rng) if kind == CHAIN else json.dumps(mutated(rng, real_exact())).encode()
+    check_unseal(kind, sealed(kind, damaged(rng, body)))
 
 
 @settings(max_examples=EXAMPLES["json_layouts"], **FUZZ)
@@ -218,5 +239,7 @@ def test_parse_any_json_layout(layout):
 @settings(max_examples=EXAMPLES["mutated_layouts"], **FUZZ)
 @given(seed=seeds)
 def test_parse_mutated_real_layouts(seed):
+    """As a record carries it (JSON bytes, maybe damaged) and as a parsed value."""
     rng = random.Random(seed)
-    check_layout(mutated(rng, real_layout()) if rng.random() < 0.9 else nasty(rng))
+    layout = mutated(rng, real_layout()) if rng.random() < 0.9 else nasty(rng)
+    check_layout(damaged(rng, json.dumps(layout).encode()) if rng.random() < 0.5 else layout)

@@ -20,6 +20,7 @@ manifest this build cannot use is None: a miss, never an exception.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import tempfile
 from typing import Sequence
@@ -97,8 +98,18 @@ def _bytes_of(shape, itemsize: int) -> int:
     return n
 
 
+def _no_floats(text):
+    raise ValueError(f"no floats or constants in a layout: {text[:20]!r}")
+
+
 def parse_layout(layout, block_tokens: int) -> SpanLayout | None:
-    """The span layout of a chain record, or None if it is not one this build can rebuild."""
+    """The span layout of a chain record (its JSON bytes, or the parsed value), or None if it is
+    not one this build can rebuild."""
+    if isinstance(layout, bytes):
+        try:  # deep nesting (RecursionError), huge integers, bad UTF-8: a miss
+            layout = json.loads(layout, parse_float=_no_floats, parse_constant=_no_floats)
+        except Exception:  # noqa: BLE001 - a record verified by its MAC can still come from another build
+            return None
     if type(layout) is not dict or type(layout.get("tensors")) is not list or type(layout.get("layers")) is not list:
         return None
     layers = layout["layers"]

@@ -60,6 +60,11 @@ class TeamKeys:
             self.key_id = blake3.blake3(secret, derive_key_context=_context("key id")).hexdigest()[:12]
 
     @property
+    def key_id_bytes(self) -> bytes:
+        """The key id as the 6 bytes a packed record carries."""
+        return b"open\0\0" if self._chain is None else bytes.fromhex(self.key_id)
+
+    @property
     def authenticated(self) -> bool:
         return self._chain is not None
 

@@ -1,19 +1,26 @@
 """Prefix records: what a prefix key points at, sealed with a keyed BLAKE3 MAC.
 
-    value = b"MXR2" || tag (32 bytes) || JSON body
+    value = b"MXR2" || tag (32 bytes) || body
     tag   = BLAKE3-keyed(mac key, kind || prefix key || body)
+            (a chain record's layout enters as its BLAKE3: every record of a
+            probe carries the same layout, hashed once, see _digest)
 
 Two kinds hang from a prefix key (the chain key of full blocks 0..i):
 
 - a chain record (kind "c"): block i's name and the engine's layout JSON
-  (opaque here), so a reader can rebuild the first i+1 blocks of KV. A
-  chain record without a layout is a marker: the prefix continues (towards
-  an exact record), but its blocks alone are no usable state.
+  (kept as bytes here; remote_state.py parses the one a lookup uses), so a
+  reader can rebuild the first i+1 blocks of KV. A lookup reads one per
+  block (255 at 8k tokens), so its body is packed binary (CHAIN_HEAD, then
+  the namespace, then the layout): parsing it costs a microsecond where
+  JSON cost a hundred. A chain record without a layout is a marker: the
+  prefix continues (towards an exact record), but its blocks alone are no
+  usable state.
 - an exact record (kind "x"): up to MAX_EXACT_STATES whole checkpoints
   whose state is exact only at its own length (recurrent, a wrapped ring),
   each the prefix's full blocks plus `tail`, the few tokens after them, and
   the manifest that holds the inline state and names its blocks (a prompt's
-  boundary and the end of its answer often share their full blocks).
+  boundary and the end of its answer often share their full blocks), as
+  JSON: few are read.
 
 Every body carries the key id of the secret that sealed it (rotation) and
 its issue time: a record older than `max_age_s`, or issued more than a day
@@ -32,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import json
+import struct
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -48,6 +56,8 @@ MAX_SKEW_S = 24 * 3600  # clocks disagree; a record further in the future is ref
 MAX_VALUE_BYTES = 1 << 30  # no block or manifest is larger
 MAX_EXACT_STATES = 8  # exact states kept under one prefix key, newest first
 CHAIN, EXACT = "c", "x"
+# version, flags (1: a block, 2: a layout), key id, issued, index, start, end, block digest, namespace length
+CHAIN_HEAD = struct.Struct("<BB6sQIII32sH")
 _MAX_INDEX = 1 << 24
 _INT32_MAX = 2**31 - 1
 
@@ -61,7 +71,7 @@ class RemoteRecord:
     end: int
     block: str | None  # the block's name (BLAKE3 hex of its value); None in a marker without blocks
     namespace: str
-    layout: dict | None = None  # None: a marker (the prefix continues; no plain state here)
+    layout: bytes | None = None  # its JSON, parsed by whoever uses it; None: a marker (the prefix continues)
     key_id: str = ""
     issued: int = 0
 
@@ -106,19 +116,41 @@ def encode_layout(layout: dict) -> str:
 
 def _tag(kind: str, prefix_key: bytes, body: bytes, keys: TeamKeys) -> bytes:
     data = kind.encode() + prefix_key + body
+    if kind == CHAIN and len(body) >= CHAIN_HEAD.size:
+        at = CHAIN_HEAD.size + CHAIN_HEAD.unpack_from(body)[-1]
+        data = kind.encode() + prefix_key + body[:at] + _digest(body[at:])
     return (blake3.blake3(data, key=keys.mac) if keys.mac is not None else blake3.blake3(data)).digest()
 
 
-def _seal(kind: str, prefix_key: bytes, fields: dict, keys: TeamKeys, now: float, raw_tail: str = "") -> bytes:
+_last_layout = (b"", blake3.blake3(b"").digest())
+
+
+def _digest(layout: bytes) -> bytes:
+    """BLAKE3 of a layout; the last one is remembered (a probe reads the same layout in each of its
+    records: comparing bytes is ten times cheaper than hashing them). A (bytes, digest) pair is
+    replaced whole, so threads sharing it see one or the other."""
+    global _last_layout
+    last = _last_layout
+    if layout == last[0]:
+        return last[1]
+    digest = blake3.blake3(layout).digest()
+    _last_layout = (layout, digest)
+    return digest
+
+
+def _seal(kind: str, prefix_key: bytes, fields: dict, keys: TeamKeys, now: float) -> bytes:
     doc = {"v": REMOTE_FORMAT, "t": kind, "kid": keys.key_id, "iat": int(now), **fields}
-    text = json.dumps(doc, separators=(",", ":"))
-    body = (text[:-1] + raw_tail + "}" if raw_tail else text).encode()
+    body = json.dumps(doc, separators=(",", ":")).encode()
     return MAGIC + _tag(kind, prefix_key, body, keys) + body
 
 
 def seal_chain(prefix_key: bytes, rec: RemoteRecord, layout_json: str | None, keys: TeamKeys, now: float) -> bytes:
-    fields = {"ns": rec.namespace, "i": rec.index, "start": rec.start, "end": rec.end, "block": rec.block}
-    return _seal(CHAIN, prefix_key, fields, keys, now, f',"layout":{layout_json or "null"}')
+    ns = rec.namespace.encode()
+    flags = (rec.block is not None) | (layout_json is not None) << 1
+    body = CHAIN_HEAD.pack(REMOTE_FORMAT, flags, keys.key_id_bytes, int(now), rec.index, rec.start, rec.end,
+                           bytes.fromhex(rec.block) if rec.block else bytes(32), len(ns)) + ns
+    body += layout_json.encode() if layout_json is not None else b""
+    return MAGIC + _tag(CHAIN, prefix_key, body, keys) + body
 
 
 def seal_exact(prefix_key: bytes, states: Sequence[ExactRecord], keys: TeamKeys, now: float) -> bytes:
@@ -149,8 +181,8 @@ def unseal(kind: str, prefix_key: bytes, value, keys: TeamKeys, *, now: float,
     if not hmac.compare_digest(value[len(MAGIC):head], _tag(kind, prefix_key, body, keys)):
         return None, "mac"
     try:  # deep nesting (RecursionError), huge integers, bad UTF-8: a miss like any other malformed body
-        d = json.loads(body, parse_float=_no_floats, parse_constant=_no_floats)
-        rec = _parse(kind, d, keys)
+        rec = _parse_chain(body, keys) if kind == CHAIN else _parse_exact(
+            json.loads(body, parse_float=_no_floats, parse_constant=_no_floats), keys)
     except Exception:  # noqa: BLE001 - a verified body from another build is still only a miss
         return None, "malformed"
     if rec is None:
@@ -162,17 +194,25 @@ def unseal(kind: str, prefix_key: bytes, value, keys: TeamKeys, *, now: float,
     return rec, None
 
 
-def _parse(kind: str, d, keys: TeamKeys):
-    if not (type(d) is dict and d.get("v") == REMOTE_FORMAT and d.get("t") == kind and d.get("kid") == keys.key_id
+def _parse_chain(body: bytes, keys: TeamKeys) -> RemoteRecord | None:
+    if len(body) < CHAIN_HEAD.size:
+        return None
+    v, flags, kid, issued, index, start, end, block, ns_len = CHAIN_HEAD.unpack_from(body)
+    at = CHAIN_HEAD.size + ns_len
+    layout = body[at:] if flags & 2 else None
+    if (v != REMOTE_FORMAT or flags > 3 or kid != keys.key_id_bytes or index > _MAX_INDEX or not start < end
+            or not 0 < ns_len <= 1024 or len(body) < at or (layout is not None and not layout)
+            or (layout is None and len(body) != at)):
+        return None
+    return RemoteRecord(index, start, end, block.hex() if flags & 1 else None, body[CHAIN_HEAD.size:at].decode(),
+                        layout, keys.key_id, issued)
+
+
+def _parse_exact(d, keys: TeamKeys) -> ExactSet | None:
+    if not (type(d) is dict and d.get("v") == REMOTE_FORMAT and d.get("t") == EXACT and d.get("kid") == keys.key_id
             and _int(d.get("iat"), 0, 1 << 40) and _int(d.get("i"), 0, _MAX_INDEX)
             and type(d.get("ns")) is str and 0 < len(d["ns"]) <= 1024):
         return None
-    if kind == CHAIN:
-        block, layout = d.get("block"), d.get("layout")
-        if not (_int(d.get("start"), 0, _MAX_INDEX << 12) and _int(d.get("end"), d["start"] + 1, _MAX_INDEX << 12)
-                and (block is None or is_block_name(block)) and (layout is None or type(layout) is dict)):
-            return None
-        return RemoteRecord(d["i"], d["start"], d["end"], block, d["ns"], layout, d["kid"], d["iat"])
     states = d.get("states")
     if type(states) is not list or not 0 < len(states) <= MAX_EXACT_STATES:
         return None

@@ -142,6 +142,8 @@ class RemoteTier(Publication):
             if found.records or found.exact:
                 self.count(records_found=len(found.records))
                 return found
+            if deadline is not None and time.monotonic() >= deadline:
+                break  # the next secret's key space would only be "no time left"
         return Found()
 
     def _probe(self, keys: TeamKeys, namespace, tokens, block_size, deadline, exact) -> Found:
