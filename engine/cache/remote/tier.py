@@ -36,7 +36,7 @@ from .config import parse_remote_url
 from .keys import OPEN, KeySpace, TeamKeys, block_name, check_secret, is_block_name
 from .meter import Meter, fetch_beats_recompute
 from .publish import Publication
-from .records import CHAIN, EXACT, MAX_RECORD_BYTES, MAX_VALUE_BYTES, ExactRecord, unseal
+from .records import CHAIN, EXACT, MAX_AGE_S, MAX_RECORD_BYTES, MAX_VALUE_BYTES, ExactRecord, unseal
 
 PROBE_BATCH = 16  # prefix keys per round trip
 GET_BATCH = 8  # block values per round trip: at most 8 x 4 MB in flight
@@ -104,7 +104,7 @@ class RemoteTier(Publication):
         self.min_fetch_tokens, self.margin = min_fetch_tokens, margin
         self.keys = [TeamKeys(s) for s in secrets] or [TeamKeys(None)]
         self.spaces = {k.key_id: KeySpace(k, key_prefix) for k in self.keys}
-        self.max_age_s = max_age_s
+        self.max_age_s = MAX_AGE_S if max_age_s is None else max_age_s
         self.breaker = breaker or Breaker()
         self.meter = Meter()
         if tls and not self.config.tls:
@@ -194,8 +194,7 @@ class RemoteTier(Publication):
         if size > MAX_RECORD_BYTES:
             self.count(wrong_size=1)
             return None
-        rec, why = unseal(kind, key, value, keys, now=now, **({} if self.max_age_s is None else
-                                                               {"max_age_s": self.max_age_s}))
+        rec, why = unseal(kind, key, value, keys, now=now, max_age_s=self.max_age_s)
         if why is not None:
             self.count(**{"mac_rejected" if why == "mac" else why: 1})
         return rec
@@ -204,34 +203,37 @@ class RemoteTier(Publication):
                    deadline: float | None = None) -> list[bytes]:
         """The values of blocks (name, exact size), each read only if its size is right and verified
         by BLAKE3; RemoteMiss (with the verified values before it) if any is missing, wrong or unreadable."""
-        items = [(n, s) for n, s in items]
-        total = len(items)
-        space = self.spaces.get(key_id or self.keys[0].key_id)
-        out: list[bytes] = []
-        why = None if space is not None else f"no secret with key id {key_id!r:.20}"
-        why = why or next((f"not a block name or size: {n!r:.80}" for n, s in items if not (
-            is_block_name(n) and isinstance(s, int) and 0 < s <= MAX_VALUE_BYTES)), None)
-        if why is None:
-            try:
-                items, why = self._sized(items, space, deadline)
-                for chunk in _chunks(items, GET_BATCH):
-                    values = self._read_values(chunk, space, deadline)
-                    for (n, s), v in zip(chunk, values):
-                        if len(v) == s and block_name(v) == n:
-                            out.append(v)
-                            continue
-                        self.count(bad_blocks=1)
-                        self.remove_bad([space.block(n)])
-                        raise RemoteMiss(f"block {n[:16]} failed verification ({len(v)} bytes that do not hash "
-                                         "to its name); removed")
-            except RemoteError as e:
-                why = str(e)
-            except RemoteMiss as e:
-                why = str(e)
-        self.count(hits=len(out), misses=total - len(out))
+        items, out = list(items), []
+        try:
+            self._read_blocks(items, key_id, deadline, out)
+            why = None
+        except (RemoteError, RemoteMiss) as e:
+            why = str(e)
+        self.count(hits=len(out), misses=len(items) - len(out))
         if why is not None:
             raise RemoteMiss(why, out)
         return out
+
+    def _read_blocks(self, items: list, key_id: str | None, deadline, out: list) -> None:
+        """Append each verified value to `out`; RemoteMiss (or RemoteError) at the first that is not one."""
+        space = self.spaces.get(key_id or self.keys[0].key_id)
+        if space is None:
+            raise RemoteMiss(f"no secret with key id {key_id!r:.20}")
+        bad = next((n for n, s in items if not (is_block_name(n) and isinstance(s, int) and 0 < s <= MAX_VALUE_BYTES)),
+                   None)
+        if bad is not None:
+            raise RemoteMiss(f"not a block name or size: {bad!r:.80}")
+        sized, why = self._sized(items, space, deadline)
+        for chunk in _chunks(sized, GET_BATCH):
+            for (n, size), v in zip(chunk, self._read_values(chunk, space, deadline)):
+                if len(v) != size or block_name(v) != n:
+                    self.count(bad_blocks=1)
+                    self.remove_bad([space.block(n)])
+                    raise RemoteMiss(f"block {n[:16]} failed verification ({len(v)} bytes that do not hash to its "
+                                     "name); removed")
+                out.append(v)
+        if why is not None:
+            raise RemoteMiss(why)
 
     def _sized(self, items: list, space: KeySpace, deadline) -> tuple[list, str | None]:
         """The leading items whose STRLEN is their expected size, and why the list stops where it does."""
