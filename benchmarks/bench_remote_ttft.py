@@ -18,7 +18,7 @@ of (and parsing) every record the probe read, timed over the records the
 server really holds (median of 50).
 
 Targets: remote hit <= 0.1x cold at 2k; authentication <= 1 ms per lookup at
-8k. Prints one JSON document.
+8k (--auth-only measures only that, in a minute). Prints one JSON document.
 """
 
 from __future__ import annotations
@@ -127,7 +127,10 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cold-max", type=int, default=2048)
+    ap.add_argument("--auth-only", action="store_true", help="publish (tiled KV) and time authentication only")
     args = ap.parse_args()
+    if args.auth_only:
+        args.cold_max = 0
     if missing():
         raise SystemExit(missing())
     rows = []
@@ -139,6 +142,9 @@ def main() -> None:
                 server.client().flushall()
                 a = str(Path(d) / f"a{n}")
                 pub = _publish(a, url, n, args.cold_max)
+                if args.auth_only:
+                    rows.append({"tokens": n, "auth": _auth_cost(server, pub["namespace"], pub["ids"])})
+                    continue
                 ids_file = Path(d) / f"ids{n}.json"
                 ids_file.write_text(json.dumps(pub["ids"]))
                 remote = [_run_child(str(Path(d) / f"b{n}-{i}"), url, str(ids_file)) for i in range(args.repeat)]
@@ -159,7 +165,7 @@ def main() -> None:
         finally:
             server.stop()
     for row in rows:  # longer prompts: cold estimated from the shorter run's measured prefill rate
-        if "cold_ttft_s" not in row and rows[0].get("prefill_tokens_per_s"):
+        if "cold_ttft_s" not in row and rows[0].get("prefill_tokens_per_s") and "remote_hit_ttft_s" in row:
             est = row["tokens"] / rows[0]["prefill_tokens_per_s"]  # optimistic: attention grows with length
             row["cold_ttft_s_estimated"] = round(est, 2)
             row["remote_over_cold_estimated"] = round(row["remote_hit_ttft_s"] / est, 4)

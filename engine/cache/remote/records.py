@@ -41,7 +41,7 @@ import hmac
 import json
 import struct
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import blake3
 
@@ -62,8 +62,7 @@ _MAX_INDEX = 1 << 24
 _INT32_MAX = 2**31 - 1
 
 
-@dataclass(frozen=True)
-class RemoteRecord:
+class RemoteRecord(NamedTuple):  # a tuple: a probe makes hundreds, a frozen dataclass is 3x slower to build
     """A chain record: block `index` of a prefix covers tokens [start, end)."""
 
     index: int
