@@ -10,6 +10,7 @@ key, a planted bad block, a server that drips one byte a second.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -105,6 +106,17 @@ def own_server(kind, tmp_path):
 
 def tier_on(server: RedisServer, secret=SECRET, user=USER, password=USER_PW, **kw) -> RemoteTier:
     return RemoteTier(server.url(user, password), secret=secret, **kw)
+
+
+@contextlib.contextmanager
+def published(server: RedisServer, ns: str, n_blocks: int, seed: int):
+    """A tier on `server` that published `n_blocks` random blocks of a prompt under `ns`:
+    (tier, its key space, values, blocks, tokens)."""
+    values, blocks = blocks_of(n_blocks)
+    toks = tokens_for(n_blocks, seed=seed)
+    with tier_on(server) as tier:
+        assert publish(tier, ns, toks, blocks) == []
+        yield tier, tier.spaces[tier.keys[0].key_id], values, blocks, toks
 
 
 # --- URLs, keys and records ---
@@ -378,12 +390,8 @@ def test_exact_states_round_trip(server):
 
 def test_planted_512_mb_values_are_never_downloaded(own_server):
     s = own_server()
-    values, blocks = blocks_of(4)
-    toks = tokens_for(4, seed=40)
     c = s.client()
-    with tier_on(s) as tier:
-        assert publish(tier, "ns-big", toks, blocks) == []
-        space = tier.spaces[tier.keys[0].key_id]
+    with published(s, "ns-big", 4, seed=40) as (tier, space, values, blocks, toks):
         k0 = tier.keys[0].prefix_keys("ns-big", toks, BS)[0]
 
         def received(fn, *args, **kw):
@@ -409,12 +417,8 @@ def test_planted_512_mb_values_are_never_downloaded(own_server):
 
 
 def test_wrong_types_at_keys_are_misses_not_outages(server):
-    values, blocks = blocks_of(2)
-    toks = tokens_for(2, seed=41)
     c = server.client()
-    with tier_on(server) as tier:
-        assert publish(tier, "ns-type", toks, blocks) == []
-        space = tier.spaces[tier.keys[0].key_id]
+    with published(server, "ns-type", 2, seed=41) as (tier, space, values, blocks, toks):
         c.unlink(space.block(blocks[1].name))
         c.lpush(space.block(blocks[1].name), "not a block")
         assert isinstance(_outcome(tier.get_blocks, items(blocks)), RemoteMiss)
@@ -428,12 +432,8 @@ def test_wrong_types_at_keys_are_misses_not_outages(server):
 
 
 def test_a_planted_bad_block_is_replaced_by_the_next_publisher(server):
-    values, blocks = blocks_of(4)
-    toks = tokens_for(4, seed=6)
     c = server.client()
-    with tier_on(server) as tier:
-        assert publish(tier, "ns-tamper", toks, blocks) == []
-        space = tier.spaces[tier.keys[0].key_id]
+    with published(server, "ns-tamper", 4, seed=6) as (tier, space, values, blocks, toks):
         flipped = bytearray(values[2])
         flipped[1000] ^= 1
         c.set(space.block(blocks[2].name), bytes(flipped))  # same size, wrong bytes: only a reader can tell
