@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
-from .cache.catalog import Catalog
+from .cache.catalog import Catalog, CatalogBusy
 
 
 def request_id(namespace: str, tokens: Sequence[int], params: dict) -> str:
@@ -41,6 +41,8 @@ class InflightRecords:
             try:
                 record = json.loads(p.read_text())
                 self.catalog.inflight_put(record["request"], record)
+            except CatalogBusy:
+                return  # the rest next time
             except (OSError, ValueError, KeyError, TypeError):
                 pass
             p.unlink(missing_ok=True)
@@ -74,7 +76,10 @@ class InflightRecords:
         with self._lock:
             self._finished.add(rid)
             if self.catalog is not None:
-                self.catalog.inflight_delete(rid)
+                try:
+                    self.catalog.inflight_delete(rid)
+                except CatalogBusy:  # the cell goes on; the record goes once the catalogue is free
+                    self.catalog.later(lambda: self.catalog.inflight_delete(rid))
 
     def list(self) -> list[dict]:
         records = self.catalog.inflight_all() if self.catalog is not None else []

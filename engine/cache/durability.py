@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 from ..kv.checkpoint import Checkpoint
 from ..kv.tokens import token_key
+from .catalog import CatalogBusy
 from .ram import Entry, PromptCache
 from .ssd.writer import WriteCancelled, WriteJob
 
@@ -233,7 +234,7 @@ class Durability(PromptCache):
                 self._queue_write(e)
         self._demote_idle()
         self.enforce_budget()
-        self.store.catalog.heartbeat(*self.writer.pending())
+        self.store.catalog.pending = self.writer.pending()  # the catalogue's keeper records it
 
     def _completed(self, done) -> None:
         if done.key[0] == "inflight":
@@ -323,11 +324,11 @@ class Durability(PromptCache):
         entry.pinned.add(name)
         if self.store is None:
             return True
-        self.store.catalog.set_pin(name, entry.ns, token_key(entry.tokens))
+        self._set_pin(name, entry.ns, token_key(entry.tokens))
         if self.persist(entry):
             return True
         entry.pinned.discard(name)
-        self.store.catalog.set_pin(name, None, None)
+        self._set_pin(name, None, None)
         return False
 
     def unpin(self, ns: str, tokens: Sequence[int], name: str) -> None:
@@ -335,19 +336,27 @@ class Durability(PromptCache):
         if entry is not None:
             entry.pinned.discard(name)
         if self.store is not None:
-            self.store.catalog.set_pin(name, None, None)
+            self._set_pin(name, None, None)
+
+    def _set_pin(self, name: str, ns: str | None, key: str | None) -> None:
+        """One pin now; with the catalogue busy, all of them from the records once it is free."""
+        try:
+            self.store.catalog.set_pin(name, ns, key)
+        except CatalogBusy:
+            self.store.catalog.later(self._sync_pins_now)
 
     def sync_pins(self) -> None:
-        """Make the catalogue's pins exactly the named records (`pins_source`, read now)."""
+        """Make the catalogue's pins exactly the named records (`pins_source`), in one
+        transaction; with the catalogue busy, once it is free (the keeper)."""
         if self.store is None:
             return
-        catalog, want = self.store.catalog, {n: (ns, token_key(t)) for n, (ns, t) in self.pins_source().items()}
-        have = catalog.pins()
-        for name in set(have) - set(want):
-            catalog.set_pin(name, None, None)
-        for name, (ns, key) in want.items():
-            if have.get(name) != (ns, key):
-                catalog.set_pin(name, ns, key)
+        try:
+            self._sync_pins_now()
+        except CatalogBusy:
+            self.store.catalog.later(self._sync_pins_now)
+
+    def _sync_pins_now(self) -> None:
+        self.store.catalog.replace_pins({n: (ns, token_key(t)) for n, (ns, t) in self.pins_source().items()})
 
 
 def _release_freed() -> None:
