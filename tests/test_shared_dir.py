@@ -162,6 +162,10 @@ def test_a_held_write_lock_is_not_corruption_and_no_cell_waits_for_it(tiny_model
         assert eng.checkpoint_restore("doc")["source"] in ("loading", "ram")
         r = eng.generate_tokens(DOC, PARAMS)
         assert r.stats["cache_source"] in ("ram", "ssd") and r.tokens == saved["tokens"]
+        eng.generate_tokens(fresh, PARAMS)
+        assert eng.checkpoint_save("mine")["tier"] == "ram"  # named now, on SSD once the lock is free
+        report = eng.flush()
+        assert report["pending"] and "locked by another process" in report["late_reason"]
         assert "locked by another process" in eng.stats()["ssd_late_reason"]
         assert holder.poll() is None, "everything above returned while the lock was held"
     finally:
@@ -171,6 +175,11 @@ def test_a_held_write_lock_is_not_corruption_and_no_cell_waits_for_it(tiny_model
     assert [e["type"] for e in eng.events.recent].count("ssd_late") == 1, "said once"
     assert not list(db.parent.glob("catalog.db.corrupt.*")), "a busy catalogue is not corruption"
     assert eng.flush()["failed"] == [] and eng.stats()["ssd_late_reason"] is None
+    assert [c["tier"] for c in eng.checkpoint_list() if c["name"] == "mine"] == ["ram+ssd"]
+    deadline = time.monotonic() + 30  # the pin reaches the catalogue with the keeper's next turn
+    while "mine" not in eng.cache.catalog.pins():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
     later = Worker(cache, tiny_model_dir)  # what was queued meanwhile is on SSD for everyone
     got = later("generate", prompt=fresh)  # (from RAM when the model's load prefetched it from SSD)
     assert got["tokens"] == cold and got["source"] in ("ram", "ssd") and got["cached"] == len(fresh) - 1

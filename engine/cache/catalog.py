@@ -52,6 +52,7 @@ KEEP_CHANGES = 20_000  # older change records are pruned; a process that fell fu
 
 _COLUMNS = ("namespace, key, path, length, tokens, file_bytes, kv_bytes, min_reusable_offset, trimmable, "
             "format_version, created, last_used, identity, block_bytes")
+_JOINED = ", ".join("f." + c.strip() for c in _COLUMNS.split(","))
 
 
 @dataclass
@@ -165,19 +166,21 @@ class Catalog(Presence):
         return (db.execute(sql).fetchone() if db is not None else self.query(sql)[0])[0]
 
     def changes(self) -> tuple[list[FileRow], list[tuple], bool]:
-        """Files added and (namespace, key) removed since the last call; reload=True when
-        this process fell behind the pruned log and must reload every row."""
-        rows = self.query("SELECT seq, op, namespace, key FROM changes WHERE seq > ? ORDER BY seq", (self.seq,))
+        """Files added and (namespace, key) removed since the last call, in one read (each added
+        file's current row with it); reload=True when this process fell behind the pruned log
+        and must reload every row."""
+        rows = self.query(f"SELECT c.seq, c.op, c.namespace, c.key, {_JOINED} FROM changes c LEFT JOIN files f "
+                          "ON f.namespace = c.namespace AND f.key = c.key WHERE c.seq > ? ORDER BY c.seq", (self.seq,))
         if not rows:
             return [], [], False
-        last = {(ns, key): op for _, op, ns, key in rows}
+        last = {(r[2], r[3]): r for r in rows}
         # fell behind the pruned log, or so much changed that one full read is cheaper
         reload = (rows[0][0] > self.seq + 1 and self.seq > 0) or len(last) > 256
         self.seq = rows[-1][0]
         if reload:
             return [], [], True
-        added = [self.file(ns, key) for (ns, key), op in last.items() if op == "add"]
-        return [r for r in added if r is not None], [k for k, op in last.items() if op == "del"], False
+        added = [self._file_row(r[4:]) for r in last.values() if r[1] == "add" and r[4] is not None]
+        return added, [k for k, r in last.items() if r[1] == "del" or r[4] is None], False
 
     def _max_seq(self) -> int:
         return self.query("SELECT COALESCE(MAX(seq), 0) FROM changes")[0][0]

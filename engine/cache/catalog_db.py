@@ -125,6 +125,7 @@ class Database:
         self.closed = False  # after close(): reads see an empty catalogue, writes are refused
         self.late: str | None = None  # why SSD work waits (the write lock is held elsewhere), or None
         self.on_late: Callable[[str | None], None] | None = None
+        self.holds: list | None = None  # a list: (label, seconds the write lock was held) per transaction
         self._open()
 
     # --- opening, setting aside ---
@@ -195,7 +196,9 @@ class Database:
         if c is not None and self._local.generation == self._generation:
             return c
         c = sqlite3.connect(self.path, timeout=0, isolation_level=None, check_same_thread=False)
+        self._local.wait = 0.0
         c.execute("PRAGMA synchronous=NORMAL")
+        c.execute("PRAGMA wal_autocheckpoint=0")  # the keeper checkpoints: a COMMIT stays short
         c.execute("PRAGMA recursive_triggers=ON")  # INSERT OR REPLACE keeps the totals right
         if sys.platform == "darwin":
             c.execute("PRAGMA fullfsync=ON")
@@ -210,7 +213,9 @@ class Database:
             wait = getattr(_thread, "wait", None)
         if wait is None:  # a cell's thread
             wait = 0.0 if self.late else OWNER_WAIT_S
-        db.execute(f"PRAGMA busy_timeout={int(wait * 1000)}")
+        if getattr(self._local, "wait", None) != wait:
+            db.execute(f"PRAGMA busy_timeout={int(wait * 1000)}")
+            self._local.wait = wait
         return wait
 
     @contextmanager
@@ -225,6 +230,7 @@ class Database:
             db.execute("BEGIN IMMEDIATE")
         except sqlite3.DatabaseError as e:
             raise self._failed(e, waited) from e
+        held = time.perf_counter()
         try:
             fault(f"{label}.begin")
             if label != "schema":
@@ -242,8 +248,23 @@ class Database:
             if mapped is exc:
                 raise
             raise mapped from exc
+        if self.holds is not None:  # (benchmarks/bench_catalog.py)
+            self.holds.append((label, time.perf_counter() - held))
         self._committed()
         fault(f"{label}.committed")
+
+    def checkpoint(self) -> None:
+        """Copy the WAL into the database, without waiting for any reader or writer (the keeper)."""
+        self.connection().execute("PRAGMA wal_checkpoint(PASSIVE)")
+
+    def locked_elsewhere(self) -> bool:
+        """Whether another process holds the write lock for over OWNER_WAIT_S (tried with an
+        empty write transaction)."""
+        try:
+            with self.transaction("probe", wait=OWNER_WAIT_S):
+                return False
+        except CatalogBusy:
+            return True
 
     def query(self, sql: str, args: tuple = ()) -> list:
         """A read (never waits for writers in WAL mode, but for a rare checkpoint)."""

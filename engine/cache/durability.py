@@ -144,14 +144,27 @@ class Durability(PromptCache):
         if not self.store.contains(entry.tokens, entry.ns):
             if entry.write_state in (WriteState.PENDING, WriteState.COMMITTED):
                 entry.write_state = WriteState.DIRTY  # its file was superseded or capped away: write it again
-            self.writer.wait(timeout)
+            self._wait_writes(timeout)
             self.poll()
-            if not self.store.contains(entry.tokens, entry.ns):
+            if not self.store.contains(entry.tokens, entry.ns) and not self.store.catalog.late:
                 entry.write_state = WriteState.DIRTY
                 self._queue_write(entry)
-                self.writer.wait(timeout)
+                self._wait_writes(timeout)
                 self.poll()
         return self.store.contains(entry.tokens, entry.ns)
+
+    def _wait_writes(self, timeout: float | None) -> bool:
+        """Wait for the writer (at most `timeout`); give up sooner when another process holds
+        the catalogue's lock: the writes wait for it, a cell does not. True when drained."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            if self.writer.wait(max(left, 0.0)):
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            if self.store.catalog.locked_elsewhere():
+                return False
 
     def queue_inflight(self, cp: Checkpoint, ns: str, request: str, on_commit: Callable) -> None:
         """Queue an in-flight generation checkpoint: SSD only, never waiting for the generation.
@@ -294,7 +307,7 @@ class Durability(PromptCache):
             if e.write_state in _UNWRITTEN:
                 self._queue_write(e)
         failed_before = self.counters["writes_failed"]
-        self.writer.wait(timeout)
+        self._wait_writes(timeout)
         self.poll()
         failed = [{"tokens": len(e.tokens), "error": e.write_error}
                   for e in self.entries() if e.write_state == WriteState.FAILED]
@@ -304,6 +317,7 @@ class Durability(PromptCache):
             "failed_writes": self.counters["writes_failed"] - failed_before,
             "pending": self.writer.pending()[0],
             "seconds": time.perf_counter() - t0,
+            "late_reason": self.store.catalog.late,  # why writes are still pending, if the catalogue is locked
         }
         self._emit("flush", **{k: v for k, v in report.items() if k != "failed"}, failed_count=len(failed))
         return report
@@ -325,8 +339,8 @@ class Durability(PromptCache):
         if self.store is None:
             return True
         self._set_pin(name, entry.ns, token_key(entry.tokens))
-        if self.persist(entry):
-            return True
+        if self.persist(entry) or (self.store.catalog.late and entry.write_state == WriteState.PENDING):
+            return True  # (late: pinned in RAM, its write queued for when the catalogue is free)
         entry.pinned.discard(name)
         self._set_pin(name, None, None)
         return False

@@ -7,8 +7,9 @@ keeper thread that does the catalogue writes a cell's thread must not wait for.
 - `later(fn)`: deferred work (a pin, a lease's end, a resume record's
   deletion, the start's reconciliation) run by the keeper until the lock
   comes. The keeper also records this process's pending writes, its uses
-  of files (`apply_touches`, in catalog.py) and, every SWEEP_S, runs the
-  owner's maintenance (the store's: sweep the dead, free what they held).
+  of files (`apply_touches`, in catalog.py) and, every SWEEP_S, copies the
+  WAL into the database (no COMMIT does it) and runs the owner's
+  maintenance (the store's: sweep the dead, free what they held).
 - `processes()`: the live processes on the directory, judged by liveness.py.
 """
 
@@ -96,6 +97,7 @@ class Presence(Database):
                 return
         if time.monotonic() >= self._next_sweep:
             self._next_sweep = time.monotonic() + SWEEP_S
+            self.checkpoint()
             self.maintain()
 
     def touched(self) -> bool:

@@ -134,7 +134,7 @@ class Upkeep:
                 unknown[name] = os.stat(blocks.block_path(self.blocks_root, name)).st_size
             except OSError:
                 pass
-        for batch in _chunks(sorted(unknown), 512):
+        for batch in _chunks(sorted(unknown), 4 * CHUNK):
             self.catalog.add_blocks({n: unknown[n] for n in batch})
         for batch in _chunks(sorted(set(known) - on_disk), CHUNK):
             with changing(self, "reconcile") as (db, after):
@@ -144,7 +144,7 @@ class Upkeep:
         return sorted(unknown)
 
     def _free_unused(self, names: list[str]) -> None:
-        for batch in _chunks(names, 512):
+        for batch in _chunks(names, CHUNK):
             with changing(self, "gc") as (db, after):
                 after.blocks = self.catalog.free_blocks(db, batch)
 
@@ -315,7 +315,7 @@ class Upkeep:
             for k in self.catalog.files_missing_blocks():
                 self._drop_missing(tuple(k))
             files = self._reconcile(remove_broken=True)
-            for batch in _chunks(self.catalog.unreferenced_blocks(), 512):
+            for batch in _chunks(self.catalog.unreferenced_blocks(), CHUNK):
                 with changing(self, "gc") as (db, after):
                     after.blocks = self.catalog.free_blocks(db, batch)
                 freed += after.blocks
