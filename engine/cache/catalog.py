@@ -140,6 +140,17 @@ class Catalog(Presence):
             db.execute("INSERT INTO changes(op, namespace, key) VALUES('del', ?, ?)", (ns, key))
         return names
 
+    def least_recent(self, db: sqlite3.Connection, after: tuple = (float("-inf"), 0), limit: int = 64) -> list:
+        """(namespace, key, (last_used, rowid)) of the files used after `after`, least recently
+        used first, but for pinned and leased ones (skipped inside SQLite: a cap over thousands
+        of pinned files costs index probes, not round trips). Pass the last one's third item
+        as `after` for the next page."""
+        rows = db.execute("SELECT namespace, key, last_used, rowid FROM files f WHERE (last_used, rowid) > (?, ?) "
+                          "AND NOT EXISTS (SELECT 1 FROM pins p WHERE p.namespace=f.namespace AND p.key=f.key) "
+                          "AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.namespace=f.namespace AND l.key=f.key) "
+                          "ORDER BY last_used, rowid LIMIT ?", (*after, limit)).fetchall()
+        return [(ns, key, (used, rowid)) for ns, key, used, rowid in rows]
+
     def deletable(self, db: sqlite3.Connection, ns: str, key: str) -> bool:
         """Neither pinned by a name nor leased by a reader (inside a transaction)."""
         return not (db.execute("SELECT 1 FROM pins WHERE namespace=? AND key=?", (ns, key)).fetchone()

@@ -158,12 +158,12 @@ class Durability(PromptCache):
         the catalogue's lock: the writes wait for it, a cell does not. True when drained."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            left = 0.25 if deadline is None else min(0.25, deadline - time.monotonic())
             if self.writer.wait(max(left, 0.0)):
                 return True
             if deadline is not None and time.monotonic() >= deadline:
                 return False
-            if self.store.catalog.locked_elsewhere():
+            if self.store.catalog.late or self.store.catalog.locked_elsewhere():
                 return False
 
     def queue_inflight(self, cp: Checkpoint, ns: str, request: str, on_commit: Callable) -> None:

@@ -359,14 +359,12 @@ class CheckpointStore(Upkeep):
         (the totals are kept by triggers: no scan per file)."""
         if self.ssd_budget_bytes is None:
             return
-        seen, since = set(), float("-inf")
+        since = (float("-inf"), 0)
         while self.catalog.total_bytes(db) > self.ssd_budget_bytes:
-            page = [r for r in db.execute("SELECT namespace, key, last_used FROM files WHERE last_used >= ? "
-                                          "ORDER BY last_used LIMIT 64", (since,)) if r[:2] not in seen]
+            page = self.catalog.least_recent(db, since)
             if not page:
                 return
             for ns, key, since in page:
-                seen.add((ns, key))
                 if (ns, key) != keep:
                     self._delete(db, after, ns, key, "capacity")
                 if self.catalog.total_bytes(db) <= self.ssd_budget_bytes:
