@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fault_worker import (CHECKPOINTS, NS, assert_nothing_leaks, build_template, expected_digest, open_store,
+from fault_worker import (CHECKPOINTS, assert_nothing_leaks, build_template, expected_digest, open_store,
                           read_digest, tokens)
 
 from mlxcache_kernel.engine.cache.ssd import blocks

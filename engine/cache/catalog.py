@@ -30,8 +30,23 @@ Rules every caller keeps (store.py, upkeep.py; objects and media will too):
 - Transactions hold no scans, unlinks or callbacks; writes on a cell's
   thread are bounded or deferred to the keeper (`later`, `touch`).
 
-Threads: any; one connection each (catalog_db.py). Files stay the truth for
-bytes: a lost or corrupt database is rebuilt from the files (the store).
+The calls, by table (`db`: inside the caller's `transaction(label)`; the
+rest open their own; CatalogBusy when the write lock does not come in time,
+catalog_db.py):
+
+    files    files(), file(ns, key[, db]), add_file(db, row), drop_file(db, ns, key),
+             changes(), least_recent(db, after), deletable(db, ns, key), touch(ns, key)
+    blocks   reserve_blocks(names, write_id), add_blocks(sizes[, db]), claims_held(db, ...),
+             release(db, write_id), free_blocks(db, names), unfree(names), drop_block(db, name)
+    leases   lease(ns, key) -> (id, path, blocks missing), end_lease(db, id)
+    pins     set_pin(name, ns, key), replace_pins(want), pins()
+    inflight inflight_put / _get / _delete / _all
+    procs    processes(), live_tags(), sweep(); later(fn) (presence.py)
+
+Threads: any; one connection each (catalog_db.py). Paths are stored relative
+to the directory (it may move, or be mounted elsewhere in a container).
+Files stay the truth for bytes: a lost or corrupt database is rebuilt from
+the files (the store).
 """
 
 from __future__ import annotations

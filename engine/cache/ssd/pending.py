@@ -19,9 +19,9 @@ tried again by the next lookup. `fill` never raises: it keeps the error for
 from __future__ import annotations
 
 import os
-from pathlib import Path
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..faults import fault

@@ -23,7 +23,6 @@ import numpy as np
 from ...kv.tokens import legacy_token_key, token_key
 from ...system import fsync_dir
 from ..catalog import CatalogBusy
-from ..faults import fault
 from ..liveness import pid_alive
 from . import blocks
 from . import format as fmt
