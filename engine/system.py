@@ -156,11 +156,16 @@ def _darwin_statfs(path: str) -> tuple[str, bool] | None:
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)
+        try:  # the 64-bit struct on Intel Macs; on Apple silicon it is the only one
+            statfs = libc["statfs$INODE64"]
+        except AttributeError:
+            statfs = libc.statfs
         buf = ctypes.create_string_buffer(2400)  # struct statfs (64-bit): f_flags at 64, f_fstypename at 72
-        if libc.statfs(path.encode(), buf) != 0:
+        if statfs(path.encode(), buf) != 0:
             return None
         flags = int.from_bytes(buf.raw[64:68], "little")
-        return buf.raw[72:88].split(b"\0", 1)[0].decode(), bool(flags & 0x1000)  # MNT_LOCAL
+        name = buf.raw[72:88].split(b"\0", 1)[0].decode("ascii")
+        return (name, bool(flags & 0x1000)) if name.isalnum() else None  # MNT_LOCAL; garbage: unknown
     except (OSError, AttributeError, ValueError):
         return None
 

@@ -144,7 +144,7 @@ def test_gc_beside_writers_in_other_processes_never_removes_a_referenced_block(t
     assert sum(w["writes"] for w in writers) > 20 and collector["gc_runs"] > 5
     assert sum(w["wrong"] for w in writers) == 0
     assert sum(w["restores"] for w in writers) > 5
-    assert sum(w["block_missing"] for w in writers) == 0  # a leased manifest's blocks never went
+    assert sum(w["block_missing"] for w in writers) == 0, writers  # a leased manifest's blocks never went
     s = open_store(tmp_path)
     assert s.verify_all() == [] and s.stats()["quarantined"] == 0
     for e in s.entries():  # every manifest's blocks are there and restore

@@ -152,6 +152,9 @@ def test_two_pid_namespaces_share_a_directory_by_heartbeats(root, how):
     assert all(p.exists() for p in temps) and others(s) == [owner]
     assert s.catalog.query("SELECT COUNT(*) FROM claims WHERE owner=?", (owner,))[0][0] > 0
     writer.kill()
+    clock.offset += 10.0
+    s.maintain()
+    assert others(s) == [owner], "not judged by its pid: one missed heartbeat is not death"
     for _ in range(12):  # missed heartbeats, observed over more than DEAD_AFTER_S on our clock
         clock.offset += 10.0
         time.sleep(0.01)

@@ -265,11 +265,13 @@ class Catalog(Presence):
             with self.transaction("unfree") as db:
                 db.executemany("DELETE FROM freeing WHERE name=? AND owner=?", [(n, self.owner) for n in names])
 
-    def drop_block(self, db: sqlite3.Connection, name: str) -> list[tuple]:
-        """Forget a block found bad or gone, claimed or not, and mark it `freeing` (its file, if
-        any, goes after COMMIT; then `unfree`); returns (namespace, key) of the files using it."""
+    def drop_block(self, db: sqlite3.Connection, name: str, freeing: bool) -> list[tuple]:
+        """Forget a block found bad or gone, claimed or not; with `freeing` (its bad file goes
+        after COMMIT, then `unfree`) no one writes it again meanwhile. Returns (namespace, key)
+        of the files using it."""
         db.execute("DELETE FROM blocks WHERE name=?", (name,))
-        db.execute("INSERT OR REPLACE INTO freeing VALUES(?, ?)", (name, self.owner))
+        if freeing:
+            db.execute("INSERT OR REPLACE INTO freeing VALUES(?, ?)", (name, self.owner))
         return db.execute("SELECT namespace, key FROM refs WHERE block=?", (name,)).fetchall()
 
     def blocks(self) -> dict[str, int]:

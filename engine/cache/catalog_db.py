@@ -5,9 +5,9 @@ what a busy or a corrupt database means. (Its rows: catalog.py.)
   SQLite serialises writers, across threads and processes alike.
 - A write transaction is BEGIN IMMEDIATE. How long it waits for another
   process's write lock depends on who asks: a cell's thread (any thread
-  not marked) waits OWNER_WAIT_S, and once such a wait ran out, not at all
-  until some write succeeds again (`late` says why; RAM, prefill and the
-  write queue carry on meanwhile); the catalogue's keeper thread
+  not marked) waits OWNER_WAIT_S, and once such a wait ran out, only
+  LATE_WAIT_S until some write succeeds again (`late` says why; RAM,
+  prefill and the write queue carry on meanwhile); the catalogue's keeper thread
   KEEPER_WAIT_S; a background thread marked with `background_thread()`
   (the writer) BACKGROUND_WAIT_S. Running out is CatalogBusy: a wait, a
   deferral or a miss, never a reason to replace the database.
@@ -33,6 +33,7 @@ from .faults import fault
 
 SCHEMA_VERSION = 3
 OWNER_WAIT_S = 1.0
+LATE_WAIT_S = 0.05  # a cell's wait while the lock is known to be held elsewhere: a short transaction's length
 KEEPER_WAIT_S = 0.5
 BACKGROUND_WAIT_S = 60.0
 _BUSY, _LOCKED, _CORRUPT, _NOTADB = 5, 6, 11, 26
@@ -212,7 +213,7 @@ class Database:
         if wait is None:
             wait = getattr(_thread, "wait", None)
         if wait is None:  # a cell's thread
-            wait = 0.0 if self.late else OWNER_WAIT_S
+            wait = LATE_WAIT_S if self.late else OWNER_WAIT_S
         if getattr(self._local, "wait", None) != wait:
             db.execute(f"PRAGMA busy_timeout={int(wait * 1000)}")
             self._local.wait = wait

@@ -60,9 +60,9 @@ def _boot_id() -> str:
         import ctypes
 
         try:
-            tv, size = (ctypes.c_int64 * 2)(), ctypes.c_size_t(16)
+            tv, size = (ctypes.c_int64 * 2)(), ctypes.c_size_t(16)  # struct timeval: the seconds come first
             if ctypes.CDLL(None).sysctlbyname(b"kern.boottime", tv, ctypes.byref(size), None, 0) == 0:
-                return f"darwin-{tv[0]}.{tv[1]}"
+                return f"darwin-{tv[0]}"
         except (OSError, AttributeError):
             pass
     return ""

@@ -324,7 +324,7 @@ class AdminMagics(EngineMagics):
             print(f"verify: all {s.get('ssd_files', '?')} SSD checkpoints and their {s.get('ssd_blocks', 0)} blocks "
                   f"are intact ({fmt_s(time.perf_counter() - t0)})")
             return
-        print(f"verify: {len(bad)} problem(s); bad files quarantined, checkpoints that lost a block dropped:")
+        print(f"verify: {len(bad)} bad file(s) (quarantined) or checkpoint(s) that lost a block (dropped):")
         for b in bad:
             print(f"  {b.get('path')}: {b.get('reason') or b.get('error')}" if isinstance(b, dict) else f"  {b}")
 

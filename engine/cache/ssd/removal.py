@@ -3,10 +3,13 @@
 Rows go first: a transaction drops the rows of files and blocks (blocks move
 to `freeing`, so no one writes them again meanwhile) and records here what
 goes; after COMMIT, `run()` moves bad files into quarantine, unlinks the
-rest, fsyncs their directories, ends the blocks' `freeing` and only then
-reports (stats and events). A kill before `run()` leaves files without rows:
-the next reconcile or gc removes them (or finds them bad again), and the
-survivors' sweep finishes the freeing of a dead process.
+rest, fsyncs the directories of renames, ends the blocks' `freeing` and
+only then reports (stats and events). Directories that only lost files are
+fsynced by the keeper within a second (a deletion a crash undoes is found
+again by reconcile or gc; the writer need not wait for it). A kill before
+`run()` leaves files without rows: the next reconcile or gc removes them
+(or finds them bad again), and the survivors' sweep finishes the freeing
+of a dead process.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ class AfterCommit:
         self.store, self.label = store, label
         self.files: list[Path] = []  # unlink
         self.blocks: list[tuple[str, int]] = []  # (name, bytes) freed: unlink, then unfree
-        self.dirs: set[Path] = set()  # fsync (renames and new files in them)
+        self.dirs: set[Path] = set()  # fsync now (renames into them)
         self.moves: list[tuple[Path, Path, str]] = []  # (bad file, into quarantine, why)
         self.events: list[dict] = []
         self.evicted = 0
@@ -52,14 +55,13 @@ class AfterCommit:
         fault(f"{self.label}.unlink")
         for p in self.files:
             unlink_quietly(p)
-            self.dirs.add(Path(p).parent)
         for name, _ in self.blocks:
             unlink_quietly(blocks.block_path(store.blocks_root, name))
-        if self.blocks:
-            self.dirs.add(store.blocks_root)
         fault(f"{self.label}.unlinked")
         for d in sorted(self.dirs):
             fsync_dir(d)
+        emptied = {Path(p).parent for p in self.files} | ({store.blocks_root} if self.blocks else set())
+        store.fsync_later(emptied - self.dirs)
         names = [n for n, _ in self.blocks]
         if names:
             try:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ...kv.tokens import token_key
-from ...system import make_private_dir, network_filesystem, unlink_quietly
+from ...system import fsync_dir, make_private_dir, network_filesystem, unlink_quietly
 from ..catalog import Catalog, CatalogBusy, CatalogCorrupt, FileRow
 from ..faults import fault
 from . import format as fmt
@@ -93,6 +93,7 @@ class CheckpointStore(Upkeep):
         self._entries = self.index.entries  # (namespace, key) -> IndexEntry
         self._identities: dict[str, dict] = {}
         self._reported: set = set()
+        self._unsynced: set = set()  # directories whose deletions await an fsync (the keeper's)
         self._stats = {"quarantined": 0, "restores": 0, "restore_bytes": 0, "restore_seconds": 0.0, "evicted": 0,
                        "newer_format_files": 0, "bytes_written": 0, "bytes_deduplicated": 0, "blocks_freed": 0,
                        "dropped_missing_blocks": 0, "unleased_reads": 0}
@@ -319,6 +320,23 @@ class CheckpointStore(Upkeep):
         """End a failed or skipped write's block claims; free what nothing references."""
         with changing(self, "release") as (db, after):
             after.blocks = self.catalog.free_blocks(db, self.catalog.release(db, write_id))
+
+    def fsync_later(self, dirs: set) -> None:
+        """Directories that lost files: the keeper fsyncs them within a second."""
+        with self._lock:
+            first = not self._unsynced and bool(dirs)
+            self._unsynced |= dirs
+        if first:
+            self.catalog.later(self._fsync_unsynced)
+
+    def _fsync_unsynced(self) -> None:
+        with self._lock:
+            dirs, self._unsynced = self._unsynced, set()
+        for d in sorted(dirs):
+            try:
+                fsync_dir(d)
+            except OSError:
+                pass  # (a deletion a crash undoes is found again by reconcile or gc)
 
     def count_write(self, written: int, deduplicated: int) -> None:
         with self._lock:

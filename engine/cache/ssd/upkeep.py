@@ -223,15 +223,18 @@ class Upkeep:
                 self.index.forget(k)  # not served here meanwhile; the catalogue learns it later
         self.sync()
 
-    def _lose_block(self, db, after, name: str) -> None:
-        """Forget block `name` and every file referencing it (inside a transaction); its file,
-        if any, goes after COMMIT (nobody writes that block again meanwhile: `freeing`)."""
-        for ns, key in self.catalog.drop_block(db, name):
+    def _lose_block(self, db, after, name: str, bad: bool = False) -> None:
+        """Forget block `name` and every file referencing it (inside a transaction). A `bad`
+        block's file goes after COMMIT (moved to quarantine), and nobody writes that block
+        again meanwhile; a missing one has no file to remove (a file of that name appearing
+        now is a writer's new copy, never touched)."""
+        for ns, key in self.catalog.drop_block(db, name, freeing=bad):
             after.blocks += self.catalog.free_blocks(db, self.catalog.drop_file(db, ns, key))
             after.events.append({"type": "dropped", "namespace": ns, "key": key, "reason": f"block {name[:16]} is lost"})
             with self._lock:
                 self._stats["dropped_missing_blocks"] += 1
-        after.blocks.append((name, 0))
+        if bad:
+            after.blocks.append((name, 0))  # (moved by then: this only ends its `freeing`)
 
     # --- quarantine ---
 
@@ -252,7 +255,7 @@ class Upkeep:
         if blocks.intact(path, name):
             return  # it verifies now: a fault on the way, not on the disk
         self._move_aside(path, self.root / QUARANTINE / f"block.{name}.{time.time_ns()}", reason,
-                         lambda db, after: self._lose_block(db, after, name))
+                         lambda db, after: self._lose_block(db, after, name, bad=True))
 
     def _move_aside(self, path: Path, dest: Path, reason: str, rows) -> None:
         """Drop the rows (`rows(db, after)`), then, after COMMIT, move the file: a block of that
