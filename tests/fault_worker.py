@@ -109,6 +109,8 @@ def assert_nothing_leaks(store: CheckpointStore) -> None:
     assert totals["block_bytes"] == sum(p.stat().st_size for p in (root / "blocks").glob("*.blk"))
     assert totals["blocks"] == len(on_disk)
     assert totals["file_bytes"] == q("SELECT COALESCE(SUM(file_bytes), 0) FROM files")[0][0]
+    assert not q("SELECT 1 FROM files f WHERE pinned != (SELECT COUNT(*) FROM pins p WHERE p.namespace = f.namespace "
+                 "AND p.key = f.key)"), "a file's pin count is off"
 
 
 def write(store: CheckpointStore, name: str) -> None:

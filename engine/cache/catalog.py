@@ -17,7 +17,8 @@ agree on. Its tables:
     procs    the processes using the directory (liveness.py says who is alive)
     changes  a log of files added and removed: every process follows it, so a
              file one kernel commits is found by every other on its next lookup
-    totals   bytes of files and blocks, kept by triggers (no scans for the cap)
+    totals   bytes of files and blocks, kept by triggers (no scans for the cap; likewise
+             files.pinned counts the pins on each file)
 
 Rules every caller keeps (store.py, upkeep.py; objects and media will too):
 - A row goes first, its file after: a deletion drops rows (and records
@@ -156,14 +157,13 @@ class Catalog(Presence):
         return names
 
     def least_recent(self, db: sqlite3.Connection, after: tuple = (float("-inf"), 0), limit: int = 64) -> list:
-        """(namespace, key, (last_used, rowid)) of the files used after `after`, least recently
-        used first, but for pinned and leased ones (skipped inside SQLite: a cap over thousands
-        of pinned files costs index probes, not round trips). Pass the last one's third item
-        as `after` for the next page."""
-        rows = db.execute("SELECT namespace, key, last_used, rowid FROM files f WHERE (last_used, rowid) > (?, ?) "
-                          "AND NOT EXISTS (SELECT 1 FROM pins p WHERE p.namespace=f.namespace AND p.key=f.key) "
-                          "AND NOT EXISTS (SELECT 1 FROM leases l WHERE l.namespace=f.namespace AND l.key=f.key) "
-                          "ORDER BY last_used, rowid LIMIT ?", (*after, limit)).fetchall()
+        """(namespace, key, (last_used, rowid)) of unpinned, unleased files used after `after`,
+        least recently used first (the index on (pinned, last_used) skips every pinned file
+        at once). Pass the last one's third item as `after` for the next page."""
+        rows = db.execute("SELECT namespace, key, last_used, rowid FROM files f WHERE pinned = 0 AND "
+                          "(last_used, rowid) > (?, ?) AND NOT EXISTS (SELECT 1 FROM leases l WHERE "
+                          "l.namespace = f.namespace AND l.key = f.key) ORDER BY last_used, rowid LIMIT ?",
+                          (*after, limit)).fetchall()
         return [(ns, key, (used, rowid)) for ns, key, used, rowid in rows]
 
     def deletable(self, db: sqlite3.Connection, ns: str, key: str) -> bool:

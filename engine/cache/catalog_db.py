@@ -46,8 +46,8 @@ CREATE TABLE IF NOT EXISTS files(
     tokens BLOB NOT NULL, file_bytes INTEGER NOT NULL, kv_bytes INTEGER NOT NULL,
     min_reusable_offset INTEGER NOT NULL, trimmable INTEGER NOT NULL, format_version INTEGER NOT NULL,
     created REAL NOT NULL, last_used REAL NOT NULL, identity TEXT NOT NULL, block_bytes INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY(namespace, key));
-CREATE INDEX IF NOT EXISTS files_lru ON files(last_used);
+    pinned INTEGER NOT NULL DEFAULT 0, PRIMARY KEY(namespace, key));
+CREATE INDEX IF NOT EXISTS files_unpinned_lru ON files(pinned, last_used);
 CREATE TABLE IF NOT EXISTS blocks(name TEXT PRIMARY KEY, bytes INTEGER NOT NULL, created REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS refs(namespace TEXT NOT NULL, key TEXT NOT NULL, block TEXT NOT NULL,
     PRIMARY KEY(namespace, key, block));
@@ -74,6 +74,13 @@ CREATE TRIGGER IF NOT EXISTS files_out AFTER DELETE ON files BEGIN
     UPDATE totals SET v = v - OLD.file_bytes WHERE k = 'file_bytes'; END;
 CREATE TRIGGER IF NOT EXISTS files_size AFTER UPDATE OF file_bytes ON files BEGIN
     UPDATE totals SET v = v - OLD.file_bytes + NEW.file_bytes WHERE k = 'file_bytes'; END;
+CREATE TRIGGER IF NOT EXISTS files_pinned AFTER INSERT ON files BEGIN
+    UPDATE files SET pinned = (SELECT COUNT(*) FROM pins p WHERE p.namespace = NEW.namespace AND p.key = NEW.key)
+    WHERE rowid = NEW.rowid; END;
+CREATE TRIGGER IF NOT EXISTS pins_in AFTER INSERT ON pins BEGIN
+    UPDATE files SET pinned = pinned + 1 WHERE namespace = NEW.namespace AND key = NEW.key; END;
+CREATE TRIGGER IF NOT EXISTS pins_out AFTER DELETE ON pins BEGIN
+    UPDATE files SET pinned = pinned - 1 WHERE namespace = OLD.namespace AND key = OLD.key; END;
 CREATE TRIGGER IF NOT EXISTS blocks_in AFTER INSERT ON blocks BEGIN
     UPDATE totals SET v = v + 1 WHERE k = 'blocks'; UPDATE totals SET v = v + NEW.bytes WHERE k = 'block_bytes'; END;
 CREATE TRIGGER IF NOT EXISTS blocks_out AFTER DELETE ON blocks BEGIN
@@ -84,9 +91,10 @@ CREATE TRIGGER IF NOT EXISTS blocks_out AFTER DELETE ON blocks BEGIN
 _MIGRATE = """
 DROP TABLE IF EXISTS processes; DROP TABLE IF EXISTS pending; DROP TABLE IF EXISTS leases;
 DROP TRIGGER IF EXISTS files_in; DROP TRIGGER IF EXISTS files_out; DROP TRIGGER IF EXISTS files_size;
-DROP TRIGGER IF EXISTS blocks_in; DROP TRIGGER IF EXISTS blocks_out
+DROP TRIGGER IF EXISTS blocks_in; DROP TRIGGER IF EXISTS blocks_out; DROP INDEX IF EXISTS files_lru
 """
 _TOTALS = """
+UPDATE files SET pinned = (SELECT COUNT(*) FROM pins p WHERE p.namespace = files.namespace AND p.key = files.key);
 INSERT OR REPLACE INTO totals VALUES('file_bytes', (SELECT COALESCE(SUM(file_bytes), 0) FROM files));
 INSERT OR REPLACE INTO totals VALUES('blocks', (SELECT COUNT(*) FROM blocks));
 INSERT OR REPLACE INTO totals VALUES('block_bytes', (SELECT COALESCE(SUM(bytes), 0) FROM blocks))
@@ -159,6 +167,8 @@ class Database:
                 have = {r[1] for r in db.execute("PRAGMA table_info(files)")}
                 if "block_bytes" not in have:  # a schema 1 catalogue: format 1 files only
                     db.execute("ALTER TABLE files ADD COLUMN block_bytes INTEGER NOT NULL DEFAULT 0")
+                if "pinned" not in have:
+                    db.execute("ALTER TABLE files ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0")
                 have = {r[1] for r in db.execute("PRAGMA table_info(inflight)")}
                 for column in ("owner", "namespace", "key"):
                     if column not in have:
