@@ -108,6 +108,9 @@ SCHEMA = {
     "ssd_newer_format_files": "files of a newer format version, left alone",
     "ssd_processes": "processes using this cache directory now (this one included)",
     "ssd_processes_pending_writes": "SSD writes those processes have pending",
+    "ssd_late_reason": "why SSD reads and writes wait right now (another process holds the catalogue's lock), or None",
+    "ssd_unleased_reads": "reads done without a catalogue lease because the catalogue was locked (a deletion meanwhile is a miss)",
+    "ssd_dropped_missing_blocks": "checkpoints dropped from the index because a block they name is gone (removed by gc)",
     # the remote tier (None or 0 while it is off)
     "remote_url": "the remote tier's URL, credentials removed (None: off)",
     "remote_auth": "keyed (key id ...) with a team secret, or UNAUTHENTICATED (remote_insecure)",
