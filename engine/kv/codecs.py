@@ -376,11 +376,13 @@ def not_batchable(caches: list) -> list[str]:
     batch caches: quantized KV, chunked attention, a window that keeps a prefix (keep > 0)."""
     out = []
     for c in caches:
-        kind = kind_of(c)
+        kind, keep = kind_of(c), getattr(c, "keep", 0)
         if kind == "CacheList":
             out += not_batchable(list(c.caches))
-        elif kind not in ("KVCache", "RotatingKVCache", "ArraysCache") or getattr(c, "keep", 0):
-            out.append(kind if not getattr(c, "keep", 0) else f"{kind}(keep={c.keep})")
+        elif keep:
+            out.append(f"{kind}(keep={keep})")
+        elif kind not in ("KVCache", "RotatingKVCache", "ArraysCache"):
+            out.append(kind)
     return sorted(set(out))
 
 
