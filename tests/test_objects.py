@@ -94,10 +94,13 @@ def test_round_trip_every_kind_in_ram_and_from_ssd(cache_dir):
         assert eng.stats()["object_ssd_files"] == 1
     with Engine(cache_dir=cache_dir) as eng:  # a new engine: nothing in RAM
         assert eng.objects.where(("every", 1)) == "ssd"
-        assert_same(value, eng.objects.get(("every", 1)))
+        got, source = eng.objects.lookup(("every", 1))
+        assert source == "ssd"
+        assert_same(value, got)
         s = eng.stats()
         assert s["object_ssd_hits"] == 1 and s["object_ram_entries"] == 1
-        assert eng.objects.where(("every", 1)) == "ram"
+        assert eng.objects.where(("every", 1)) == "ram" and eng.objects.lookup(("every", 1))[1] == "ram"
+        assert eng.objects.lookup(("every", 2)) == (None, None)
         for top in (mx.arange(3), np.arange(3.0), [], {}, (), None, "only a string"):  # leaves and empties alone
             eng.objects.put(("top", repr(top)), top)
         eng.flush()

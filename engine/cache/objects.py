@@ -4,6 +4,7 @@ The API (owner thread, like every Engine call)::
 
     eng.objects.put(key, value, label=None) -> bool   # False: not kept (bigger than RAM and no SSD)
     eng.objects.get(key, default=None)       # the value, or default: RAM, else SSD (verified)
+    eng.objects.lookup(key) -> (value, "ram" | "ssd") or (None, None)   # the same, saying where from
     eng.objects.where(key) -> "ram" | "ssd" | None      # where it is now, reading nothing
     eng.objects.delete(key) -> bool          # from RAM and SSD
     eng.objects.clear(label=None) -> int     # every object (or those with this label)
@@ -184,6 +185,11 @@ class ObjectCache:
 
     def get(self, key, default=None):
         """The value stored under `key` (RAM, else SSD), or `default`."""
+        value, source = self.lookup(key)
+        return default if source is None else value
+
+    def lookup(self, key) -> tuple:
+        """(value, where it came from: "ram" | "ssd"), or (None, None) on a miss."""
         d = digest(key)
         ns = namespace_of(d)
         entry = self.cache.get_exact(_NO_TOKENS, ns)
@@ -193,13 +199,13 @@ class ObjectCache:
             self.cache.retention.hit(entry)
             self.counters["object_ram_hits"] += 1
             self._emit("object_hit", ns, source="ram", nbytes=entry.nbytes)
-            return entry.checkpoint.value()
+            return entry.checkpoint.value(), "ram"
         cp = self._read(ns, d)
         if cp is None:
             self.counters["object_misses"] += 1
             self._emit("object_miss", ns)
-            return default
-        return cp.value()
+            return None, None
+        return cp.value(), "ssd"
 
     def put(self, key, value, *, label: str | None = None) -> bool:
         """Store `value` under `key`, replacing any value it had; False when it could not be kept
