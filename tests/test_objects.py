@@ -285,3 +285,22 @@ def test_processes_share_objects_through_the_directory(cache_dir, tmp_path):
                          env=env, timeout=300, check=True).stdout
     got = json.loads(out.splitlines()[-1])
     assert got == {"shared": fingerprint(every_kind()), "a": [5.0, 5.0], "bb": [6.0, 6.0], "ssd_hits": 3}
+
+
+def test_dashboard_shows_objects_next_to_prefixes(cache_dir, tiny_model_dir):
+    from mlxcache_kernel.widgets import ResidencyDashboard
+    from mlxcache_kernel.widgets.dashboard_render import ram_label, render_entries
+
+    with Engine(cache_dir=cache_dir) as eng:
+        eng.load_model(tiny_model_dir)
+        eng.generate("a prefix", max_tokens=2)
+        eng.objects.put(("memo-like", 1), mx.ones((3, 4)), label="memo:embed")
+        eng.objects.get(("memo-like", 1))
+        eng.objects.get(("memo-like", 2))
+        dash = ResidencyDashboard(eng, schedule=lambda fn: fn())
+        html = dash.entries_html.value
+        assert "mlxc-kind-object" in html and "object · memo:embed · float32[3x4]" in html and "mlxc-kind-prefix" in html
+        assert dash.counters["object_hits"] == 1 and dash.counters["object_misses"] == 1
+        assert "1 object" in ram_label(eng.stats())
+        assert "no cached prefixes or objects" in render_entries([])
+        dash.close()
