@@ -161,6 +161,8 @@ def test_reads_lend_immutable_arrays(cache_dir):
         assert again["np"].tolist() == list(np.arange(6.0)) and again["mx"].tolist() == [0, 1, 2, 3, 4, 5]
     with Engine(cache_dir=cache_dir) as eng:
         assert eng.objects.get("k") is None
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.objects.get("k")
 
 
 def test_an_object_never_serves_as_a_prefix(cache_dir, tiny_model_dir):

@@ -176,8 +176,9 @@ def _label(key, label) -> str:
 class ObjectCache:
     """Exact-key objects over a TieredPromptCache (see the module docstring)."""
 
-    def __init__(self, cache):
+    def __init__(self, cache, check_open=lambda: None):
         self.cache = cache
+        self._check_open = check_open  # raises once the engine is closed
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.counters["object_restore_seconds"] = 0.0
 
@@ -190,6 +191,7 @@ class ObjectCache:
 
     def lookup(self, key) -> tuple:
         """(value, where it came from: "ram" | "ssd"), or (None, None) on a miss."""
+        self._check_open()
         d = digest(key)
         ns = namespace_of(d)
         entry = self.cache.get_exact(_NO_TOKENS, ns)
@@ -210,6 +212,7 @@ class ObjectCache:
     def put(self, key, value, *, label: str | None = None) -> bool:
         """Store `value` under `key`, replacing any value it had; False when it could not be kept
         (larger than the whole RAM budget with no SSD tier)."""
+        self._check_open()
         d = digest(key)
         label = _label(key, label)
         tree, leaves = flatten(value)
@@ -234,11 +237,13 @@ class ObjectCache:
 
     def delete(self, key) -> bool:
         """Remove the object from RAM and SSD; whether there was one."""
+        self._check_open()
         self.cache.poll()
         return self._remove(namespace_of(digest(key)))
 
     def clear(self, label: str | None = None) -> int:
         """Remove every object (or every object with this label) from RAM and SSD; how many."""
+        self._check_open()
         self.cache.poll()
         found = {e.ns for e in self.cache.entries() if is_object_namespace(e.ns)}
         store = self.cache.store
