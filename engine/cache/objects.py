@@ -245,13 +245,15 @@ class ObjectCache:
         """Remove every object (or every object with this label) from RAM and SSD; how many."""
         self._check_open()
         self.cache.poll()
-        found = {e.ns for e in self.cache.entries() if is_object_namespace(e.ns)}
-        store = self.cache.store
-        if store is not None:
-            store.sync()
-            with store.index.lock:
-                found |= {ns for ns, _ in store.index.entries if is_object_namespace(ns)}
-        return sum(self._remove(ns) for ns in sorted(found) if label is None or self.label(ns) == label)
+        labels = {h.namespace: h.identity.get("label") for h in self._files()}
+        labels.update({e.ns: self.cache.identities.get(e.ns, {}).get("label")
+                       for e in self.cache.entries() if is_object_namespace(e.ns)})
+        chosen = sorted(ns for ns, lb in labels.items() if label is None or lb == label)
+        for ns in chosen:
+            self._drop_ram(ns, "cleared")
+        if self.cache.store is not None and chosen:  # one transaction for them all
+            self.cache.store.remove([(ns, _NO_TOKENS) for ns in chosen], reason="cleared")
+        return len(chosen)
 
     def entries(self) -> list[dict]:
         """One row per object (RAM and SSD), newest first: Engine.cache_entries() rows."""
@@ -346,24 +348,29 @@ class ObjectCache:
         return cp
 
     def _remove(self, ns: str) -> bool:
-        """Drop the object's RAM entry (stopping its queued or running write) and its SSD file."""
-        cache, found = self.cache, False
-        entry = cache.get_exact(_NO_TOKENS, ns)
-        if entry is not None:
-            found = True
-            key = (ns, _NO_TOKENS)
-            if entry.write_state == WriteState.PENDING:  # its write is of the old value: stop it
-                if cache.writer.cancel(key):
-                    cache.counters["writes_cancelled"] += 1
-                elif not cache.writer.abort(key, REMOVE_WAIT_S):
-                    cache.writer.wait_written(key, 30.0)  # past its last pause (a slow fsync): let it end
-            cache.drain_completions()
-            cache.remove(entry, reason="replaced")
+        """Drop the object's RAM entry and its SSD file (waiting a moment for another process's read)."""
+        found = self._drop_ram(ns, "replaced")
         if self._file(ns) is None:
             return found
         deadline = time.monotonic() + REMOVE_WAIT_S
-        while not cache.store.remove([(ns, _NO_TOKENS)], reason="replaced"):
+        while not self.cache.store.remove([(ns, _NO_TOKENS)], reason="replaced"):
             if self._file(ns) is None or time.monotonic() > deadline:  # gone, or another process reads it
                 break
             time.sleep(0.02)
+        return True
+
+    def _drop_ram(self, ns: str, reason: str) -> bool:
+        """Drop the object's RAM entry, stopping its queued or running write (of the old value)."""
+        cache = self.cache
+        entry = cache.get_exact(_NO_TOKENS, ns)
+        if entry is None:
+            return False
+        key = (ns, _NO_TOKENS)
+        if entry.write_state == WriteState.PENDING:
+            if cache.writer.cancel(key):
+                cache.counters["writes_cancelled"] += 1
+            elif not cache.writer.abort(key, REMOVE_WAIT_S):
+                cache.writer.wait_written(key, 30.0)  # past its last pause (a slow fsync): let it end
+        cache.drain_completions()  # before a new value's entry exists: this completion is the old one's
+        cache.remove(entry, reason=reason)
         return True
