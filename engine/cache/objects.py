@@ -163,6 +163,12 @@ class _Read:
         return ObjectValue.of(self.tree, leaves)
 
 
+def _servable(handle, key_digest: str) -> bool:
+    """Whether an SSD index entry holds this key's object in this build's revision."""
+    ident = handle.identity if handle is not None else None
+    return isinstance(ident, dict) and ident.get("object") == REVISION and ident.get("key") == key_digest
+
+
 def _label(key, label) -> str:
     if label is None:
         first = key[0] if isinstance(key, (tuple, list)) and key else key
@@ -230,10 +236,12 @@ class ObjectCache:
         return entry is not None or self.cache.store is not None
 
     def where(self, key) -> str | None:
-        ns = namespace_of(digest(key))
+        """Where `key`'s value is now ("ram", "ssd") or None, from the indexes alone (no read)."""
+        d = digest(key)
+        ns = namespace_of(d)
         if self.cache.get_exact(_NO_TOKENS, ns) is not None:
             return "ram"
-        return "ssd" if self._file(ns) is not None else None
+        return "ssd" if _servable(self._file(ns), d) else None
 
     def delete(self, key) -> bool:
         """Remove the object from RAM and SSD; whether there was one."""
@@ -319,9 +327,9 @@ class ObjectCache:
     def _read(self, ns: str, d: str) -> ObjectValue | None:
         """Read the object's SSD file (verified) and publish it in RAM; None on a miss."""
         handle = self._file(ns)
-        ident = handle.identity if handle is not None else None
-        if not (isinstance(ident, dict) and ident.get("object") == REVISION and ident.get("key") == d):
+        if not _servable(handle, d):
             return None  # none, or another revision's (replaced by the next put)
+        ident = handle.identity
         self._register(ns, ident)
         if self.cache.pressure is not None:
             self.cache.pressure.check("lookup")
