@@ -306,3 +306,15 @@ def test_dashboard_shows_objects_next_to_prefixes(cache_dir, tiny_model_dir):
         assert "1 object" in ram_label(eng.stats())
         assert "no cached prefixes or objects" in render_entries([])
         dash.close()
+
+
+def test_another_revisions_object_is_a_miss_then_replaced(cache_dir, monkeypatch):
+    with Engine(cache_dir=cache_dir) as eng:
+        eng.objects.put("k", mx.array([1]))
+    monkeypatch.setattr(objects_mod, "REVISION", objects_mod.REVISION + 1)  # a later build's layout
+    with Engine(cache_dir=cache_dir) as eng:
+        assert eng.objects.where("k") is None and eng.objects.get("k") is None
+        assert eng.stats()["ssd_quarantined"] == 0  # not corrupt: left until replaced
+        eng.objects.put("k", mx.array([2]))
+    with Engine(cache_dir=cache_dir) as eng:
+        assert eng.objects.get("k").item() == 2 and eng.stats()["object_ssd_files"] == 1
