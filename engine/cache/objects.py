@@ -85,7 +85,8 @@ class ObjectValue(Checkpoint):
     @classmethod
     def of(cls, tree: dict, leaves: list) -> "ObjectValue":
         attachments = {f"{i:06d}": a for i, a in enumerate(leaves)}
-        return cls(_NO_TOKENS, (), sum(int(a.nbytes) for a in leaves), 0, attachments, tree)
+        return cls(tokens=_NO_TOKENS, layers=(), nbytes=sum(int(a.nbytes) for a in leaves), attachments=attachments,
+                   tree=tree)
 
     @property
     def trimmable(self) -> bool:
