@@ -227,9 +227,16 @@ def test_corrupt_object_chunk_is_a_miss_and_quarantined(cache_dir):
         assert eng.objects.where("k") is None and not path.exists()
         assert any(p.name.endswith(path.name) or path.name in p.name for p in (cache_dir / "checkpoints" / "quarantine").iterdir())
         eng.objects.put("k", value)  # computed again
+        eng.objects.put("other", value)
         eng.flush()
+        assert eng.cache_gc()["quarantine_removed"] and eng.objects.where("k") == "ram"  # gc keeps good objects
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF
+    path.write_bytes(bytes(data))
     with Engine(cache_dir=cache_dir) as eng:
-        assert_same(value, eng.objects.get("k"))
+        bad = eng.cache_verify()  # %cache verify re-hashes objects too
+        assert [b["path"] for b in bad] == [str(path)] and eng.objects.where("k") is None
+        assert_same(value, eng.objects.get("other"))
 
 
 def test_delete_clear_and_listing(cache_dir):
