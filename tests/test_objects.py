@@ -325,3 +325,10 @@ def test_another_revisions_object_is_a_miss_then_replaced(cache_dir, monkeypatch
         eng.objects.put("k", mx.array([2]))
     with Engine(cache_dir=cache_dir) as eng:
         assert eng.objects.get("k").item() == 2 and eng.stats()["object_ssd_files"] == 1
+
+
+def test_an_object_larger_than_ram_without_ssd_is_not_kept(cache_dir):
+    with Engine(cache_dir=cache_dir, ssd=False, ram_budget_bytes=1000) as eng:
+        assert eng.objects.put("small", mx.ones((10,)))
+        assert not eng.objects.put("big", mx.ones((1000,)))  # 4 kB over a 1 kB budget, nowhere else to go
+        assert eng.objects.get("big") is None and eng.objects.get("small") is not None
