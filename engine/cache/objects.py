@@ -3,8 +3,8 @@
 The API (owner thread, like every Engine call)::
 
     eng.objects.put(key, value, label=None) -> bool   # False: not kept (bigger than RAM and no SSD)
-    eng.objects.get(key, default=None)       # the value, or default: RAM, else SSD (verified)
-    eng.objects.lookup(key) -> (value, "ram" | "ssd") or (None, None)   # the same, saying where from
+    eng.objects.get(key, default=None)       # the value, or default: RAM, else SSD, else remote (verified)
+    eng.objects.lookup(key) -> (value, "ram" | "ssd" | "remote") or (None, None)   # the same, saying where from
     eng.objects.where(key) -> "ram" | "ssd" | None      # where it is now, reading nothing
     eng.objects.delete(key) -> bool          # from RAM and SSD
     eng.objects.clear(label=None) -> int     # every object (or those with this label)
@@ -39,6 +39,9 @@ MLX buffer of its array (benchmarks/bench_objects.py). The manifest's
 identity holds the object revision, the full key digest and the label; its
 layout holds the value's tree. Putting a key again replaces its value (RAM
 and SSD) before the new one is queued, so a stale copy is never served.
+With a remote tier (and remote_publish="all"), committed objects are
+published there and a lookup that misses RAM and SSD reads it from there,
+verified, then writes it through to SSD (object_remote.py).
 """
 
 from __future__ import annotations
@@ -64,8 +67,8 @@ REMOVE_WAIT_S = 1.0  # a put or delete waits this long at most for another proce
 _NO_TOKENS = ()
 _FILE_KEY = token_key(_NO_TOKENS)
 _CHUNK_RE = re.compile(r"attachments\.(\d{6})\.(\d{5})")
-COUNTERS = ("object_puts", "object_put_bytes", "object_ram_hits", "object_ssd_hits", "object_misses",
-            "object_restore_failures", "object_restore_bytes", "object_restore_seconds")
+COUNTERS = ("object_puts", "object_put_bytes", "object_ram_hits", "object_ssd_hits", "object_remote_hits",
+            "object_misses", "object_restore_failures", "object_restore_bytes", "object_restore_seconds")
 
 
 def namespace_of(key_digest: str) -> str:
@@ -197,7 +200,7 @@ class ObjectCache:
         return default if source is None else value
 
     def lookup(self, key) -> tuple:
-        """(value, where it came from: "ram" | "ssd"), or (None, None) on a miss."""
+        """(value, where it came from: "ram" | "ssd" | "remote"), or (None, None) on a miss."""
         self._check_open()
         d = digest(key)
         ns = namespace_of(d)
@@ -209,12 +212,14 @@ class ObjectCache:
             self.counters["object_ram_hits"] += 1
             self._emit("object_hit", ns, source="ram", nbytes=entry.nbytes)
             return entry.checkpoint.value(), "ram"
-        cp = self._read(ns, d)
+        cp, source = self._read(ns, d), "ssd"
+        if cp is None and self.cache.remote is not None:
+            cp, source = self._fetch_remote(ns, d), "remote"
         if cp is None:
             self.counters["object_misses"] += 1
             self._emit("object_miss", ns)
             return None, None
-        return cp.value(), "ssd"
+        return cp.value(), source
 
     def put(self, key, value, *, label: str | None = None) -> bool:
         """Store `value` under `key`, replacing any value it had; False when it could not be kept
@@ -354,6 +359,29 @@ class ObjectCache:
         self.counters["object_restore_bytes"] += cp.nbytes
         self.counters["object_restore_seconds"] += seconds
         self._emit("object_hit", ns, source="ssd", nbytes=cp.nbytes, seconds=seconds)
+        return cp
+
+    def _fetch_remote(self, ns: str, d: str) -> ObjectValue | None:
+        """Read the object from the remote tier, publish it in RAM and write it through to SSD."""
+        from . import object_remote
+
+        t0 = time.perf_counter()
+        try:
+            found = object_remote.fetch(self.cache.remote.tier, ns, d, REVISION)
+        except Exception as e:  # noqa: BLE001 - the remote tier never fails a cell: a miss
+            self.counters["object_restore_failures"] += 1
+            self._emit("restore_failed", ns, source="remote", reason=f"{type(e).__name__}: {str(e)[:200]}")
+            return None
+        if found is None:
+            return None
+        tree, leaves, label = found
+        self._register(ns, {"object": REVISION, "key": d, "label": label})
+        cp = ObjectValue.of(tree, leaves)
+        self.cache.put(cp, ns)  # dirty: write-behind stores it on this machine's SSD
+        seconds = time.perf_counter() - t0
+        self.counters["object_remote_hits"] += 1
+        self.counters["object_restore_bytes"] += cp.nbytes
+        self._emit("object_hit", ns, source="remote", nbytes=cp.nbytes, seconds=seconds)
         return cp
 
     def _remove(self, ns: str) -> bool:
