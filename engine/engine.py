@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 from . import blas
 from .cache.objects import ObjectCache, is_object_namespace
+from .cache.catalog import CatalogBusy
 from .cache.remote import resolve as resolve_remote
 from .cache.remote_link import attach as attach_remote, close as close_remote, flush as flush_remote
 from .cache.tiered import TieredPromptCache
@@ -96,7 +97,7 @@ class Engine(StateMethods):
             make_private_dir(self.cache_dir)
             self.cache = TieredPromptCache(ram_budget_bytes=budget, ssd_dir=self.cache_dir / "checkpoints" if ssd
                                            else None, **kw)
-        except (OSError, sqlite3.Error) as e:  # read-only, full, or another user's directory
+        except (OSError, sqlite3.Error, CatalogBusy) as e:  # read-only, full, another user's, network, locked
             self.ssd_disabled_reason = f"cache directory {self.cache_dir} is not usable ({e}): running RAM-only"
             warnings.warn(f"mlxcache: {self.ssd_disabled_reason}", stacklevel=2)
             self.cache = TieredPromptCache(ram_budget_bytes=budget, ssd_dir=None, **kw)

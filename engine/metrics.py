@@ -108,6 +108,9 @@ SCHEMA = {
     "ssd_newer_format_files": "files of a newer format version, left alone",
     "ssd_processes": "processes using this cache directory now (this one included)",
     "ssd_processes_pending_writes": "SSD writes those processes have pending",
+    "ssd_late_reason": "why SSD reads and writes wait right now (another process holds the catalogue's lock), or None",
+    "ssd_unleased_reads": "reads done without a catalogue lease because the catalogue was locked (a deletion meanwhile is a miss)",
+    "ssd_dropped_missing_blocks": "checkpoints dropped from the index because a block they name is gone (removed by gc)",
     # exact tensor objects (Engine.objects, @memo): they share the RAM and SSD numbers above
     "object_puts": "objects stored (put)",
     "object_put_bytes": "bytes of the values stored",

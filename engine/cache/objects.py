@@ -55,6 +55,7 @@ import numpy as np
 
 from ..kv.checkpoint import Checkpoint, HostTensor
 from ..kv.tokens import token_key
+from .catalog import CatalogBusy
 from .durability import WriteState
 from .ssd.store import CheckpointUnavailable
 from .values import describe, digest, flatten, leaf_nbytes, leaf_specs, stored_leaf, unflatten
@@ -265,8 +266,8 @@ class ObjectCache:
         chosen = sorted(ns for ns, lb in labels.items() if label is None or lb == label)
         for ns in chosen:
             self._drop_ram(ns, "cleared")
-        if self.cache.store is not None and chosen:  # one transaction for them all
-            self.cache.store.remove([(ns, _NO_TOKENS) for ns in chosen], reason="cleared")
+        if self.cache.store is not None and chosen:  # a few files per transaction
+            self.cache.store.remove([(ns, _FILE_KEY) for ns in chosen], reason="cleared")
         return len(chosen)
 
     def entries(self) -> list[dict]:
@@ -390,7 +391,12 @@ class ObjectCache:
         if self._file(ns) is None:
             return found
         deadline = time.monotonic() + REMOVE_WAIT_S
-        while not self.cache.store.remove([(ns, _NO_TOKENS)], reason="replaced"):
+        while True:
+            try:
+                if self.cache.store.remove([(ns, _FILE_KEY)], reason="replaced"):
+                    break
+            except CatalogBusy:  # another process holds the catalogue: wait a little, as for a lease
+                pass
             if self._file(ns) is None or time.monotonic() > deadline:  # gone, or another process reads it
                 break
             time.sleep(0.02)

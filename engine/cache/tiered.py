@@ -133,18 +133,23 @@ class TieredPromptCache(Loading, Durability):
 
     def _restore_longer(self, prompt, ns, n_ram, progress, move) -> Lease | None:
         prompt_array = as_token_array(prompt)
-        handle = self.store.find(prompt, ns, min_len=max(MIN_RESTORE_TOKENS, n_ram + 1))
-        if handle is None:
-            return None
-        handle_tokens = as_token_array(handle.tokens)
-        n = min(common_prefix_len(handle_tokens, prompt_array), len(prompt) - 1)
-        if n <= n_ram or n < MIN_RESTORE_TOKENS:
-            return None
-        t0 = time.perf_counter()
-        if progress is not None:
-            progress("restore", 0, len(handle.tokens))
-        cp, job = self.read_now(handle)
-        if cp is None:
+        for _ in range(3):  # a file found to have lost a block left the index: the next longest one
+            handle = self.store.find(prompt, ns, min_len=max(MIN_RESTORE_TOKENS, n_ram + 1))
+            if handle is None:
+                return None
+            handle_tokens = as_token_array(handle.tokens)
+            n = min(common_prefix_len(handle_tokens, prompt_array), len(prompt) - 1)
+            if n <= n_ram or n < MIN_RESTORE_TOKENS:
+                return None
+            t0 = time.perf_counter()
+            if progress is not None:
+                progress("restore", 0, len(handle.tokens))
+            cp, job = self.read_now(handle)
+            if cp is not None:
+                break
+            if self.store.contains(handle.tokens, ns):  # still there: a passing failure, prefill this time
+                return None
+        else:
             return None
         if progress is not None:
             progress("restore", len(handle.tokens), len(handle.tokens))

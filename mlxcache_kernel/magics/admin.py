@@ -293,6 +293,8 @@ class AdminMagics(EngineMagics):
               f"{len(failed)} failed in {fmt_s(r.get('seconds'))}")
         for f in failed:
             print(f"  failed: {f}")
+        if r.get("pending") and r.get("late_reason"):
+            print(f"  pending: {r['late_reason']}")
 
     def _cache_clear(self, args) -> None:
         r = self.engine.cache_clear(ssd=args.ssd)
@@ -307,7 +309,8 @@ class AdminMagics(EngineMagics):
         verb = "would remove" if args.dry_run else "removed"
         q, t = r["quarantine_removed"], r["temp_removed"]
         print(f"gc{' (dry run)' if args.dry_run else ''}: {verb} {len(q)} quarantined file(s), {len(t)} stale temp "
-              f"file(s), {r['inflight_removed']} resume record(s) without their checkpoint")
+              f"file(s), {len(r.get('blocks_removed', []))} unreferenced block(s), {len(r.get('files_removed', []))} "
+              f"unusable checkpoint file(s), {r['inflight_removed']} resume record(s) without their checkpoint")
         for path in q + t:
             print(f"  {path}")
         if r["dangling_names"]:
@@ -321,7 +324,7 @@ class AdminMagics(EngineMagics):
             print(f"verify: all {s.get('ssd_files', '?')} SSD checkpoints and their {s.get('ssd_blocks', 0)} blocks "
                   f"are intact ({fmt_s(time.perf_counter() - t0)})")
             return
-        print(f"verify: {len(bad)} bad file(s), quarantined:")
+        print(f"verify: {len(bad)} bad file(s) (quarantined) or checkpoint(s) that lost a block (dropped):")
         for b in bad:
             print(f"  {b.get('path')}: {b.get('reason') or b.get('error')}" if isinstance(b, dict) else f"  {b}")
 
