@@ -104,7 +104,6 @@ class Engine(StateMethods):
         self.memory = PressureGuard(self.cache.reclaim, high=memory_high_water, low=memory_low_water,
                                     emit=self.events.emit)
         self.cache.pressure = self.memory
-        self._closed = False
         self.objects = ObjectCache(self.cache, self._check_open)  # exact-key tensor objects on the same tiers
         usable = self.ssd_disabled_reason is None
         self.models = ModelRegistry(IdentityMemo(self.cache_dir / "identities.json" if usable else None))

@@ -22,6 +22,10 @@ Two kinds hang from a prefix key (the chain key of full blocks 0..i):
   boundary and the end of its answer often share their full blocks), as
   JSON: few are read.
 
+A third kind hangs from a namespace's root key instead: an object record
+(kind "o", JSON) names the manifest of an exact tensor object
+(Engine.objects; the namespace holds its key digest; object_remote.py).
+
 Every body carries the key id of the secret that sealed it (rotation) and
 its issue time: a record older than `max_age_s`, or issued more than a day
 ahead of this clock, is stale. The tag covers the kind and the prefix key,
