@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 
 from . import blas
 from .cache.remote_link import attach as attach_remote, flush as flush_remote
+from .cache.objects import ObjectCache, is_object_namespace
 from .cache.tiered import TieredPromptCache
 from .events import EventBus
 from .generation import GenerationError, SamplingParams
@@ -86,6 +87,7 @@ class Engine(StateMethods):
         self.memory = PressureGuard(self.cache.reclaim, high=memory_high_water, low=memory_low_water,
                                     emit=self.events.emit)
         self.cache.pressure = self.memory
+        self.objects = ObjectCache(self.cache)  # exact-key tensor objects on the same tiers
         usable = self.ssd_disabled_reason is None
         self.models = ModelRegistry(IdentityMemo(self.cache_dir / "identities.json" if usable else None))
         self.metrics = GenerationMetrics()
@@ -250,10 +252,12 @@ class Engine(StateMethods):
             **self.metrics.as_stats(),
             **self.memory.stats(),
             **self.cache.stats(),
+            **self.objects.stats(),
         }
 
     def cache_entries(self, poll: bool = True) -> list[dict]:
-        """Every RAM and SSD entry as plain data (no MLX arrays are read).
+        """Every RAM and SSD entry as plain data (no MLX arrays are read): prompt prefixes
+        (kind "prefix") and objects (kind "object", see ObjectCache.row).
 
         poll=True first applies finished writes (owner thread); poll=False is
         a view without side effects.
@@ -265,10 +269,13 @@ class Engine(StateMethods):
             names_by_key.setdefault((r["namespace"], tuple(r["tokens"])), []).append(r["name"])
         rows = []
         for row in self.cache.rows():
+            if is_object_namespace(row["ns"]):
+                rows.append(self.objects.row(row))
+                continue
             ns, tokens = row.pop("ns"), row.pop("tokens")
             m = self.models.by_namespace(ns)
             rows.append({
-                "model": m.name if m else None, "namespace": ns, "tokens": len(tokens),
+                "kind": "prefix", "model": m.name if m else None, "namespace": ns, "tokens": len(tokens),
                 "preview": self.models.preview(ns, tokens), "pinned": names_by_key.get((ns, tokens), []), **row,
             })
         return sorted(rows, key=lambda r: -(r["last_used"] or 0))

@@ -112,9 +112,14 @@ class CheckpointStore(Upkeep):
 
     _row = staticmethod(_row)
 
-    def register_namespace(self, namespace: str, identity: dict) -> None:
-        """Declare the identity files of `namespace` must carry; quarantine those that differ."""
+    def register_namespace(self, namespace: str, identity: dict, *, check: bool = True) -> None:
+        """Declare the identity files of `namespace` must carry; quarantine those that differ
+        (check=False: the caller has checked its one file, as the object cache does)."""
         validate_namespace(namespace)
+        if not check:
+            with self._lock:
+                self._identities[namespace] = dict(identity)
+            return
         self.sync()
         with self._lock:
             self._identities[namespace] = dict(identity)
@@ -279,6 +284,17 @@ class CheckpointStore(Upkeep):
                 break
             if (ns, key) != keep:
                 self._delete(db, ns, key, path, nbytes, "capacity")
+
+    def remove(self, keys, reason: str = "removed") -> int:
+        """Delete the files of these (namespace, tokens) that no name pins and no reader
+        leases, in one transaction; how many went."""
+        self.sync()
+        with self._lock:
+            found = [e for e in (self._entries.get((ns, token_key(t))) for ns, t in keys) if e is not None]
+        with self.catalog.transaction() as db:
+            removed = sum(self._delete(db, e.namespace, e.key, str(e.path), e.file_bytes, reason) for e in found)
+        self.sync()
+        return removed
 
     def clear(self) -> None:
         """Delete every catalogued checkpoint that no name pins and no reader leases."""
