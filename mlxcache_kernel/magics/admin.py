@@ -53,6 +53,8 @@ class AdminMagics(EngineMagics):
               help="load: quantize the KV cache to 4 or 8 bits (RAM and SSD hold the quantized bytes)")
     @argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
               help="load: values per quantization group (default 64)")
+    @argument("--image-attention", choices=["bidirectional", "causal"], default=None,
+              help="load, a vision-language model: how image tokens attend (default: the model's own)")
     @line_magic
     @usage_errors
     def model(self, line):
@@ -74,7 +76,9 @@ class AdminMagics(EngineMagics):
             no_target(args.target, "model list")
             self._model_list()
         elif args.action == "load":
-            self._model_load(args.target, args.name or "default", kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
+            extra = {"image_attention": args.image_attention} if args.image_attention else {}
+            self._model_load(args.target, args.name or "default", kv_bits=args.kv_bits,
+                             kv_group_size=args.kv_group_size, **extra)
         elif args.action == "info":
             for k, v in eng.model_info(args.target).items():
                 if isinstance(v, dict):

@@ -194,6 +194,9 @@ class GenerateMagics(EngineMagics):
     @argument("--checkpoint-every", type=int, default=None,
               help="commit an in-flight checkpoint every N generated tokens, so an identical request "
                    "after a crash, kill or interrupt resumes from it")
+    @argument("--image", "-i", action="append", default=[], metavar="PATH",
+              help="an image for a vision-language model (repeatable, in order); {var} names a variable "
+                   "holding a path, a PIL image or an array")
     @argument("--no-cache", action="store_true", help="neither look up nor publish prompt caches")
     @argument("--literal", action="store_true", help="no {name} interpolation")
     @cell_magic
@@ -233,6 +236,8 @@ class GenerateMagics(EngineMagics):
             raw=args.raw,
             use_cache=not args.no_cache,
         )
+        if args.image:
+            kwargs["images"] = [self._image(spec) for spec in args.image]
         if args.checkpoint_every is not None:
             if "checkpoint_every" not in inspect.signature(eng.generate).parameters:
                 raise UsageError("this engine does not support --checkpoint-every yet")
@@ -243,6 +248,15 @@ class GenerateMagics(EngineMagics):
         if args.out:
             self.shell.user_ns[args.out] = gen
         return gen
+
+    def _image(self, spec: str):
+        """--image: a path, or {name} of a variable holding a path, a PIL image or an array."""
+        m = re.fullmatch(r"\{([A-Za-z_][A-Za-z0-9_]*)\}", spec.strip())
+        if m is None:
+            return spec
+        if m.group(1) not in self.shell.user_ns:
+            raise UsageError(f"--image {spec}: {m.group(1)!r} is not defined")
+        return self.shell.user_ns[m.group(1)]
 
     def _prompt(self, cell: str, *, literal: bool) -> str:
         """The cell body, interpolated unless ``literal``; never empty."""
