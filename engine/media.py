@@ -10,8 +10,7 @@ outputs as cached objects, and the prefill of a prompt that holds images.
   call site.
 - **Prefix identity**: every image token id is the same for every image, so
   the prompt's cache key (`MediaPrompt.keys`) replaces each image span's
-  token ids by a key id derived from that image's identity (negative: never
-  a vocabulary id). The RAM, SSD and remote tiers match prefixes on these
+  token ids by key ids derived from that image's identity (`key_ids`). The RAM, SSD and remote tiers match prefixes on these
   keys: a follow-up question about the same image shares everything through
   the image (no encoder run, no prefill of its tokens); another image, or the
   same images in another order, diverge at the first image that differs; a
@@ -33,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import blake3
 import mlx.core as mx
 import numpy as np
 
@@ -40,7 +40,6 @@ from .generation import GenerationError
 from .vlm import MEDIA_REVISION, _digest
 
 ENCODER_LABEL = "vision encoder"
-KEY_BITS = 56  # key ids are -(1 + 56 bits of the image identity)
 COUNTERS = ("vision_images", "vision_encoder_runs", "vision_encoder_s", "vision_encoder_reused",
             "vision_images_in_prefix")
 
@@ -88,7 +87,6 @@ class MediaItem:
     identity: str
     pixels: mx.array
     grid: tuple
-    key: int  # the cache key id of this image's tokens
 
     @property
     def object_key(self) -> tuple:
@@ -192,6 +190,14 @@ class MediaPrompt:
         return {"images": len(self.spans), "image_sources": out}
 
 
+def key_ids(identity: str, n: int, vocab: int) -> list[int]:
+    """The cache key ids of an image's n tokens: from [vocab, 2**31), so never a vocabulary id and
+    within int32 (the catalogue and the remote tier hold tokens as int32); each from 32 bits of the
+    identity's BLAKE3 stream, so two images' spans share their keys only if all n draws do."""
+    words = np.frombuffer(blake3.blake3(identity.encode()).digest(length=4 * n), dtype="<u4")
+    return [vocab + int(w) % ((1 << 31) - vocab) for w in words]
+
+
 def image_spans(ids: list, image_token: int) -> list[tuple[int, int]]:
     """[start, end) of each run of the image token."""
     spans, start = [], None
@@ -236,9 +242,8 @@ def build_prompt(family, text: str, images: list, *, objects, counters: dict, ne
         host = np.asarray(pixels.view(mx.uint16) if pixels.dtype == mx.bfloat16 else pixels)
         identity = _digest(MEDIA_REVISION, family.encoder_id, family.processor_id, str(pixels.dtype),
                            tuple(pixels.shape), grid, memoryview(np.ascontiguousarray(host)).cast("B"))
-        key = -(1 + (int(identity[: KEY_BITS // 4], 16)))
-        items.append(MediaItem(identity, pixels, grid, key))
-        keys[s:e] = [key] * (e - s)
+        items.append(MediaItem(identity, pixels, grid))
+        keys[s:e] = key_ids(identity, e - s, family.vocab)
     spans = [(s, e, i) for i, (s, e) in enumerate(found)]
     positions, delta = family.positions(ids, [it.grid for it in items])
     return MediaPrompt(family, ids, keys, spans, items, positions, delta, objects, counters, list(new_images))

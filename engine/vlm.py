@@ -140,6 +140,7 @@ class Family:
             raise ValueError(f"image_attention for {type(self).__name__} must be one of "
                              f"{', '.join(self.policies)}, got {policy!r}")
         self.embed = vlm.language_model.model.embed_tokens
+        self.vocab = int(self.embed.weight.shape[0])  # media key ids start above it (media.key_ids)
 
     def encoder_modules(self) -> tuple:
         return (self.vlm.vision_tower,)

@@ -46,8 +46,9 @@ GEMMA_TEMPLATE = (
 )
 
 GEMMA_IMAGE_TOKENS = 16  # tokens per image (mm_tokens_per_image)
-GEMMA_WINDOW = 64  # sliding window of the local layer: a 1k-token prompt wraps it
-IMAGE_SIZE = 56  # test images are 56x56 (Qwen: 4x4 patches of 14 -> 2x2 merged = 4 tokens... see qwen_tokens)
+GEMMA_WINDOW = 2048  # sliding window of the local layer (build_vlm(window=32) makes one that wraps)
+IMAGE_SIZE = 56  # Gemma's processor resizes every image to 56x56 (4x4 patches of 14 -> 16 tokens)
+SCALES = {"qwen2_vl": 0.3, "gemma3": 0.08}  # weight spread at which greedy decoding moves between tokens
 
 
 def _tokenizer(path: Path, specials: list[str], config: dict, template: str) -> dict:
@@ -69,7 +70,7 @@ def _tokenizer(path: Path, specials: list[str], config: dict, template: str) -> 
     return {s: i for i, s in enumerate(specials)} | {"__len__": len(vocab)}
 
 
-def _qwen2_vl(path: Path) -> dict:
+def _qwen2_vl(path: Path, window: int | None = None) -> dict:
     ids = _tokenizer(path, QWEN_SPECIALS, {"bos_token": None, "eos_token": "<|im_end|>",
                                            "pad_token": "<|endoftext|>", "unk_token": "<|endoftext|>"},
                      QWEN_TEMPLATE)
@@ -97,7 +98,7 @@ def _qwen2_vl(path: Path) -> dict:
     }
 
 
-def _gemma3(path: Path) -> dict:
+def _gemma3(path: Path, window: int = GEMMA_WINDOW) -> dict:
     ids = _tokenizer(path, GEMMA_SPECIALS, {
         "bos_token": "<bos>", "eos_token": "<end_of_turn>", "pad_token": "<pad>", "unk_token": "<pad>",
         "extra_special_tokens": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
@@ -112,7 +113,7 @@ def _gemma3(path: Path) -> dict:
     vocab = ids["__len__"]
     text = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": vocab,
-            "query_pre_attn_scalar": 16, "sliding_window": GEMMA_WINDOW, "sliding_window_pattern": 2,
+            "query_pre_attn_scalar": 16, "sliding_window": window, "sliding_window_pattern": 2,
             "mm_tokens_per_image": GEMMA_IMAGE_TOKENS, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6}
     return {
         "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "hidden_size": 64,
@@ -129,15 +130,18 @@ def _gemma3(path: Path) -> dict:
 BUILDERS = {"qwen2_vl": _qwen2_vl, "gemma3": _gemma3}
 
 
-def build_vlm(arch: str, path: Path, *, seed: int = 0, scale: float = 0.08) -> Path:
-    """A loadable model directory of `arch` (see BUILDERS) with seeded random weights."""
+def build_vlm(arch: str, path: Path, *, seed: int = 0, scale: float | None = None, window: int | None = None) -> Path:
+    """A loadable model directory of `arch` (see BUILDERS) with seeded random weights.
+    window: Gemma 3's sliding window (default GEMMA_WINDOW, wider than the tests' prompts)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_vlm.utils import get_model_and_args, load_config, update_module_configs
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(BUILDERS[arch](path), indent=1))
+    scale = SCALES[arch] if scale is None else scale
+    config = BUILDERS[arch](path) if window is None else BUILDERS[arch](path, window)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
     config = load_config(path)  # as mlx_vlm.load reads it
     module, _ = get_model_and_args(config)
     config.setdefault("text_config", {})
