@@ -255,3 +255,30 @@ def test_a_vlm_without_mlx_vlm_is_a_clear_error(vlm_dirs, tiny_model_dir, tmp_pa
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ERR" in out.stdout and "mlxcache-kernel[vision]" in out.stdout
+
+
+def test_generate_magic_with_images_in_a_real_kernel(spec_prefix, vlm_dirs, pictures, tmp_path):
+    """%%generate --image PATH, then --image {var} holding an array of the same picture: the
+    second is a prefix hit, and the footer says where the image came from."""
+    from kernel_client import Kernel, footer
+
+    env = {**os.environ, "MLXCACHE_CACHE_DIR": str(tmp_path / "cache"), "MLXCACHE_DEFAULT_MODEL": str(vlm_dirs["qwen2_vl"]),
+           "MLXCACHE_RAM_BUDGET": "256MiB", "JUPYTER_PLATFORM_DIRS": "1", "HF_HUB_OFFLINE": "1"}
+    path = pictures["qwen2_vl"][0]
+    k = Kernel(spec_prefix, env, tmp_path / "kernel.log")
+    try:
+        first = k.execute(f"%%generate --image {path} -n 6\nWhat is in the picture?")
+        assert first["error"] is None, first
+        assert "1 image: encoded" in footer(first)
+        k.execute(f"from PIL import Image\nimport numpy as np\npic = np.asarray(Image.open({path!r}))")
+        again = k.execute("%%generate --image {pic} -n 6 --out r\nWhat is in the picture?")
+        assert "1 image: in the cached prefix (RAM)" in footer(again)
+        assert k.execute("print(r.stats['image_sources'], r.stats['cached_tokens'] > 0)")["stream"].strip() \
+            == "['prefix:ram'] True"
+        k.execute("n = 3")  # other options still expand {name} as IPython does
+        assert k.execute("%%generate --image {pic} -n {n} --out r3\nHi\nprint(len(r3.tokens))")["error"] is None
+        assert k.execute("print(len(r3.tokens))")["stream"].strip() == "3"
+        bad = k.execute("%%generate --image {nothing} -n 2\nHi")
+        assert bad["error"] is not None and "'nothing' is not defined" in bad["text"]
+    finally:
+        k.shutdown()
