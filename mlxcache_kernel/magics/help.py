@@ -36,6 +36,8 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%model load --kv-bits 8", "quantize the KV cache to 8 (or 4) bits"),
         ("%model load --kv-bits 4 --kv-group-size 32", "values per quantization group: 32, 64 or 128"),
         ("%model load ~/models/gemma-3-4b-it", "a vision-language model loads through mlx-vlm ([vision] extra)"),
+        ("%model load ~/models/gemma-3-4b-it --image-attention causal",
+         "image tokens attend causally (as mlx-vlm generates), not bidirectionally"),
         ("%model list", "resident models; * marks the default"),
         ("%model use small", "make 'small' the default for %%generate"),
         ("%model unload small", "free its memory"),
