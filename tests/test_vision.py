@@ -282,3 +282,29 @@ def test_generate_magic_with_images_in_a_real_kernel(spec_prefix, vlm_dirs, pict
         assert bad["error"] is not None and "'nothing' is not defined" in bad["text"]
     finally:
         k.shutdown()
+
+
+def test_a_follow_up_on_another_machine_comes_from_the_remote_tier(vlm_dirs, pictures, tmp_path):
+    """Two cache directories sharing a real redis-server: the media-keyed prefix is
+    published and fetched like text, and continues as the cold run."""
+    from redis_servers import RedisServer, missing
+
+    if missing():
+        pytest.skip(missing())
+    img, question = pictures["qwen2_vl"][0], DOC * 3 + "Which colours stand out?"
+    server = RedisServer(tmp_path / "redis", password="vision-pw-1234").start()
+    try:
+        kw = dict(remote_url=server.url(password="vision-pw-1234"), remote_secret="vision-team-secret-0123")
+        with Engine(cache_dir=tmp_path / "a", **kw) as a:
+            a.load_model(vlm_dirs["qwen2_vl"])
+            a.generate(DOC * 3 + "What is in it?", images=[img], max_tokens=8)
+            assert a.flush()["remote_failed"] == []
+        with Engine(cache_dir=tmp_path / "b", **kw) as b:
+            b.load_model(vlm_dirs["qwen2_vl"])
+            _, image_end = first_image_at(b, question, [img])
+            hit = b.generate(question, images=[img], max_tokens=8)
+            assert hit.stats["cache_source"] == "remote" and hit.stats["cached_tokens"] > image_end
+            assert hit.stats["image_sources"] == ["prefix:remote"]
+            assert hit.tokens == b.generate(question, images=[img], max_tokens=8, use_cache=False).tokens
+    finally:
+        server.stop()
