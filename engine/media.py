@@ -37,7 +37,7 @@ import mlx.core as mx
 import numpy as np
 
 from .generation import GenerationError
-from .vlm import MEDIA_REVISION, _digest
+from .vlm import MEDIA_REVISION, digest
 
 ENCODER_LABEL = "vision encoder"
 COUNTERS = ("vision_images", "vision_encoder_runs", "vision_encoder_s", "vision_encoder_reused",
@@ -240,7 +240,7 @@ def build_prompt(family, text: str, images: list, *, objects, counters: dict, ne
     for (pixels, grid), (s, e) in zip(pieces, found):
         mx.eval(pixels)
         host = np.asarray(pixels.view(mx.uint16) if pixels.dtype == mx.bfloat16 else pixels)
-        identity = _digest(MEDIA_REVISION, family.encoder_id, family.processor_id, str(pixels.dtype),
+        identity = digest(MEDIA_REVISION, family.encoder_id, family.processor_id, str(pixels.dtype),
                            tuple(pixels.shape), grid, memoryview(np.ascontiguousarray(host)).cast("B"))
         items.append(MediaItem(identity, pixels, grid))
         keys[s:e] = key_ids(identity, e - s, family.vocab)

@@ -59,7 +59,7 @@ def import_mlx_vlm():
     return load
 
 
-def _digest(*parts) -> str:
+def digest(*parts) -> str:
     h = blake3.blake3()
     for p in parts:
         h.update(p if isinstance(p, (bytes, bytearray, memoryview)) else str(p).encode())
@@ -85,10 +85,10 @@ def weights_identity(*modules) -> str:
 
 def processor_identity(path: Path, processor) -> str:
     """The processor's configuration as it takes effect: its files and its resolved settings."""
-    files = [f"{n}:{_digest((path / n).read_bytes())}" for n in PROCESSOR_FILES if (path / n).is_file()]
+    files = [f"{n}:{digest((path / n).read_bytes())}" for n in PROCESSOR_FILES if (path / n).is_file()]
     ip = getattr(processor, "image_processor", None)
     settings = json.dumps(ip.to_dict() if hasattr(ip, "to_dict") else {}, sort_keys=True, default=str)
-    return _digest(type(processor).__name__, type(ip).__name__, settings, *files)
+    return digest(type(processor).__name__, type(ip).__name__, settings, *files)
 
 
 class TextModel:
