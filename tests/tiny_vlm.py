@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tiny_model import save_byte_level_tokenizer
+
 QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                  "<|image_pad|>", "<|video_pad|>"]
 GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
@@ -53,21 +55,12 @@ SCALES = {"qwen2_vl": 0.3, "gemma3": 0.08}  # weight spread at which greedy deco
 
 def _tokenizer(path: Path, specials: list[str], config: dict, template: str) -> dict:
     """A byte-level BPE tokenizer with `specials` first; returns {special: id}."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {tok: i for i, tok in enumerate(specials)}
-    for tok in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab[tok] = len(vocab)
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens(specials)
-    tk.save(str(path / "tokenizer.json"))
+    vocab = save_byte_level_tokenizer(path, specials)
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 32768, "chat_template": template,
         **config}))
     (path / "chat_template.jinja").write_text(template)
-    return {s: i for i, s in enumerate(specials)} | {"__len__": len(vocab)}
+    return {s: i for i, s in enumerate(specials)} | {"__len__": vocab}
 
 
 def _qwen2_vl(path: Path, window: int | None = None) -> dict:
