@@ -89,6 +89,13 @@ def user_content(text: str, images: int) -> str | list:
     return [{"type": "image"}] * images + [{"type": "text", "text": text}] if images else text
 
 
+def shown(content: str | list) -> str:
+    """A turn's content as text: its images as [image], then its text."""
+    if isinstance(content, str):
+        return content
+    return " ".join("[image]" if part.get("type") == "image" else part.get("text", "") for part in content)
+
+
 class Sessions:
     def __init__(self):
         self._sessions: dict[str, Session] = {}

@@ -213,6 +213,9 @@ def test_session_follow_up_keeps_the_image(vlm_dirs, pictures, tmp_path):
         r = eng.generate("And the colours?", max_tokens=6, session="chat")
         assert r.stats["image_sources"] == ["prefix:ram"] and eng.stats()["vision_encoder_runs"] == 1
         assert len(eng.sessions.get("chat").images) == 1
+        from mlxcache_kernel.engine.sessions import shown
+
+        assert shown(eng.sessions.get("chat").messages[0]["content"]) == "[image] What is this?"
 
 
 def test_image_kinds_and_errors(vlm_dirs, tiny_model_dir, pictures, tmp_path):
@@ -308,3 +311,16 @@ def test_a_follow_up_on_another_machine_comes_from_the_remote_tier(vlm_dirs, pic
             assert hit.tokens == b.generate(question, images=[img], max_tokens=8, use_cache=False).tokens
     finally:
         server.stop()
+
+
+def test_an_interrupted_state_is_never_published_inside_an_image(vlm_dirs, pictures, tmp_path):
+    from mlxcache_kernel.engine.media import prompt_for
+
+    with Engine(cache_dir=tmp_path / "c") as eng:
+        eng.load_model(vlm_dirs["qwen2_vl"])
+        p = prompt_for(eng, eng.models.get(), "Hi", [pictures["qwen2_vl"][0]], system=None, raw=False, session=None)
+        (start, end, _), = p.spans
+        assert [p.cut(n) for n in (start - 1, start, start + 1, end - 1, end, end + 3)] == \
+            [start - 1, start, start, start, end, end + 3]
+        assert p.keys[:start] == p.ids[:start] and p.keys[end:] == p.ids[end:]
+        assert min(p.keys[start:end]) >= eng.models.get().vision.vocab and max(p.keys) < 2 ** 31

@@ -13,6 +13,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import line_magic, magics_class
 from IPython.core.magic_arguments import argument, kwds, magic_arguments
 
+from mlxcache_kernel.engine.sessions import shown
+
 from .base import EngineMagics, no_target, only_for, parse_args, usage_errors
 from .help import CHEAT_SHEET, examples
 from .tables import (ENTRY_COLUMNS, checkpoint_row, columns_of, entry_row, fmt_s, format_bytes, kv_row,
@@ -173,7 +175,7 @@ class AdminMagics(EngineMagics):
             if s.system:
                 print(f"[system] {s.system}")
             for msg in s.messages:
-                print(f"[{msg['role']}] {msg['content']}")
+                print(f"[{msg['role']}] {shown(msg['content'])}")
         elif args.action == "switch":
             info = eng.session_switch(args.id)
             state = {"ram": "its state is in RAM", "loading": "loading its state from SSD in the background",
