@@ -88,7 +88,8 @@ class Engine(StateMethods):
         self.memory = PressureGuard(self.cache.reclaim, high=memory_high_water, low=memory_low_water,
                                     emit=self.events.emit)
         self.cache.pressure = self.memory
-        self.objects = ObjectCache(self.cache)  # exact-key tensor objects on the same tiers
+        self._closed = False
+        self.objects = ObjectCache(self.cache, self._check_open)  # exact-key tensor objects on the same tiers
         self.vision_counters = new_vision_counters()  # images, encoder runs (media.py)
         usable = self.ssd_disabled_reason is None
         self.models = ModelRegistry(IdentityMemo(self.cache_dir / "identities.json" if usable else None))

@@ -4,6 +4,7 @@ The API (owner thread, like every Engine call)::
 
     eng.objects.put(key, value, label=None) -> bool   # False: not kept (bigger than RAM and no SSD)
     eng.objects.get(key, default=None)       # the value, or default: RAM, else SSD (verified)
+    eng.objects.lookup(key) -> (value, "ram" | "ssd") or (None, None)   # the same, saying where from
     eng.objects.where(key) -> "ram" | "ssd" | None      # where it is now, reading nothing
     eng.objects.delete(key) -> bool          # from RAM and SSD
     eng.objects.clear(label=None) -> int     # every object (or those with this label)
@@ -84,7 +85,8 @@ class ObjectValue(Checkpoint):
     @classmethod
     def of(cls, tree: dict, leaves: list) -> "ObjectValue":
         attachments = {f"{i:06d}": a for i, a in enumerate(leaves)}
-        return cls(_NO_TOKENS, (), sum(int(a.nbytes) for a in leaves), 0, attachments, tree)
+        return cls(tokens=_NO_TOKENS, layers=(), nbytes=sum(int(a.nbytes) for a in leaves), attachments=attachments,
+                   tree=tree)
 
     @property
     def trimmable(self) -> bool:
@@ -162,6 +164,12 @@ class _Read:
         return ObjectValue.of(self.tree, leaves)
 
 
+def _servable(handle, key_digest: str) -> bool:
+    """Whether an SSD index entry holds this key's object in this build's revision."""
+    ident = handle.identity if handle is not None else None
+    return isinstance(ident, dict) and ident.get("object") == REVISION and ident.get("key") == key_digest
+
+
 def _label(key, label) -> str:
     if label is None:
         first = key[0] if isinstance(key, (tuple, list)) and key else key
@@ -175,8 +183,9 @@ def _label(key, label) -> str:
 class ObjectCache:
     """Exact-key objects over a TieredPromptCache (see the module docstring)."""
 
-    def __init__(self, cache):
+    def __init__(self, cache, check_open=lambda: None):
         self.cache = cache
+        self._check_open = check_open  # raises once the engine is closed
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.counters["object_restore_seconds"] = 0.0
 
@@ -184,6 +193,12 @@ class ObjectCache:
 
     def get(self, key, default=None):
         """The value stored under `key` (RAM, else SSD), or `default`."""
+        value, source = self.lookup(key)
+        return default if source is None else value
+
+    def lookup(self, key) -> tuple:
+        """(value, where it came from: "ram" | "ssd"), or (None, None) on a miss."""
+        self._check_open()
         d = digest(key)
         ns = namespace_of(d)
         entry = self.cache.get_exact(_NO_TOKENS, ns)
@@ -193,17 +208,18 @@ class ObjectCache:
             self.cache.retention.hit(entry)
             self.counters["object_ram_hits"] += 1
             self._emit("object_hit", ns, source="ram", nbytes=entry.nbytes)
-            return entry.checkpoint.value()
+            return entry.checkpoint.value(), "ram"
         cp = self._read(ns, d)
         if cp is None:
             self.counters["object_misses"] += 1
             self._emit("object_miss", ns)
-            return default
-        return cp.value()
+            return None, None
+        return cp.value(), "ssd"
 
     def put(self, key, value, *, label: str | None = None) -> bool:
         """Store `value` under `key`, replacing any value it had; False when it could not be kept
         (larger than the whole RAM budget with no SSD tier)."""
+        self._check_open()
         d = digest(key)
         label = _label(key, label)
         tree, leaves = flatten(value)
@@ -221,26 +237,32 @@ class ObjectCache:
         return entry is not None or self.cache.store is not None
 
     def where(self, key) -> str | None:
-        ns = namespace_of(digest(key))
+        """Where `key`'s value is now ("ram", "ssd") or None, from the indexes alone (no read)."""
+        d = digest(key)
+        ns = namespace_of(d)
         if self.cache.get_exact(_NO_TOKENS, ns) is not None:
             return "ram"
-        return "ssd" if self._file(ns) is not None else None
+        return "ssd" if _servable(self._file(ns), d) else None
 
     def delete(self, key) -> bool:
         """Remove the object from RAM and SSD; whether there was one."""
+        self._check_open()
         self.cache.poll()
         return self._remove(namespace_of(digest(key)))
 
     def clear(self, label: str | None = None) -> int:
         """Remove every object (or every object with this label) from RAM and SSD; how many."""
+        self._check_open()
         self.cache.poll()
-        found = {e.ns for e in self.cache.entries() if is_object_namespace(e.ns)}
-        store = self.cache.store
-        if store is not None:
-            store.sync()
-            with store.index.lock:
-                found |= {ns for ns, _ in store.index.entries if is_object_namespace(ns)}
-        return sum(self._remove(ns) for ns in sorted(found) if label is None or self.label(ns) == label)
+        labels = {h.namespace: h.identity.get("label") for h in self._files()}
+        labels.update({e.ns: self.cache.identities.get(e.ns, {}).get("label")
+                       for e in self.cache.entries() if is_object_namespace(e.ns)})
+        chosen = sorted(ns for ns, lb in labels.items() if label is None or lb == label)
+        for ns in chosen:
+            self._drop_ram(ns, "cleared")
+        if self.cache.store is not None and chosen:  # one transaction for them all
+            self.cache.store.remove([(ns, _NO_TOKENS) for ns in chosen], reason="cleared")
+        return len(chosen)
 
     def entries(self) -> list[dict]:
         """One row per object (RAM and SSD), newest first: Engine.cache_entries() rows."""
@@ -306,9 +328,9 @@ class ObjectCache:
     def _read(self, ns: str, d: str) -> ObjectValue | None:
         """Read the object's SSD file (verified) and publish it in RAM; None on a miss."""
         handle = self._file(ns)
-        ident = handle.identity if handle is not None else None
-        if not (isinstance(ident, dict) and ident.get("object") == REVISION and ident.get("key") == d):
+        if not _servable(handle, d):
             return None  # none, or another revision's (replaced by the next put)
+        ident = handle.identity
         self._register(ns, ident)
         if self.cache.pressure is not None:
             self.cache.pressure.check("lookup")
@@ -335,24 +357,29 @@ class ObjectCache:
         return cp
 
     def _remove(self, ns: str) -> bool:
-        """Drop the object's RAM entry (stopping its queued or running write) and its SSD file."""
-        cache, found = self.cache, False
-        entry = cache.get_exact(_NO_TOKENS, ns)
-        if entry is not None:
-            found = True
-            key = (ns, _NO_TOKENS)
-            if entry.write_state == WriteState.PENDING:  # its write is of the old value: stop it
-                if cache.writer.cancel(key):
-                    cache.counters["writes_cancelled"] += 1
-                elif not cache.writer.abort(key, REMOVE_WAIT_S):
-                    cache.writer.wait_written(key, 30.0)  # past its last pause (a slow fsync): let it end
-            cache.drain_completions()
-            cache.remove(entry, reason="replaced")
+        """Drop the object's RAM entry and its SSD file (waiting a moment for another process's read)."""
+        found = self._drop_ram(ns, "replaced")
         if self._file(ns) is None:
             return found
         deadline = time.monotonic() + REMOVE_WAIT_S
-        while not cache.store.remove([(ns, _NO_TOKENS)], reason="replaced"):
+        while not self.cache.store.remove([(ns, _NO_TOKENS)], reason="replaced"):
             if self._file(ns) is None or time.monotonic() > deadline:  # gone, or another process reads it
                 break
             time.sleep(0.02)
+        return True
+
+    def _drop_ram(self, ns: str, reason: str) -> bool:
+        """Drop the object's RAM entry, stopping its queued or running write (of the old value)."""
+        cache = self.cache
+        entry = cache.get_exact(_NO_TOKENS, ns)
+        if entry is None:
+            return False
+        key = (ns, _NO_TOKENS)
+        if entry.write_state == WriteState.PENDING:
+            if cache.writer.cancel(key):
+                cache.counters["writes_cancelled"] += 1
+            elif not cache.writer.abort(key, REMOVE_WAIT_S):
+                cache.writer.wait_written(key, 30.0)  # past its last pause (a slow fsync): let it end
+        cache.drain_completions()  # before a new value's entry exists: this completion is the old one's
+        cache.remove(entry, reason=reason)
         return True

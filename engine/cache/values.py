@@ -40,7 +40,7 @@ class Unkeyable(TypeError):
 
     def __init__(self, where: str, what: Any):
         self.where, self.type_name = where, type(what).__qualname__
-        super().__init__(f"{where} is a {self.type_name}, which cannot be part of an exact key")
+        super().__init__(f"{where} is of type {self.type_name}, which cannot be part of an exact key")
 
 
 class Unstorable(TypeError):
@@ -217,10 +217,11 @@ def describe(tree: dict, limit: int = 60) -> str:
 # --- keys --------------------------------------------------------------------
 
 
-def digest(key) -> str:
-    """The 64-hex BLAKE3 name of an exact key (see the module docstring); Unkeyable otherwise."""
+def digest(key, where: str = "key") -> str:
+    """The 64-hex BLAKE3 name of an exact key (see the module docstring); Unkeyable otherwise
+    (its message starts with `where`, the name of the key in the caller's words)."""
     h = blake3.blake3(b"mlxcache object key v1\0")
-    _feed(h, key, "key")
+    _feed(h, key, where)
     return h.hexdigest()
 
 

@@ -74,6 +74,11 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%cache config", "the settings in effect"),
         ("%cache help", "the cheat sheet (same as %mlxcache)"),
     ],
+    "memo": [
+        ("%memo ls", "functions decorated with @memo (from mlxcache_kernel import memo): results, bytes, hits"),
+        ("%memo clear embed", "forget embed's results, in RAM and on SSD"),
+        ("%memo clear --all", "forget every memoized result"),
+    ],
     "kv": [
         ("%kv inspect", "shapes, bytes, hashes and statistics of the last generation's KV (--last)"),
         ("%kv inspect --last --layer 0", "one layer"),
@@ -107,6 +112,8 @@ mlxcache: a resident model and a RAM/SSD prompt cache. Add ? to any magic for ev
   %cache stats | ls [--all] [--model M] [--session S] | flush | clear [--ssd] | gc | verify | config
   %kv inspect|export [--session ID | --checkpoint NAME | --last] [--layer L] [--to VAR] [--widget]
   %dashboard                                      live RAM/SSD residency, writes, hits
+  @memo (from mlxcache_kernel import memo)        a function's array results, kept in RAM and on SSD
+  %memo ls | clear NAME | clear --all             what @memo keeps
 
 Settings: MLXCACHE_CACHE_DIR, MLXCACHE_RAM_BUDGET, MLXCACHE_SSD_BUDGET, MLXCACHE_PREFETCH_BUDGET,
 MLXCACHE_DEFAULT_MODEL (or c.MLXCache.* in IPython config); %cache config shows them."""
