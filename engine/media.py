@@ -157,8 +157,7 @@ class MediaPrompt:
         """The encoder output of one image: from the object cache, else the encoder (then cached)."""
         import time
 
-        source = self.objects.where(item.object_key) if self.objects is not None else None
-        feats = self.objects.get(item.object_key) if source else None
+        feats, source = self.objects.lookup(item.object_key) if self.objects is not None else (None, None)
         n = sum(e - s for s, e, j in self.spans if j == i)
         if isinstance(feats, mx.array) and feats.shape[0] == n:
             self.counters["vision_encoder_reused"] += 1
