@@ -26,6 +26,8 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%%generate --model small", "use the model loaded as 'small' (-m small)"),
         ("%%generate --checkpoint-every 32", "an interrupted or killed run resumes from its last 32-token mark"),
         ("%%generate --no-cache", "neither look up nor publish prompt caches (a cold baseline)"),
+        ("%%generate --image cat.png", "a vision-language model sees the image (repeatable: -i a.png -i b.png)"),
+        ("%%generate --image {picture}", "a variable holding a path, a PIL image or an array"),
         ("%%generate --literal", "no {name} interpolation (or write {{name}} for one literal {name})"),
     ],
     "model": [
@@ -33,6 +35,9 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%model load ~/models/qwen --name small", "a model directory or hub id, under a name"),
         ("%model load --kv-bits 8", "quantize the KV cache to 8 (or 4) bits"),
         ("%model load --kv-bits 4 --kv-group-size 32", "values per quantization group: 32, 64 or 128"),
+        ("%model load ~/models/gemma-3-4b-it", "a vision-language model loads through mlx-vlm ([vision] extra)"),
+        ("%model load ~/models/gemma-3-4b-it --image-attention causal",
+         "image tokens attend causally (as mlx-vlm generates), not bidirectionally"),
         ("%model list", "resident models; * marks the default"),
         ("%model use small", "make 'small' the default for %%generate"),
         ("%model unload small", "free its memory"),
