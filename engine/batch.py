@@ -15,8 +15,8 @@ the rows decode together in mlx-lm's `BatchGenerator`.
    batch is exact against the same batch with the cache off, not against `generate`.
 5. A finished row publishes its state like a single generation.
 
-Cache kinds mlx-lm cannot batch (quantized KV, chunked attention) run steps 3-5
-row after row with `generate`'s own decode, after a notice. Row i samples with
+Cache kinds mlx-lm cannot batch (quantized KV, chunked attention), and vision-language
+models, run steps 3-5 row after row with `generate`'s own decode, after a notice. Row i samples with
 seed + i (or its own seed from a list), through the (seed, step) sampler of `generate`.
 """
 
@@ -119,7 +119,8 @@ class BatchRun:
         self.batch_size, self.on_progress, self.on_row = batch_size, on_progress, on_row
         self.branches: list[Branch] = []
         self.leases: list = []  # held until the run ends: nothing hands their buffers to another borrower meanwhile
-        unbatchable = not_batchable(model.new_caches())
+        unbatchable = (["a vision-language model's"] if getattr(model, "vision", None) is not None
+                       else not_batchable(model.new_caches()))
         self.notice = (f"mlx-lm cannot batch {', '.join(unbatchable)} caches: the {len(self.rows)} rows run one "
                        "after another" if unbatchable else None)
         self.t0 = 0.0

@@ -197,6 +197,8 @@ def run_batch(magics, args, cell: str, in_kernel: bool):
     """The batch form of ``%%generate`` (``--batch VAR`` and/or ``--n K``)."""
     if args.session is not None or args.checkpoint_every is not None:
         raise UsageError("--batch and --n take neither --session nor --checkpoint-every (a batch is not a chat)")
+    if getattr(args, "image", None):
+        raise UsageError("--batch and --n take no --image: a batch is text prompts")
     k = 1 if args.samples is None else args.samples
     if k < 1:
         raise UsageError(f"--n must be >= 1, got {k}")
