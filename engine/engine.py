@@ -251,16 +251,10 @@ class Engine(StateMethods):
         on_progress: Callable[[str, int, int], None] | None = None,
         on_row: Callable[[int, GenerationResult], None] | None = None,
     ) -> list[GenerationResult]:
-        """One GenerationResult per prompt (a string, or a list of token ids), in order (batch.py).
-
-        Each row takes its longest cached prefix like `generate`; a prefix rows share is
-        prefilled once; the rows decode together (mlx-lm's BatchGenerator, `batch_size` at
-        a time). Row i samples with seed + i, or seed[i] when seed is a list. Stats per
-        row: those of `generate` (cached tokens: what the cache held before the batch) plus
-        batch_shared_tokens, batch_index, batch_rows, batch_mode ("batched" or "serial").
-        on_progress(phase, done, total): "restore"/"prefill" in tokens, "decode" in
-        generated tokens of the most possible; on_row(index, result) as each row finishes.
-        """
+        """One GenerationResult per prompt (a string or token ids), in order: shared prefixes prefilled
+        once, rows decoded together (batch.py). Row i samples with seed + i (or seed[i] from a list).
+        on_progress(phase, done, total): "restore"/"prefill" in tokens, "decode" in tokens generated;
+        on_row(index, result) as each row finishes."""
         self._check_open()
         self.poll(prepare=False)
         m = self.models.get(model)
