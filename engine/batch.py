@@ -67,6 +67,8 @@ def row_tokens(prompts, encode: Callable[[str], list], vocab_size: int | None) -
         if isinstance(p, str):
             rows.append(encode(p))
             continue
+        if isinstance(p, (bytes, bytearray)):  # a Sequence of ints, but surely meant as text
+            raise GenerationError(f"prompt {i}: bytes, not a string or token ids; decode it first")
         if not isinstance(p, Sequence) or not p or not all(isinstance(t, int) and not isinstance(t, bool) for t in p):
             raise GenerationError(f"prompt {i}: a prompt is a non-empty string or a non-empty list of token ids")
         bad = [t for t in p if t < 0 or (vocab_size is not None and t >= vocab_size)]
@@ -230,7 +232,7 @@ class BatchRun:
         gen = BatchGenerator(self.model.model, stop_tokens=[[t] for t in sorted(self.model.eos_token_ids)],
                              prefill_batch_size=size, completion_batch_size=size,
                              prefill_step_size=self.engine.prefill_chunk)
-        pending, active = deque(self.rows), {}
+        pending, active, finished = deque(self.rows), {}, []
         total = sum(r.gen.req.params.max_tokens for r in self.rows)
         generated = 0
         try:
@@ -255,19 +257,20 @@ class BatchRun:
                 for r in responses:
                     generated += 1
                     if self._add_token(active[r.uid], r, now):
-                        row = active.pop(r.uid)
                         if r.finish_reason is None:  # a stop string: out of the batch, with its state
                             caches, known = gen.remove([r.uid], return_prompt_caches=True)[r.uid]
                         else:
                             caches, known = r.prompt_cache, r.all_tokens
-                        self._finish(row, caches, known)
+                        finished.append((active.pop(r.uid), caches, known))
+                while finished:  # the others' states are kept even if a callback raises
+                    self._finish(*finished.pop(0))
                 if step and step % DECODE_CHECK_EVERY == 0:
                     self.engine.memory.check("decode")
                 if self.on_progress is not None:
                     self.on_progress("decode", generated, total)
         except BaseException:
             if self.use_cache:
-                self._keep_unfinished(gen, active)
+                self._keep_unfinished(gen, active, finished)
             raise
         finally:
             gen.close()
@@ -288,6 +291,10 @@ class BatchRun:
         return False
 
     def _finish(self, row: Row, caches: list, known: list) -> None:
+        self._publish(row, caches, known)
+        self._result(row)
+
+    def _publish(self, row: Row, caches: list, known: list) -> None:
         g = row.gen
         g.stream.finish()
         g.decode_ran, g.decoded.forwarded = True, len(g.decoded.tokens)  # a batch forwards every emitted token
@@ -296,10 +303,15 @@ class BatchRun:
                 g._publish_final(caches)
             else:  # never publish a state under tokens it may not hold
                 self.engine.events.emit("publish_skipped", ns=self.ns, row=row.index, reason="token mismatch")
-        self._result(row)
 
-    def _keep_unfinished(self, gen, active: dict) -> None:
-        """An interrupted batch publishes what its unfinished rows computed, so a rerun continues there."""
+    def _keep_unfinished(self, gen, active: dict, finished: list) -> None:
+        """An interrupted batch publishes the rows mlx-lm finished, and what its unfinished rows
+        computed (cut back to the tokens they hold), so a rerun continues there."""
+        for row, caches, known in finished:
+            try:
+                self._publish(row, caches, known)
+            except Exception:
+                pass  # never mask the interrupt
         try:
             extracted = gen.extract_cache(list(active))
         except Exception:
@@ -312,9 +324,13 @@ class BatchRun:
 
     def _serial(self) -> None:
         """Rows one after another with `generate`'s decode (caches mlx-lm cannot batch)."""
+        total, before = sum(r.gen.req.params.max_tokens for r in self.rows), 0
         for row in self.rows:
             caches = self._prepare(row)
             g = row.gen
+            if self.on_progress is not None:  # decode progress in tokens, as the batched path reports it
+                g.req.on_text = lambda _piece, g=g, before=before: self.on_progress("decode", before + len(g.times),
+                                                                                      total)
             try:
                 g._decode(caches)
             except BaseException:
@@ -328,6 +344,7 @@ class BatchRun:
                 g._publish_final(caches)
             if row.lease is not None:
                 row.lease.release()
+            before += len(g.times)
             self._result(row)
 
     def _result(self, row: Row) -> None:

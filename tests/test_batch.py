@@ -92,8 +92,10 @@ def test_batch_from_the_cache_is_the_batch_without_it(arch_model, tmp_path):
                 assert {r.stats["batch_mode"] for r in cold} == {"serial" if serial_kind else "batched"}
                 shared = [r.stats["batch_shared_tokens"] for r in cold]
                 assert shared[4] == 0 and min(shared[:4]) >= len(DOC), shared
-            warm = eng.generate_batch(PROMPTS, **kw)
+            phases = set()
+            warm = eng.generate_batch(PROMPTS, on_progress=lambda phase, *_: phases.add(phase), **kw)
             assert tokens(warm) == expected[mode], f"{arch} {mode}: from RAM"
+            assert "decode" in phases, arch  # serial rows report their decode too
             for p, r in zip(PROMPTS, warm):
                 assert (r.stats["cache_source"], r.stats["cached_tokens"], r.stats["prefilled_tokens"]) == \
                     ("ram", len(p) - 1, 1), arch
@@ -139,13 +141,16 @@ def test_rows_in_order_with_strings_token_ids_and_their_own_seeds(eng):
     assert tokens(rs) == tokens(again)
     other = eng.generate_batch(prompts, max_tokens=6, temperature=0.9, seed=5)  # rows get 5, 6, 7
     assert other[0].tokens == rs[0].tokens and other[1].tokens != rs[1].tokens
+    nucleus = dict(max_tokens=6, temperature=0.9, top_p=0.8, top_k=20, seed=1)
+    assert tokens(eng.generate_batch(prompts, **nucleus)) == tokens(eng.generate_batch(prompts, use_cache=False,
+                                                                                      **nucleus))
     assert eng.generate_batch([], max_tokens=4) == []
 
 
 def test_bad_batches_are_clear_errors(eng):
     for prompts, message in [("one string", "a list of prompts"), (["ok", ""], "empty prompt"),
                              (["ok", []], "prompt 1: a prompt is a non-empty"), ([[1, 2], [3, 999999]], "prompt 1: token id 999999"),
-                             ([["a"]], "prompt 0")]:
+                             ([["a"]], "prompt 0"), (["ok", b"text"], "prompt 1: bytes")]:
         with pytest.raises(GenerationError, match=message):
             eng.generate_batch(prompts, max_tokens=2)
     with pytest.raises(GenerationError, match="one seed per prompt"):
@@ -186,9 +191,24 @@ def test_an_interrupted_batch_keeps_what_it_computed(eng):
 
     with pytest.raises(KeyboardInterrupt):
         eng.generate_batch(prompts, max_tokens=20, on_progress=interrupt)
+    assert all(e.borrowers == 0 for e in eng.cache.entries())  # no lease outlives the batch
     rs = eng.generate_batch(prompts, max_tokens=20)
     assert all(r.stats["cached_tokens"] == len(p) - 1 for p, r in zip(prompts, rs))
     assert tokens(rs) == tokens(eng.generate_batch(prompts, max_tokens=20, use_cache=False))
+
+
+def test_a_failing_callback_loses_no_finished_row(eng):
+    prompts = [DOC + ids(4, 30 + i) for i in range(3)]  # all three finish at the same step
+
+    def fail(index, result):
+        raise ValueError("the notebook's callback")
+
+    with pytest.raises(ValueError, match="callback"):
+        eng.generate_batch(prompts, max_tokens=5, on_row=fail)
+    assert all(e.borrowers == 0 for e in eng.cache.entries())
+    rs = eng.generate_batch(prompts, max_tokens=5)
+    assert [r.stats["cached_tokens"] for r in rs] == [len(p) - 1 for p in prompts]  # each row's own state
+    assert tokens(rs) == tokens(eng.generate_batch(prompts, max_tokens=5, use_cache=False))
 
 
 def test_progress_and_rows_as_they_finish(eng):

@@ -33,6 +33,15 @@ def test_a_bad_template_field_is_an_error_naming_it(value, fields):
         template_rows("{item}", "qs", "a string", {})
 
 
+def test_missing_values_are_named(capsys):
+    pd = pytest.importorskip("pandas")
+    df = pd.DataFrame({"q": ["Who?", None, float("nan")], "tone": ["a", "b", "c"]}, index=["x", "y", "z"])
+    assert template_rows("{q} {tone}", "df", df, {})[1] == ["Who? a", "nan b", "nan c"]
+    assert "df has no value for {q} in 2 item(s) ('y', 'z')" in capsys.readouterr().err
+    template_rows("{tone}", "df", df, {})  # an unused column may miss values
+    assert "no value" not in capsys.readouterr().err
+
+
 def test_batch_over_a_list(ip, capsys):
     ip.user_ns.update(doc=DOC, qs=["Who built it?", "When was it lit?", "Why red?"])
     res, out, err = run(ip, capsys, f"{GEN} --batch qs --out answers\nRead: {{doc}}\nQuestion: {{item}}")
@@ -76,8 +85,12 @@ def test_batch_errors_are_one_line(ip, capsys):
     assert "neither --session" in usage_error(ip, capsys, f"{GEN} --batch qs --session s\n{{item}}")
     assert "cannot be --literal" in usage_error(ip, capsys, f"{GEN} --batch qs --literal\n{{item}}")
     assert "--n must be >= 1" in usage_error(ip, capsys, f"{GEN} --n 0\nhi")
+    assert "--out needs a variable name" in usage_error(ip, capsys, f"{GEN} --batch qs --out class\n{{item}}")
     ip.user_ns["qs"] = []
     assert "it has no items" in usage_error(ip, capsys, f"{GEN} --batch qs\n{{item}}")
+    ip.user_ns["df"] = pytest.importorskip("pandas").DataFrame({"question": ["a"]})
+    assert "template field {questions} is neither a field of df ({question})" in \
+        usage_error(ip, capsys, f"{GEN} --batch df\n{{questions}}")
 
 
 def test_without_pandas_the_table_is_plain_rows(ip, capsys, monkeypatch):

@@ -12,6 +12,7 @@ indexed like VAR), one row per prompt with the footer's provenance.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 
@@ -50,8 +51,8 @@ def template_rows(template: str, name: str, value, namespace: dict, hidden=froze
     index, rows = _items(name, value)
     if not rows:
         raise UsageError(f"--batch {name}: it has no items")
-    prompts, used = [], set()
-    for fields in rows:
+    prompts, used, missing = [], set(), {}
+    for i, fields in zip(index, rows):
         undefined: list[str] = []
         prompt = interpolate(template, {**namespace, **fields}, set(hidden) - set(fields), undefined)
         if undefined:
@@ -59,13 +60,27 @@ def template_rows(template: str, name: str, value, namespace: dict, hidden=froze
             raise UsageError(f"template field {{{undefined[0]}}} is neither a field of {name} ({known}) nor a "
                              f"defined variable; write {{{{{undefined[0]}}}}} for a literal {{{undefined[0]}}}")
         if not prompt.strip():
-            raise UsageError(f"--batch {name}: the prompt of item {index[len(prompts)]!r} is empty")
-        used |= {f for f in fields if isinstance(f, str) and "{" + f + "}" in template}
+            raise UsageError(f"--batch {name}: the prompt of item {i!r} is empty")
+        mine = {f for f in fields if isinstance(f, str) and "{" + f + "}" in template}
+        for f in mine:
+            if _missing(fields[f]):
+                missing.setdefault(f, []).append((i, fields[f]))
+        used |= mine
         prompts.append(prompt)
+    for f, where in missing.items():  # pandas' NaN and None would go into the prompt as words
+        shown = ", ".join(repr(i) for i, _ in where[:3]) + (", ..." if len(where) > 3 else "")
+        print(f"[mlxcache] warning: {name} has no value for {{{f}}} in {len(where)} item(s) ({shown}): "
+              f"their prompts say {str(where[0][1])!r} there", file=sys.stderr)
     if not used:
         print(f"[mlxcache] warning: the cell uses no field of {name} ({{item}} or a column): every row gets the "
               "same prompt", file=sys.stderr)
     return index, prompts
+
+
+def _missing(value) -> bool:
+    """None, NaN, or pandas' NA / NaT (pandas is not imported for it)."""
+    return (value is None or (isinstance(value, float) and math.isnan(value))
+            or type(value).__name__ in ("NAType", "NaTType"))
 
 
 class BatchProgress:

@@ -19,6 +19,7 @@ widget cannot be shown); the generated text streams to stdout.
 from __future__ import annotations
 
 import inspect
+import keyword
 import re
 import sys
 import time
@@ -221,7 +222,7 @@ class GenerateMagics(EngineMagics):
         line, held = self._expand_line(line)
         args = parse_args(self.generate, line)
         args.image = [held.get(spec, spec) for spec in args.image]
-        if args.out is not None and not args.out.isidentifier():
+        if args.out is not None and (not args.out.isidentifier() or keyword.iskeyword(args.out)):
             raise UsageError(f"--out needs a variable name, got {args.out!r}")
         if args.batch is not None or args.samples is not None:
             from .batch import run_batch
