@@ -65,7 +65,10 @@ def row_tokens(prompts, encode: Callable[[str], list], vocab_size: int | None) -
     rows = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
-            rows.append(encode(p))
+            try:
+                rows.append(encode(p))
+            except GenerationError as e:
+                raise GenerationError(f"prompt {i}: {e}") from None
             continue
         if isinstance(p, (bytes, bytearray)):  # a Sequence of ints, but surely meant as text
             raise GenerationError(f"prompt {i}: bytes, not a string or token ids; decode it first")

@@ -148,7 +148,7 @@ def test_rows_in_order_with_strings_token_ids_and_their_own_seeds(eng):
 
 
 def test_bad_batches_are_clear_errors(eng):
-    for prompts, message in [("one string", "a list of prompts"), (["ok", ""], "empty prompt"),
+    for prompts, message in [("one string", "a list of prompts"), (["ok", ""], "prompt 1: empty prompt"),
                              (["ok", []], "prompt 1: a prompt is a non-empty"), ([[1, 2], [3, 999999]], "prompt 1: token id 999999"),
                              ([["a"]], "prompt 0"), (["ok", b"text"], "prompt 1: bytes")]:
         with pytest.raises(GenerationError, match=message):
