@@ -185,6 +185,15 @@ def test_fewer_slots_than_rows_and_rows_that_stop_early(eng, monkeypatch):
 def test_an_interrupted_batch_keeps_what_it_computed(eng):
     prompts = [DOC + ids(4, 20 + i) for i in range(3)]
 
+    def in_prefill(phase, done, total):
+        if phase == "prefill" and done < total:
+            raise KeyboardInterrupt
+
+    eng.prefill_chunk = 16  # the shared document in several chunks: interrupted halfway through
+    with pytest.raises(KeyboardInterrupt):
+        eng.generate_batch(prompts, max_tokens=20, on_progress=in_prefill)
+    assert eng.cache_entries() == []  # no half-prefilled prefix is published
+
     def interrupt(phase, done, total):
         if phase == "decode" and done >= 9:
             raise KeyboardInterrupt
