@@ -64,10 +64,10 @@ class TieredPromptCache(Loading, Durability):
 
     # --- wiring ---
 
-    def register_namespace(self, ns: str, identity: dict) -> None:
+    def register_namespace(self, ns: str, identity: dict, *, check: bool = True) -> None:
         self.identities[ns] = dict(identity)
         if self.store is not None:
-            self.store.register_namespace(ns, identity)
+            self.store.register_namespace(ns, identity, check=check)
 
     def _store_event(self, event: dict) -> None:
         event = dict(event)
@@ -252,8 +252,9 @@ class TieredPromptCache(Loading, Durability):
         for e in self.entries():
             h = files.pop((e.ns, e.tokens), None)
             rows.append({
-                "ns": e.ns, "tokens": e.tokens, "tier": "ram+ssd" if h else "ram", "write_state": e.write_state.value,
-                "ram_bytes": e.nbytes, "kv_bytes": e.checkpoint.kv_bytes, "file_bytes": h.file_bytes + h.block_bytes if h else None,
+                "ns": e.ns, "tokens": e.tokens, "tier": "ram" if h is None else "ram+ssd",
+                "write_state": e.write_state.value, "ram_bytes": e.nbytes, "kv_bytes": e.checkpoint.kv_bytes,
+                "file_bytes": None if h is None else h.file_bytes + h.block_bytes,
                 "borrowers": e.borrowers, "sessions": sorted(e.sessions), "last_used": e.last_used_time, "hits": e.hits,
             })
         for (ns, tokens), h in files.items():

@@ -13,6 +13,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import line_magic, magics_class
 from IPython.core.magic_arguments import argument, kwds, magic_arguments
 
+from mlxcache_kernel.engine.sessions import shown
+
 from .base import EngineMagics, no_target, only_for, parse_args, usage_errors
 from .help import CHEAT_SHEET, examples
 from .tables import (ENTRY_COLUMNS, checkpoint_row, columns_of, entry_row, fmt_s, format_bytes, kv_row,
@@ -53,6 +55,8 @@ class AdminMagics(EngineMagics):
               help="load: quantize the KV cache to 4 or 8 bits (RAM and SSD hold the quantized bytes)")
     @argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
               help="load: values per quantization group (default 64)")
+    @argument("--image-attention", choices=["bidirectional", "causal"], default=None,
+              help="load, a vision-language model: how image tokens attend (default: the model's own)")
     @line_magic
     @usage_errors
     def model(self, line):
@@ -74,7 +78,9 @@ class AdminMagics(EngineMagics):
             no_target(args.target, "model list")
             self._model_list()
         elif args.action == "load":
-            self._model_load(args.target, args.name or "default", kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
+            extra = {"image_attention": args.image_attention} if args.image_attention else {}
+            self._model_load(args.target, args.name or "default", kv_bits=args.kv_bits,
+                             kv_group_size=args.kv_group_size, **extra)
         elif args.action == "info":
             for k, v in eng.model_info(args.target).items():
                 if isinstance(v, dict):
@@ -169,7 +175,7 @@ class AdminMagics(EngineMagics):
             if s.system:
                 print(f"[system] {s.system}")
             for msg in s.messages:
-                print(f"[{msg['role']}] {msg['content']}")
+                print(f"[{msg['role']}] {shown(msg['content'])}")
         elif args.action == "switch":
             info = eng.session_switch(args.id)
             state = {"ram": "its state is in RAM", "loading": "loading its state from SSD in the background",

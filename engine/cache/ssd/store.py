@@ -150,9 +150,14 @@ class CheckpointStore(Upkeep):
 
     _row = staticmethod(_row)
 
-    def register_namespace(self, namespace: str, identity: dict) -> None:
-        """Declare the identity files of `namespace` must carry; quarantine those that differ."""
+    def register_namespace(self, namespace: str, identity: dict, *, check: bool = True) -> None:
+        """Declare the identity files of `namespace` must carry; quarantine those that differ
+        (check=False: the caller has checked its one file, as the object cache does)."""
         validate_namespace(namespace)
+        if not check:
+            with self._lock:
+                self._identities[namespace] = dict(identity)
+            return
         self.sync()
         with self._lock:
             self._identities[namespace] = dict(identity)
@@ -388,15 +393,19 @@ class CheckpointStore(Upkeep):
                 if self.catalog.total_bytes(db) <= self.ssd_budget_bytes:
                     return
 
-    def clear(self) -> None:
-        """Delete every catalogued checkpoint that no name pins and no reader leases
-        (short transactions of a few files each)."""
-        keys = self.catalog.query("SELECT namespace, key FROM files")
+    def remove(self, keys, reason: str = "removed", label: str = "remove") -> int:
+        """Delete the files of these (namespace, key) that no name pins and no reader leases
+        (short transactions of a few files each); how many went. CatalogBusy if the lock does not come."""
+        keys, removed = list(keys), 0
         for i in range(0, len(keys), 64):
-            with changing(self, "clear") as (db, after):
-                for ns, key in keys[i : i + 64]:
-                    self._delete(db, after, ns, key, "cleared")
+            with changing(self, label) as (db, after):
+                removed += sum(self._delete(db, after, ns, key, reason) for ns, key in keys[i : i + 64])
         self.sync()
+        return removed
+
+    def clear(self) -> None:
+        """Delete every catalogued checkpoint that no name pins and no reader leases."""
+        self.remove(self.catalog.query("SELECT namespace, key FROM files"), "cleared", "clear")
 
     def stats(self) -> dict:
         self.sync()
