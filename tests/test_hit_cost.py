@@ -11,9 +11,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mlx_lm.models import llama
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from mlxcache_kernel.engine import Engine, SamplingParams
 from mlxcache_kernel.engine.kv import borrowed
@@ -60,6 +62,40 @@ def test_a_cache_without_prefix_is_a_plain_kv_cache():
     keys, values = c.update_and_fetch(k, k + 1)
     assert keys.shape == (1, 2, 5, 8) and c.offset == 5 and c.prefix == []
     assert borrowed._FETCHED.get(id(keys)) is None  # mlx's own attention, bit for bit
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.one_of(st.tuples(st.just("append"), st.integers(1, 300)),
+                          st.tuples(st.just("trim"), st.integers(0, 200))), min_size=1, max_size=12),
+       st.lists(st.integers(1, 400), max_size=4))
+def test_a_borrowed_cache_holds_what_a_plain_one_holds(ops, prefix_lengths):
+    """Any appends and trims over any prefix segments: the same keys, values and attention
+    as mlx-lm's KVCache fed the same positions, and the lender's segments never change."""
+    mx.random.seed(len(ops))
+    segments, ref = [], KVCache()
+    for n in prefix_lengths:
+        k, v = mx.random.normal((1, 2, n, 8)), mx.random.normal((1, 2, n, 8))
+        segments.append(Segment((k, v), Buffer(0)))
+        ref.update_and_fetch(k, v)
+    lent = [np.array(a) for s in segments for a in s.arrays]
+    c = BorrowedKVCache(segments)
+    for op, n in ops:
+        if op == "append":
+            k, v = mx.random.normal((1, 2, n, 8)), mx.random.normal((1, 2, n, 8))
+            c.update_and_fetch(k, v)
+            ref.update_and_fetch(k, v)
+            q = mx.random.normal((1, 4, n, 8))
+            mask = "causal" if n > 1 else None
+            want = mx.fast.scaled_dot_product_attention(q, *ref.keys_and_values(), scale=0.3, mask=mask)
+            assert float(mx.abs(c.attend(q, 0.3, mask) - want).max()) < 1e-5
+        else:
+            assert c.trim(n) == ref.trim(n)
+        assert c.offset == ref.offset
+        if ref.offset:
+            assert np.array_equal(np.array(c.keys), np.array(ref.keys[..., : ref.offset, :]))
+            assert np.array_equal(np.array(c.values), np.array(ref.values[..., : ref.offset, :]))
+        assert len(c.prefix) <= 2 + len(prefix_lengths) + ref.offset // 256
+    assert all(np.array_equal(a, np.array(b)) for a, b in zip(lent, (b for s in segments for b in s.arrays)))
 
 
 # --- a second question over a cached document ------------------------------------

@@ -131,9 +131,8 @@ class BorrowedKVCache(_BaseCache):
         if hand_over is not None:
             self.tail_keys, self.tail_values = hand_over.parents
             self.tail_len = hand_over.length
-        elif self.prefix:
-            k = to_merge(self.prefix)
-            self.prefix, self._seed = self.prefix[: len(self.prefix) - k], self.prefix[len(self.prefix) - k :]
+        else:
+            self._take_in(self.prefix)
         self.offset = sum(s.length for s in self.prefix + self._seed) + self.tail_len
         self._fetched = None  # the lazy (keys, values) update_and_fetch last returned
         self._attended = False
@@ -172,12 +171,11 @@ class BorrowedKVCache(_BaseCache):
                        Buffer(int(self.tail_keys.nbytes + self.tail_values.nbytes)),
                        (self.tail_keys, self.tail_values)) if self.tail_len else None
         if tail is not None and not self._seed:
-            k = to_merge(self.prefix, self.tail_len)
-            if k == 0 and self.tail_len >= MERGE_TOKENS:
+            if to_merge(self.prefix, self.tail_len) == 0 and self.tail_len >= MERGE_TOKENS:
                 self.prefix.append(tail)
                 tail = None
             else:
-                self.prefix, self._seed = self.prefix[: len(self.prefix) - k], self.prefix[len(self.prefix) - k :]
+                self._take_in(self.prefix, self.tail_len)
         seed = [s.arrays[:2] for s in self._seed] + ([tail.arrays] if tail is not None else [])
         room = (n + self.step - 1) // self.step * self.step
         B, H, _, _ = keys.shape
@@ -187,6 +185,12 @@ class BorrowedKVCache(_BaseCache):
         self.tail_values = mx.concatenate([v for _, v in seed] + [pad_v], axis=2) if seed else pad_v
         self.tail_len = sum(int(k.shape[2]) for k, _ in seed)
         self._seed = []
+
+    def _take_in(self, segments, tail: int = 0) -> None:
+        """Keep `segments` apart as the prefix but for the trailing ones `to_merge` gives
+        the next tail (with `tail` positions of its own)."""
+        k = to_merge(segments, tail)
+        self.prefix, self._seed = list(segments[: len(segments) - k]), list(segments[len(segments) - k :])
 
     def _collapse(self) -> None:
         """Everything into a tail of this cache's own at the next growth: a model that
@@ -246,7 +250,7 @@ class BorrowedKVCache(_BaseCache):
         n = min(self.offset, n)
         keep, fixed = self.offset - n, self.offset - self.tail_len  # fixed: prefix and seed positions
         if keep <= fixed:  # into the segments: the tail goes
-            self.prefix, self._seed = list(cut_segments(self.prefix + self._seed, keep)), []
+            self._take_in(cut_segments(self.prefix + self._seed, keep))
             self.tail_keys = self.tail_values = None
             self.tail_len = 0
         else:
