@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
 from . import blas
-from .cache.remote_link import attach as attach_remote, flush as flush_remote
+from .cache.remote import resolve as resolve_remote
+from .cache.remote_link import attach as attach_remote, close as close_remote, flush as flush_remote
 from .cache.tiered import TieredPromptCache
 from .events import EventBus
 from .generation import GenerationError, SamplingParams
+from .kv.codecs import always_cuttable
 from .inflight import InflightRecords
 from .cache.retention import make_policy
 from .memory import PressureGuard
@@ -30,6 +33,7 @@ from .states import StateMethods
 from .system import make_private_dir, physical_memory
 
 DEFAULT_PREFILL_CHUNK = 512
+REMOTE_CLOSE_S = 5.0  # close() waits this long for remote publications, then says what was not published
 
 
 def default_cache_dir() -> Path:
@@ -62,10 +66,22 @@ class Engine(StateMethods):
         remote_url: str | None = None,
         remote_secret: str | bytes | None = None,
         remote_publish: str = "all",
+        remote_insecure: bool = False,
+        remote_password: str | None = None,
+        remote_tls: dict | None = None,
     ):
         """prefetch_budget_bytes: how much of the SSD tier's most recently used state each
         `load_model` brings back into RAM in the background (None: a quarter of the RAM
-        budget, or with the adaptive budget of the memory the kernel may use; 0: off)."""
+        budget, or with the adaptive budget of the memory the kernel may use; 0: off).
+
+        remote_url (or $MLXCACHE_REMOTE_URL): a shared Redis / Valkey tier. It needs
+        remote_secret (or $MLXCACHE_REMOTE_SECRET[_FILE]), a team secret of 16+ bytes (a
+        list, or several lines: the first seals, the others are still read while rotating),
+        unless remote_insecure=True (or $MLXCACHE_REMOTE_INSECURE=1) opts out by name.
+        remote_password: the server's, if not in the URL ($MLXCACHE_REMOTE_PASSWORD[_FILE]);
+        remote_tls: {"ca_file", "cert_file", "key_file"} for rediss:// ($MLXCACHE_REMOTE_TLS_*)."""
+        remote = resolve_remote(remote_url, secret=remote_secret, password=remote_password,
+                                insecure=remote_insecure, tls=remote_tls)  # refused before anything starts
         self.cache_dir = Path(cache_dir or default_cache_dir()).expanduser()
         self.events = EventBus()
         self.sessions = Sessions()
@@ -96,10 +112,9 @@ class Engine(StateMethods):
         self.inflight = InflightRecords(self.cache.catalog, legacy_dir=self.cache_dir / "inflight")
         self.cache.pins_source = lambda: {r["name"]: (r["namespace"], tuple(r["tokens"])) for r in self.names.list()}
         self.cache.sync_pins()
-        remote_url = remote_url or os.environ.get("MLXCACHE_REMOTE_URL") or None
-        if remote_url:  # a shared tier below SSD (Redis / Valkey); a bad URL is a clear ValueError
-            attach_remote(self.cache, remote_url, secret=remote_secret or os.environ.get("MLXCACHE_REMOTE_SECRET"),
-                          publish=remote_publish, prefill_rate=self.metrics.prefill_rate.get)
+        if remote is not None:  # a shared tier below SSD (Redis / Valkey)
+            attach_remote(self.cache, remote, publish=remote_publish, prefill_rate=self.metrics.prefill_rate.get,
+                          exact=self._may_be_exact)
         self._closed = False
 
     # --- models ---
@@ -229,9 +244,12 @@ class Engine(StateMethods):
         self.memory.check("idle")
 
     def flush(self, timeout: float | None = None) -> dict:
-        """Wait until every queued write is durable (and published remotely); returns a report."""
+        """Wait until every queued write is durable (and published remotely); returns a report.
+        `timeout` bounds both waits together."""
+        t0 = time.monotonic()
         report = self.cache.flush(timeout=timeout)
-        report["remote_failed"] = flush_remote(self.cache.remote, timeout)
+        left = None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
+        report["remote_failed"] = flush_remote(self.cache.remote, left)
         return report
 
     def wait_for_writes(self, timeout: float | None = None) -> dict:
@@ -316,10 +334,19 @@ class Engine(StateMethods):
         if self._closed:
             return None
         self.cache.close_reader()  # background reads are only a cache: stop them first
-        report = self.flush()
+        report = self.cache.flush()
+        report["remote_failed"] = close_remote(self.cache.remote, REMOTE_CLOSE_S)  # a bounded wait, then named
+        if report["remote_failed"]:
+            warnings.warn(f"mlxcache: remote tier: {len(report['remote_failed'])} publication(s) failed or not "
+                          f"finished at close: {'; '.join(report['remote_failed'][:3])}", stacklevel=2)
         self.cache.close()
         self._closed = True
         return report
+
+    def _may_be_exact(self, ns: str) -> bool:
+        """Whether a namespace's states may be exact only at their length (remote exact records)."""
+        m = self.models.by_namespace(ns)
+        return m is None or not always_cuttable(m.new_caches())
 
     def _check_open(self) -> None:
         if self._closed:

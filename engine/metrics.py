@@ -110,6 +110,7 @@ SCHEMA = {
     "ssd_processes_pending_writes": "SSD writes those processes have pending",
     # the remote tier (None or 0 while it is off)
     "remote_url": "the remote tier's URL, credentials removed (None: off)",
+    "remote_auth": "keyed (key id ...) with a team secret, or UNAUTHENTICATED (remote_insecure)",
     "remote_publish": "which checkpoints are published remotely: all, named or none",
     "remote_state": "ok, or open until <time> (the circuit breaker stopped calling a failing remote)",
     "remote_last_error": "the remote's last error, credentials removed",
@@ -126,6 +127,11 @@ SCHEMA = {
     "remote_bytes_read": "bytes read from the remote",
     "remote_bytes_written": "bytes written to the remote",
     "remote_mac_rejected": "prefix records rejected by their MAC (written without the team secret)",
+    "remote_malformed": "remote records, layouts or manifests that verified but could not be used (a miss)",
+    "remote_stale": "remote records older than their maximum age, or issued in the future (a miss)",
+    "remote_wrong_size": "remote values not read because their size was not what their record says (a miss)",
+    "remote_bad_blocks": "remote blocks that did not hash to their name (a miss; removed for re-upload)",
+    "remote_deadline_missed": "remote calls abandoned at their deadline (slow or dripping server)",
     "remote_errors": "calls to the remote that failed",
     "remote_get_bandwidth_bytes_per_s": "measured remote read bandwidth (None until measured)",
 }

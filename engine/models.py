@@ -113,7 +113,7 @@ def model_identity(path: Path, memo: IdentityMemo, scheme: str) -> dict:
         "config": _fingerprint_json(config),
         "tokenizer": tokenizer.hexdigest(),
         "kv_scheme": scheme,
-        "runtime": _runtime(),  # an mlx or mlx-lm upgrade is a miss, not a slightly different continuation
+        "runtime": _runtime(),  # another backend, or an mlx or mlx-lm upgrade, is a miss
     }
 
 
@@ -121,7 +121,19 @@ def _runtime() -> str:
     import mlx.core as mx
     import mlx_lm
 
-    return f"mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}"
+    return f"mlx {mx.__version__} ({backend()}), mlx-lm {mlx_lm.__version__}"
+
+
+def backend() -> str:
+    """What MLX computes on by default: CPU, Metal or CUDA (their numerics differ)."""
+    import mlx.core as mx
+
+    if mx.default_device().type == mx.DeviceType.cpu:
+        return "CPU"
+    if mx.metal.is_available():
+        return "Metal"
+    cuda = getattr(mx, "cuda", None)
+    return "CUDA" if cuda is not None and cuda.is_available() else "GPU"
 
 
 def namespace_of(identity: dict) -> str:

@@ -17,7 +17,7 @@ def load_ipython_extension(ipython):
     import atexit
 
     from .magics import MLXCacheMagics
-    from .settings import MLXCache
+    from .settings import MLXCache, redact_env_magic
 
     settings = MLXCache(parent=ipython)
     if settings not in getattr(ipython, "configurables", []):
@@ -27,6 +27,7 @@ def load_ipython_extension(ipython):
             pass
     magics = MLXCacheMagics(ipython, settings=settings)
     ipython.register_magics(magics)
+    redact_env_magic(ipython)  # %env output is saved in notebooks: no remote credentials in it
     ipython.events.register("post_run_cell", _post_run_cell_for(magics))
 
     def at_exit():
@@ -73,6 +74,9 @@ def unload_ipython_extension(ipython):
     report = magics.close(timeout=magics.settings.shutdown_flush_s)
     if report and report.get("committed"):
         print(f"[mlxcache] flushed {report['committed']} pending writes")
+    env = ipython.magics_manager.magics["line"].get("env")
+    if getattr(env, "_mlxcache", False):
+        ipython.magics_manager.magics["line"]["env"] = env._original
     for kind in ("line", "cell"):
         table = ipython.magics_manager.magics[kind]
         for name in ("model", "generate", "session", "checkpoint", "cache", "kv", "dashboard"):

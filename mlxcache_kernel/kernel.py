@@ -93,6 +93,10 @@ class MLXCacheKernel(IPythonKernel):
             msg = f"[mlxcache] before {what}: flushed {committed} pending writes to {where} in {seconds:.1f} s"
         else:
             msg = f"[mlxcache] before {what}: nothing pending, every checkpoint is on disk in {where}"
+        remote = report.get("remote_failed") or []
+        if remote:  # already redacted; the wait was bounded by the same timeout
+            msg += (f"; remote tier: {len(remote)} publication(s) failed or not finished "
+                    f"({'; '.join(remote[:2])[:300]})")
         self._say(msg)
         return {**report, "seconds": seconds, "message": msg}
 

@@ -26,21 +26,35 @@ MLXCACHE_DEFAULT_MODEL      MLXCache.default_model    loaded on first use: a pat
 MLXCACHE_PREFILL_CHUNK      MLXCache.prefill_chunk    prefill chunk size in tokens (default 512)
 MLXCACHE_SHUTDOWN_FLUSH_S   MLXCache.shutdown_flush_s how long shutdown waits for pending writes
 MLXCACHE_REMOTE_URL         MLXCache.remote_url       a shared tier below SSD: ``redis://``,
-                                                      ``rediss://`` (TLS), ``redis+cluster://``;
-                                                      ACL user and password in the URL (off unless
-                                                      set; never printed)
-MLXCACHE_REMOTE_SECRET      MLXCache.remote_secret    the team secret that signs prefix records (16+
-                                                      bytes); readers reject records without it
+                                                      ``rediss://`` (TLS), ``redis+cluster://``
+                                                      (off unless set; shown as ``redis://***@host``)
+MLXCACHE_REMOTE_SECRET_FILE MLXCache.remote_secret_   a file holding the team secret (16+ bytes;
+                            file                      one per line while rotating: the first seals)
+                                                      that keys and signs the tier; or the secret
+                                                      itself in MLXCACHE_REMOTE_SECRET
+MLXCACHE_REMOTE_PASSWORD_   MLXCache.remote_password_ a file holding the server password; or the
+FILE                        file                      password in MLXCACHE_REMOTE_PASSWORD
+MLXCACHE_REMOTE_INSECURE    MLXCache.remote_insecure  ``1``: use the tier without a secret, knowingly
+                                                      (anyone who can write to it can plant KV)
+MLXCACHE_REMOTE_TLS_CA_FILE MLXCache.remote_tls_ca_   a private CA for ``rediss://``; ``..._CERT_
+                            file (cert_file, key_file) FILE`` and ``..._KEY_FILE``: a client certificate
 MLXCACHE_REMOTE_PUBLISH     MLXCache.remote_publish   ``all`` (default), ``named`` or ``none``
 ==========================  ========================  ===========================================
+
+Credentials never sit in a trait, so neither ``%config MLXCache`` nor a saved
+notebook can show them: the secret and the password come from the
+environment or from files; a password in a URL is moved out of the trait
+when the URL is set (and setting one in a notebook cell warns: the cell is
+saved with the notebook).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import warnings
 
-from traitlets import Bool, Float, Int, Unicode, default
+from traitlets import Bool, Float, Int, Unicode, default, validate
 from traitlets.config import Configurable
 
 DEFAULT_MODEL_ALIAS = "smollm2"
@@ -165,12 +179,51 @@ class MLXCache(Configurable):
         help="Demote RAM entries unused this many seconds to SSD; 0 = never ($MLXCACHE_IDLE_DEMOTE_S)"
     ).tag(config=True)
     remote_url = Unicode(
-        help="Shared remote tier (Redis / Valkey) URL; '' = off ($MLXCACHE_REMOTE_URL). Never printed whole."
+        help="Shared remote tier (Redis / Valkey) URL; '' = off ($MLXCACHE_REMOTE_URL). User and password are "
+             "kept out of this setting (the password belongs in $MLXCACHE_REMOTE_PASSWORD_FILE)."
     ).tag(config=True)
-    remote_secret = Unicode(help="Team secret signing remote prefix records ($MLXCACHE_REMOTE_SECRET)").tag(config=True)
+    remote_secret_file = Unicode(
+        help="File holding the team secret that keys and signs the remote tier ($MLXCACHE_REMOTE_SECRET_FILE; "
+             "or the secret itself in $MLXCACHE_REMOTE_SECRET)"
+    ).tag(config=True)
+    remote_password_file = Unicode(
+        help="File holding the remote server's password ($MLXCACHE_REMOTE_PASSWORD_FILE; or $MLXCACHE_REMOTE_PASSWORD)"
+    ).tag(config=True)
+    remote_insecure = Bool(
+        help="Use the remote tier without a team secret: unauthenticated ($MLXCACHE_REMOTE_INSECURE)"
+    ).tag(config=True)
+    remote_tls_ca_file = Unicode(help="Private CA for rediss:// ($MLXCACHE_REMOTE_TLS_CA_FILE)").tag(config=True)
+    remote_tls_cert_file = Unicode(help="Client certificate for rediss:// ($MLXCACHE_REMOTE_TLS_CERT_FILE)").tag(
+        config=True
+    )
+    remote_tls_key_file = Unicode(help="Its private key ($MLXCACHE_REMOTE_TLS_KEY_FILE)").tag(config=True)
     remote_publish = Unicode(help="Which checkpoints go remote: all, named, none ($MLXCACHE_REMOTE_PUBLISH)").tag(
         config=True
     )
+
+    def __init__(self, **kwargs):
+        self._url_userinfo = ""  # "user:password" taken out of remote_url (never in a trait)
+        super().__init__(**kwargs)
+        self._ready = True  # from here on, a URL with a password was typed in (a notebook cell)
+
+    @default("remote_url")
+    def _remote_url_default(self):
+        return self._keep_userinfo(_env("MLXCACHE_REMOTE_URL", ""))
+
+    @validate("remote_url")
+    def _remote_url_valid(self, proposal):
+        url = self._keep_userinfo(proposal["value"])
+        if ":" in self._url_userinfo and getattr(self, "_ready", False):
+            warnings.warn("a password set in a notebook is saved with it: put it in MLXCACHE_REMOTE_PASSWORD_FILE "
+                          "(or MLXCACHE_REMOTE_PASSWORD) and leave it out of the URL", stacklevel=2)
+        return url
+
+    def _keep_userinfo(self, url: str) -> str:
+        """`url` without its user and password, which are kept aside for engine_kwargs()."""
+        scheme, sep, rest = url.strip().partition("://")
+        userinfo, at, host = rest.rpartition("@")
+        self._url_userinfo = userinfo if sep and at else ""
+        return f"{scheme}{sep}{host}" if sep and at else url.strip()
 
     @default("cache_dir")
     def _cache_dir_default(self):
@@ -192,8 +245,13 @@ class MLXCache(Configurable):
                                         lambda raw, env: _number(env, raw, float, "seconds"))
     _idle_demote_default = _from_env("idle_demote_s", "MLXCACHE_IDLE_DEMOTE_S", "0",
                                      lambda raw, env: _number(env, raw, float, "seconds"))
-    _remote_url_default = _from_env("remote_url", "MLXCACHE_REMOTE_URL", "")
-    _remote_secret_default = _from_env("remote_secret", "MLXCACHE_REMOTE_SECRET", "")
+    _remote_secret_file_default = _from_env("remote_secret_file", "MLXCACHE_REMOTE_SECRET_FILE", "")
+    _remote_password_file_default = _from_env("remote_password_file", "MLXCACHE_REMOTE_PASSWORD_FILE", "")
+    _remote_insecure_default = _from_env("remote_insecure", "MLXCACHE_REMOTE_INSECURE", "0",
+                                         lambda raw, env: parse_bool(raw, what=env))
+    _remote_tls_ca_default = _from_env("remote_tls_ca_file", "MLXCACHE_REMOTE_TLS_CA_FILE", "")
+    _remote_tls_cert_default = _from_env("remote_tls_cert_file", "MLXCACHE_REMOTE_TLS_CERT_FILE", "")
+    _remote_tls_key_default = _from_env("remote_tls_key_file", "MLXCACHE_REMOTE_TLS_KEY_FILE", "")
     _remote_publish_default = _from_env("remote_publish", "MLXCACHE_REMOTE_PUBLISH", "all")
 
     # --- resolved values ---
@@ -233,8 +291,28 @@ class MLXCache(Configurable):
             "write_behind": bool(self.write_behind),
             "prefill_chunk": int(self.prefill_chunk),
             "idle_demote_s": float(self.idle_demote_s) if self.idle_demote_s > 0 else None,
-            "remote_url": self.remote_url.strip() or None,
-            "remote_secret": self.remote_secret or None,
+            **self._remote_kwargs(),
+        }
+
+    def _remote_kwargs(self) -> dict:
+        """The remote tier's Engine arguments, credentials read now (from files or the environment)."""
+        from mlxcache_kernel.engine.cache.remote.credentials import read_credential_file
+
+        url = self.remote_url.strip()
+        if url and self._url_userinfo:
+            scheme, _, rest = url.partition("://")
+            url = f"{scheme}://{self._url_userinfo}@{rest}"
+
+        def credential(name: str, path: str) -> str | None:
+            return os.environ.get(name) or (read_credential_file(path, f"{name}_FILE") if path else None)
+
+        return {
+            "remote_url": url or None,
+            "remote_secret": credential("MLXCACHE_REMOTE_SECRET", self.remote_secret_file) if url else None,
+            "remote_password": credential("MLXCACHE_REMOTE_PASSWORD", self.remote_password_file) if url else None,
+            "remote_insecure": bool(self.remote_insecure),
+            "remote_tls": {k: getattr(self, f"remote_tls_{k}") for k in ("ca_file", "cert_file", "key_file")
+                           if getattr(self, f"remote_tls_{k}")} or None,
             "remote_publish": self.remote_publish.strip().lower() or "all",
         }
 
@@ -246,8 +324,16 @@ class MLXCache(Configurable):
             out[name] = getattr(self, name)
         from mlxcache_kernel.engine.cache.remote.config import redact
 
-        out["remote_url"] = redact(self.remote_url) if self.remote_url.strip() else "off"
-        out["remote_secret"] = "set" if self.remote_secret else "not set"
+        url = self.remote_url.strip()
+        out["remote_url"] = redact(f"{url.partition('://')[0]}://{self._url_userinfo}@{url.partition('://')[2]}"
+                                   if self._url_userinfo else url) if url else "off"
+        for what, env, path in (("secret", "MLXCACHE_REMOTE_SECRET", self.remote_secret_file),
+                                ("password", "MLXCACHE_REMOTE_PASSWORD", self.remote_password_file)):
+            out[f"remote_{what}"] = (f"set (${env})" if os.environ.get(env) else f"from {path}" if path else
+                                     "in the URL" if what == "password" and ":" in self._url_userinfo else "not set")
+        out["remote_insecure"] = bool(self.remote_insecure)
+        for k in ("ca_file", "cert_file", "key_file"):
+            out[f"remote_tls_{k}"] = getattr(self, f"remote_tls_{k}") or "none"
         out["remote_publish"] = self.remote_publish
         for name in ("ram_budget_bytes", "ssd_budget_bytes", "prefetch_budget_bytes"):
             try:
@@ -255,6 +341,39 @@ class MLXCache(Configurable):
             except ValueError as e:
                 out[name] = f"invalid: {e}"
         return out
+
+
+CREDENTIAL_VARS = ("MLXCACHE_REMOTE_PASSWORD", "MLXCACHE_REMOTE_SECRET")
+
+
+def shown_env(name: str, value):
+    """An environment variable as ``%env`` may show it: credentials hidden, the remote URL redacted."""
+    if name in CREDENTIAL_VARS:
+        return "<hidden>"
+    if name == "MLXCACHE_REMOTE_URL" and isinstance(value, str):
+        from mlxcache_kernel.engine.cache.remote.config import redact
+
+        return redact(value)
+    return value
+
+
+def redact_env_magic(ipython) -> None:
+    """Make ``%env`` (which hides only *KEY*, *TOKEN* and *SECRET* names) hide the remote
+    tier's password and the credentials in its URL too: its output is saved in the notebook."""
+    original = ipython.find_line_magic("env")
+    if original is None or getattr(original, "_mlxcache", False):
+        return
+
+    def env(line=""):
+        out = original(line)
+        if isinstance(out, dict):
+            return {k: shown_env(k, v) for k, v in out.items()}
+        name = line.strip()
+        return shown_env(name, out) if name and " " not in name and "=" not in name else out
+
+    env._mlxcache, env._original = True, original  # unload_ipython_extension puts the original back
+    env.__doc__ = original.__doc__
+    ipython.register_magic_function(env, "line", "env")
 
 
 def resolve_model_spec(spec: str) -> str:

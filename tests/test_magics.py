@@ -602,16 +602,34 @@ def test_kv_export_bfloat16(ip, capsys, tmp_path):
     assert any(np.abs(a).max() > 0 for a in kvs.values())
 
 
-def test_remote_settings_are_shown_without_credentials(monkeypatch):
+def test_remote_settings_are_shown_without_credentials(monkeypatch, tmp_path):
     from mlxcache_kernel.settings import MLXCache
 
-    monkeypatch.setenv("MLXCACHE_REMOTE_URL", "rediss://team:pa55-SECRET@cache.example:6380")
-    monkeypatch.setenv("MLXCACHE_REMOTE_SECRET", "team-mac-secret-SECRET")
+    monkeypatch.setenv("MLXCACHE_REMOTE_URL", "rediss://team:pa55-hunter2@cache.example:6380")
+    monkeypatch.setenv("MLXCACHE_REMOTE_SECRET", "team-mac-secret-hunter2")
     s = MLXCache()
     shown = s.summary()
-    assert shown["remote_url"] == "rediss://***@cache.example:6380" and shown["remote_secret"] == "set"
-    assert "SECRET" not in repr(shown) and shown["remote_publish"] == "all"
+    assert shown["remote_url"] == "rediss://***@cache.example:6380" and shown["remote_secret"] == "set ($MLXCACHE_REMOTE_SECRET)"
+    assert shown["remote_password"] == "in the URL" and shown["remote_insecure"] is False
+    assert "hunter2" not in repr(shown) and shown["remote_publish"] == "all"
+    assert s.remote_url == "rediss://cache.example:6380"  # what %config MLXCache.remote_url shows
+    assert "hunter2" not in MLXCache.class_get_help(s)  # what %config MLXCache shows
     kw = s.engine_kwargs()
-    assert kw["remote_url"].startswith("rediss://team:") and kw["remote_secret"] == "team-mac-secret-SECRET"
+    assert kw["remote_url"] == "rediss://team:pa55-hunter2@cache.example:6380"
+    assert kw["remote_secret"] == "team-mac-secret-hunter2" and kw["remote_insecure"] is False
+    # from files: the secret and the password never need the environment
+    monkeypatch.delenv("MLXCACHE_REMOTE_SECRET")
+    monkeypatch.setenv("MLXCACHE_REMOTE_URL", "redis://cache.example")
+    (tmp_path / "secret").write_text("file-mac-secret-hunter2\n")
+    (tmp_path / "password").write_text("file-pw-hunter2")
+    monkeypatch.setenv("MLXCACHE_REMOTE_SECRET_FILE", str(tmp_path / "secret"))
+    monkeypatch.setenv("MLXCACHE_REMOTE_PASSWORD_FILE", str(tmp_path / "password"))
+    f = MLXCache()
+    kw = f.engine_kwargs()
+    assert (kw["remote_secret"], kw["remote_password"]) == ("file-mac-secret-hunter2", "file-pw-hunter2")
+    assert f.summary()["remote_secret"] == f"from {tmp_path / 'secret'}" and "hunter2" not in repr(f.summary())
+    with pytest.warns(UserWarning, match="saved with it"):  # a password typed into a notebook cell
+        f.remote_url = "redis://u:typed-hunter2@h"
+    assert f.remote_url == "redis://h" and f.engine_kwargs()["remote_url"] == "redis://u:typed-hunter2@h"
     monkeypatch.delenv("MLXCACHE_REMOTE_URL")
     assert MLXCache().summary()["remote_url"] == "off" and MLXCache().engine_kwargs()["remote_url"] is None

@@ -548,6 +548,11 @@ def test_labels_show_shared_directories_failing_writes_and_ram_only():
                            "remote_last_error": "connection refused", "remote_hits": 3, "remote_tokens": 960})
     assert "remote redis://***@10.0.0.5:6379" in remote and "open until 12:00:05" in remote
     assert "3 hits (960 tokens)" in remote and "last error: connection refused" in remote
+    assert "UNAUTHENTICATED" not in remote and "rejected" not in remote
+    flagged = remote_label({"remote_url": "redis://10.0.0.5:6379", "remote_auth": "UNAUTHENTICATED (remote_insecure)",
+                            "remote_wrong_size": 2, "remote_mac_rejected": 1, "remote_deadline_missed": 3})
+    assert "UNAUTHENTICATED" in flagged and "data-auth='open'" in flagged
+    assert "rejected: 1 forged or foreign, 2 wrong size, 3 past their deadline" in flagged
     off = ssd_label({"ssd_enabled": False, "ssd_disabled_reason": "cache directory /x is not usable (<denied>)"})
     assert "SSD tier off: cache directory /x is not usable (&lt;denied&gt;)" in off
     failing = write_label({"pending_writes": 0, "write_error": "[Errno 28] No space left on device"})

@@ -149,19 +149,30 @@ def ssd_label(s: dict) -> str:
     )
 
 
+REMOTE_REJECTED = (("remote_mac_rejected", "forged or foreign"), ("remote_wrong_size", "wrong size"),
+                   ("remote_bad_blocks", "bad blocks"), ("remote_malformed", "malformed"), ("remote_stale", "stale"),
+                   ("remote_deadline_missed", "past their deadline"))
+
+
 def remote_label(s: dict) -> str:
-    """The remote tier's line: where (credentials removed), its state, hits and publications; empty when off."""
+    """The remote tier's line: where (credentials removed), whether it is authenticated, its state,
+    hits, what it rejected, and publications; empty when off."""
     url = s.get("remote_url")
     if not url:
         return ""
     state = s.get("remote_state") or "ok"
     cls = "mlxc-state-failed" if state != "ok" else ""
     err = f" · last error: {esc(s['remote_last_error'])}" if state != "ok" and s.get("remote_last_error") else ""
+    auth = s.get("remote_auth") or ""
+    open_ = auth.startswith("UNAUTHENTICATED")
+    flag = " <span class='mlxc-state-failed' data-auth='open'>UNAUTHENTICATED</span>" if open_ else ""
+    rejected = [f"{s[k]} {what}" for k, what in REMOTE_REJECTED if s.get(k)]
+    rejected_text = f" · rejected: {esc(', '.join(rejected))}" if rejected else ""
     return (
-        f"<div class='mlxc-remote' data-state='{esc(state)}'>remote {esc(url)}: <span class='{cls}'>{esc(state)}</span>"
-        f" · {s.get('remote_hits') or 0} hits ({s.get('remote_tokens') or 0} tokens) · {s.get('remote_misses') or 0}"
-        f" misses · {s.get('remote_blocks_uploaded') or 0} blocks uploaded, {s.get('remote_publish_pending') or 0}"
-        f" pending{err}</div>"
+        f"<div class='mlxc-remote' data-state='{esc(state)}'>remote {esc(url)}{flag}: <span class='{cls}'>"
+        f"{esc(state)}</span> · {s.get('remote_hits') or 0} hits ({s.get('remote_tokens') or 0} tokens) · "
+        f"{s.get('remote_misses') or 0} misses{rejected_text} · {s.get('remote_blocks_uploaded') or 0} blocks "
+        f"uploaded, {s.get('remote_publish_pending') or 0} pending{err}</div>"
     )
 
 

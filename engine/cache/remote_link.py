@@ -1,53 +1,61 @@
 """The remote tier as the tiered cache sees it: a lookup that returns a
 Checkpoint, and publication of what the SSD tier committed.
 
-Lookup order is RAM, SSD, remote (tiered.py). A remote prefix is the run of
-leading full blocks the remote holds records for (remote/tier.py); it is
-fetched only when it is longer than what the local tiers serve and the
-measured remote bandwidth beats prefilling those tokens. Each block is
-verified by BLAKE3 and copied straight into MLX buffers (ssd/blocks.py),
-and the checkpoint is then adopted in RAM and written through to the local
-SSD tier by the caller. Any failure is a miss, never a failed generation.
+Lookup order is RAM, SSD, remote (tiered.py). A remote prefix is either the
+run of leading full blocks the remote holds chain records for (token
+spans: plain, quantized, unwrapped sliding-window and unchunked layers), or
+an exact checkpoint (recurrent state, a wrapped ring) whose tokens are a
+prefix of the prompt (remote/records.py). It is fetched only when it is
+longer than what the local tiers serve and the measured remote bandwidth
+beats prefilling those tokens; then every value is read with its size
+bounded, verified by BLAKE3, and rebuilt in MLX buffers (remote_state.py),
+and the checkpoint is adopted in RAM and written through to the local SSD
+tier by the caller.
 
-Only checkpoints made entirely of token spans (plain, quantized, unwrapped
-sliding-window and unchunked layers, no attachments) go remote: their state
-at any block boundary is a cut of the same tensors. Remote blocks are the
-SSD blocks (same grid, same names): at 32 tokens a SmolLM2 block is 1.5 MB,
-where Redis GETs run at full speed (docs/benchmarks.md).
+A lookup has a deadline derived from the prefill it would replace (the
+candidate tokens at the measured prefill rate, over the margin a fetch must
+win by, at least MIN_DEADLINE_S): past it the remote is abandoned. Any
+failure is a miss (RemoteMiss or None), never a failed generation.
 
-Publication runs after a local commit (the writer thread calls `published`):
-it queues a job on the remote publisher, which reads the block files and
-uploads only blocks the remote lacks. Owner thread for `lookup`.
+Publication runs after a local commit (the writer thread calls
+`published`): it queues a job on the remote publisher, which reads the
+block files (and, for an exact state, the manifest) and uploads only what
+the remote lacks. Owner thread for `lookup`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
+import warnings
 from typing import Callable, Sequence
 
-import mlx.core as mx
-import numpy as np
-
 from ..kv.checkpoint import Checkpoint
-from ..kv.codecs import layout_at
-from .remote.tier import RemoteMiss, RemoteTier
+from .remote.credentials import RemoteSettings
+from .remote.publish import Value
+from .remote.tier import Found, RemoteMiss, RemoteTier
+from .remote_state import Manifest, build_spans, parse_layout
 from .ssd import blocks
 from .ssd import format as fmt
-from .ssd.blocks import CorruptBlock
-from .ssd.restore import empty_buffer
 
 PUBLISH_MODES = ("all", "named", "none")
 DEFAULT_PREFILL_TOKENS_PER_S = 100.0  # until this namespace's prefill rate is measured
+MIN_DEADLINE_S = 0.5  # a lookup may always take this long (a loaded machine, a far server)
+log = logging.getLogger(__name__)
+_warned: set = set()  # URLs already warned about being unauthenticated (once per process)
 
 
 class RemoteLink:
     def __init__(self, tier: RemoteTier, *, publish: str = "all",
                  prefill_rate: Callable[[str], float | None] = lambda ns: None,
-                 is_named: Callable[[str, tuple], bool] = lambda ns, tokens: False):
+                 is_named: Callable[[str, tuple], bool] = lambda ns, tokens: False,
+                 exact: Callable[[str], bool] = lambda ns: False):
+        """exact(ns): whether that namespace's states may be exact-only (recurrent, ring layers):
+        then lookups also read exact records."""
         if publish not in PUBLISH_MODES:
             raise ValueError(f"remote publish must be one of {', '.join(PUBLISH_MODES)}, not {publish!r}")
         self.tier, self.publish_mode = tier, publish
-        self.prefill_rate, self.is_named = prefill_rate, is_named
+        self.prefill_rate, self.is_named, self.exact = prefill_rate, is_named, exact
         self.counters = {f"remote_{k}": 0 for k in link_counter_names()}
         self.counters["remote_fetch_seconds"] = 0.0
 
@@ -55,87 +63,139 @@ class RemoteLink:
 
     def lookup(self, prompt: Sequence[int], ns: str, have: int) -> Checkpoint | None:
         """A checkpoint of the longest remote prefix of `prompt` (at most len-1 tokens)
-        if it is longer than `have` and worth fetching; None otherwise."""
-        bt = blocks.BLOCK_TOKENS
-        cap = len(prompt) - 1
-        if cap // bt * bt - have < self.tier.min_fetch_tokens:  # too short to beat a prefill: no round trip
+        if it is longer than `have` and worth fetching; None otherwise, RemoteMiss on a failed read."""
+        bt, cap = blocks.BLOCK_TOKENS, len(prompt) - 1
+        candidate = cap // bt * bt - have
+        if candidate < self.tier.min_fetch_tokens:  # too short to beat a prefill: no round trip
             return None
-        records = self.tier.probe(ns, prompt[: cap // bt * bt], bt)
-        if not records or records[-1].end <= have:
-            return None
-        layout = records[-1].layout
-        try:  # signed by a team member, but maybe by another build: a layout we cannot use is a miss
-            specs = [(str(name), str(dtype), tuple(int(x) for x in shape)) for name, dtype, shape in layout["tensors"]]
-            per_token = sum(int(np.prod(s[:-2] + s[-1:])) * fmt.host_dtype(d).itemsize for _, d, s in specs)
-        except (KeyError, TypeError, ValueError) as e:
-            self.counters["remote_misses"] += 1
-            raise RemoteMiss(f"remote record has an unusable layout: {e}") from None
         rate = self.prefill_rate(ns) or DEFAULT_PREFILL_TOKENS_PER_S
-        if not self.tier.worth_fetching(records[-1].end - have, per_token, rate, block_size=bt):
-            self.counters["remote_skipped"] += 1
-            return None
+        deadline = time.monotonic() + max(MIN_DEADLINE_S, candidate / rate / self.tier.margin)
         t0 = time.perf_counter()
         try:
-            values = self.tier.get_blocks([r.block for r in records])
+            found = self.tier.probe(ns, prompt[:cap], bt, deadline=deadline, exact=self.exact(ns))
+            x = found.exact if found.exact is not None and found.exact.length(bt) > have else None
+            n_plain = len(found.records) * bt
+            if x is not None and x.length(bt) > n_plain:
+                cp = self._fetch_exact(prompt, ns, have, found, rate, deadline)
+            elif n_plain > have:
+                cp = self._fetch_spans(prompt, ns, have, found, rate, deadline)
+            else:
+                return None
+        except RemoteMiss:
+            self.counters["remote_misses"] += 1
+            raise
+        except Exception as e:  # noqa: BLE001 - the remote tier never fails a generation
+            log.warning("remote lookup failed", exc_info=True)
+            self.counters["remote_misses"] += 1
+            raise RemoteMiss(f"remote lookup failed: {type(e).__name__}: {str(e)[:200]}") from None
+        if cp is not None:
+            self.counters["remote_hits"] += 1
+            self.counters["remote_tokens"] += len(cp)
+            self.counters["remote_fetch_seconds"] += time.perf_counter() - t0
+        return cp
+
+    def _fetch_spans(self, prompt, ns, have, found: Found, rate, deadline) -> Checkpoint | None:
+        bt, records = blocks.BLOCK_TOKENS, found.records
+        layout = parse_layout(records[-1].layout, bt)
+        if layout is None:
+            self.tier.count(malformed=1)
+            raise RemoteMiss("a remote record has a layout this build cannot use")
+        if not self.tier.worth_fetching(records[-1].end - have, layout.data_bytes / bt, rate, block_size=bt):
+            self.counters["remote_skipped"] += 1
+            return None
+        names = [r.block for r in records]
+        try:
+            values = self.tier.get_blocks([(r.block, layout.block_bytes(r.index)) for r in records],
+                                          key_id=found.key_id, deadline=deadline)
         except RemoteMiss as e:  # a shorter run of verified blocks may still be worth it
             values = e.blocks
             self.counters["remote_misses"] += 1
         n = len(values) * bt
-        if n <= have:
+        layers = layout.layers_at(n) if n > have else None
+        if layers is None:
+            if n > have:
+                self.tier.count(malformed=1)
+                raise RemoteMiss("the remote layout's layers cannot be cut to its blocks")
             return None
         try:
-            cp = self._build(prompt[:n], layout, specs, values, [r.block for r in records])
-        except (CorruptBlock, ValueError, KeyError, TypeError, AttributeError) as e:
-            self.counters["remote_misses"] += 1
-            raise RemoteMiss(f"remote blocks do not rebuild a checkpoint: {e}") from None
-        self.counters["remote_hits"] += 1
-        self.counters["remote_tokens"] += n
-        self.counters["remote_fetch_seconds"] += time.perf_counter() - t0
+            cp = build_spans(prompt[:n], layout, layers, values, names)
+        except Exception as e:  # noqa: BLE001 - layers from another build: whatever the codecs raise is a miss
+            self.tier.count(malformed=1)
+            raise RemoteMiss(f"remote blocks do not rebuild a checkpoint: {type(e).__name__}: {e}") from None
+        self.tier.touch(found.key_id, found.chain[:len(values)], None, names[:len(values)])
         return cp
 
-    @staticmethod
-    def _build(tokens, layout: dict, specs: list, values: list[bytes], names: list[str]) -> Checkpoint:
-        n, bt = len(tokens), blocks.BLOCK_TOKENS
-        arrays, views = {}, []
-        for name, dtype, shape in specs:  # MLX buffers the blocks are copied into
-            full = (*shape[:-2], n, shape[-1])
-            a = empty_buffer(dtype, full)
-            arrays[name] = (a, dtype)
-        mx.eval([a for a, _ in arrays.values()])
-        views = [np.asarray(a) for a, _ in arrays.values()]
-        for i, (value, name) in enumerate(zip(values, names)):
-            a, b = i * bt, (i + 1) * bt
-            head = blocks.header(a, b, specs)  # the span's shape does not depend on n
-            blocks.fill_from_value(value, name, head, [v[..., a:b, :] for v in views])
-        tensors = {k: a.view(mx.bfloat16) if d == "bfloat16" else a for k, (a, d) in arrays.items()}
-        return Checkpoint.from_tensors(tokens, layout_at(layout["layers"], n), tensors)
+    def _fetch_exact(self, prompt, ns, have, found: Found, rate, deadline) -> Checkpoint | None:
+        bt, x = blocks.BLOCK_TOKENS, found.exact
+        n = x.length(bt)
+        if not self.tier.worth_fetching(n - have, x.nbytes / n, rate, block_size=bt):
+            self.counters["remote_skipped"] += 1
+            return None
+        value, = self.tier.get_blocks([(x.manifest, x.size)], key_id=found.key_id, deadline=deadline)
+        try:
+            manifest = Manifest(value, ns, prompt[:n])
+        except ValueError as e:
+            self.tier.count(malformed=1)
+            raise RemoteMiss(f"remote state of {n} tokens: {e}") from None
+        try:
+            items = manifest.block_items()
+            if x.size + sum(s for _, s in items) != x.nbytes:
+                self.tier.count(malformed=1)
+                raise RemoteMiss("a remote exact record and its manifest disagree on its size")
+            values = self.tier.get_blocks(items, key_id=found.key_id, deadline=deadline)
+            try:
+                cp = manifest.build(values)
+            except Exception as e:  # noqa: BLE001 - layers from another build: whatever the codecs raise is a miss
+                self.tier.count(malformed=1)
+                raise RemoteMiss(f"remote state does not rebuild a checkpoint: {type(e).__name__}: {e}") from None
+        finally:
+            manifest.close()
+        self.tier.touch(found.key_id, found.chain[:x.index + 1], found.chain[x.index], [x.manifest] + [
+            name for name, _ in items])
+        return cp
 
     # --- publication (writer thread) ---
 
     def published(self, info: fmt.FileInfo, blocks_root) -> None:
-        """After a local commit: queue the checkpoint's full blocks for the remote."""
+        """After a local commit: queue the checkpoint for the remote (its full blocks, or the exact state)."""
         h = info.header
-        if self.publish_mode == "none" or h.inline or not h.blocks or not h.trimmable or h.min_reusable_offset:
-            return
-        if self.publish_mode == "named" and not self.is_named(h.namespace, h.tokens):
+        if self.publish_mode == "none" or (self.publish_mode == "named" and not self.is_named(h.namespace, h.tokens)):
             return
         bt = blocks.BLOCK_TOKENS
-        full = [b for b in h.blocks if b.end - b.start == bt and b.start % bt == 0]
-        if not full or full[0].start != 0:
+
+        def value(b):
+            return Value(b.name, b.nbytes, lambda p=blocks.block_path(blocks_root, b.name): p.read_bytes())
+
+        if not h.inline and h.blocks and h.trimmable and not h.min_reusable_offset:  # token spans: any prefix serves
+            full = [b for b in h.blocks if b.end - b.start == bt and b.start % bt == 0]
+            if not full or full[0].start != 0:
+                return
+            layout = {"tensors": [[t.name, t.dtype, list(t.shape[:-2]) + [bt, t.shape[-1]]] for t in h.span_tensors],
+                      "layers": h.layout}
+            queued = self.tier.publish(h.namespace, h.tokens, bt, [value(b) for b in full], layout)
+        elif h.version == fmt.FORMAT_VERSION and len(h.tokens) >= bt:  # exact at its own length only
+            queued = self.tier.publish_exact(h.namespace, h.tokens, bt, [value(b) for b in h.blocks],
+                                             lambda p=info.path: p.read_bytes())
+        else:
             return
-        layout = {"tensors": [[t.name, t.dtype, list(t.shape[:-2]) + [bt, t.shape[-1]]] for t in h.span_tensors],
-                  "layers": h.layout}
-        getters = [(b.name, (lambda p=blocks.block_path(blocks_root, b.name): p.read_bytes())) for b in full]
-        if self.tier.publish(h.namespace, h.tokens, bt, getters, layout):
+        if queued:
             self.counters["remote_published"] += 1
 
-def attach(cache, url: str, *, secret: str | bytes | None = None, publish: str = "all", salt: str = "",
-           prefill_rate: Callable[[str], float | None] = lambda ns: None) -> RemoteLink:
+
+def attach(cache, settings: RemoteSettings, *, publish: str = "all",
+           prefill_rate: Callable[[str], float | None] = lambda ns: None,
+           exact: Callable[[str], bool] = lambda ns: False) -> RemoteLink:
     """Connect `cache` (a TieredPromptCache) to a remote tier: lookups fall back to it,
     committed checkpoints are published to it. A bad URL raises ValueError (redacted)."""
-    secret = secret.encode() if isinstance(secret, str) else secret
-    link = RemoteLink(RemoteTier(url, secret=secret or None, salt=salt), publish=publish, prefill_rate=prefill_rate,
+    tier = RemoteTier(settings.url, secret=settings.secret, insecure=settings.insecure, password=settings.password,
+                      tls=settings.tls)
+    link = RemoteLink(tier, publish=publish, prefill_rate=prefill_rate, exact=exact,
                       is_named=lambda ns, tokens: cache.store is not None and cache.store.is_pinned(ns, tokens))
+    if not tier.authenticated and tier.url not in _warned:
+        _warned.add(tier.url)
+        warnings.warn(f"mlxcache: the remote tier {tier.url} is UNAUTHENTICATED (remote_insecure): anyone who can "
+                      "write to that server can plant KV your prompts will load. Set a team secret "
+                      "(MLXCACHE_REMOTE_SECRET_FILE) to authenticate it.", stacklevel=3)
     cache.remote = link
     if cache.writer is not None:
         cache.writer.on_committed = lambda info: link.published(info, cache.store.blocks_root)
@@ -147,8 +207,14 @@ def flush(link: RemoteLink | None, timeout: float | None) -> list[str]:
     return [] if link is None else link.tier.wait(timeout)
 
 
+def close(link: RemoteLink | None, timeout: float) -> list[str]:
+    """Wait at most `timeout` for queued publications, then stop: failures, and what was not published."""
+    return [] if link is None else link.tier.close(timeout)
+
+
 _TIER_KEYS = ("publish_pending", "publish_failed", "blocks_uploaded", "blocks_skipped", "bytes_read", "bytes_written",
-              "mac_rejected", "errors", "get_bandwidth_bytes_per_s")
+              "mac_rejected", "malformed", "stale", "wrong_size", "bad_blocks", "deadline_missed", "errors",
+              "get_bandwidth_bytes_per_s")
 
 
 def remote_stats(link: RemoteLink | None) -> dict:
@@ -156,16 +222,17 @@ def remote_stats(link: RemoteLink | None) -> dict:
     if link is None:
         out = {f"remote_{k}": 0 for k in (*link_counter_names(), *_TIER_KEYS)}
         out.update(remote_url=None, remote_publish=None, remote_state=None, remote_last_error=None,
-                   remote_get_bandwidth_bytes_per_s=None, remote_fetch_seconds=0.0)
+                   remote_get_bandwidth_bytes_per_s=None, remote_fetch_seconds=0.0, remote_auth=None)
         return out
     t = link.tier.stats()
     out = dict(link.counters)
     out.update({f"remote_{k}": t.get(k) for k in _TIER_KEYS})
+    auth = (f"keyed (key id {t['key_id']})" if t["authenticated"]
+            else "UNAUTHENTICATED (remote_insecure): anyone who can write to the server can plant KV")
     out.update(remote_url=t["url"], remote_publish=link.publish_mode, remote_state=t["breaker"],
-               remote_last_error=t["last_error"])
+               remote_last_error=t["last_error"], remote_auth=auth)
     return out
 
 
 def link_counter_names() -> tuple:
     return ("hits", "tokens", "misses", "skipped", "published")
-

@@ -1,27 +1,32 @@
 """The remote tier: KV blocks and prefix records shared across machines in Redis / Valkey.
 
 Below RAM and SSD. Blocks are the SSD tier's immutable block values, stored
-verbatim under their BLAKE3 name; prefix records (one per full block, at a
-chained key of the token prefix) say which block holds each span and carry
-a keyed MAC. Nothing here knows MLX or the SSD format: the engine hands in
-bytes and gets bytes back, and every remote problem is a miss.
+verbatim; prefix records (one per full block, at a chained key of the token
+prefix) say which block holds each span and carry a keyed MAC. Keys and
+MACs derive from the team secret: without it nobody can find, test or
+forge what a team stored, and teams sharing a server never collide. A
+shared tier without a secret is refused unless chosen by name (insecure).
+Nothing here knows MLX or the SSD format: the engine hands in bytes and gets
+bytes back, and every remote problem is a miss.
 
-Everyone with access to the server can read what is stored there, prompts
-included (token ids in blocks, spans in records): share a remote only with
-people who may see each other's prompts. The MAC stops forged records from
-people without the team secret, not readers.
+Everyone with read access to the server can still read the values stored
+there (token ids in blocks): share a server only with people who may see
+each other's prompts. The secret stops forgery and probing, not reading.
 
-    config.py     URLs, redaction             keys.py      prefix keys, block names
-    records.py    sealed prefix records       breaker.py   circuit breaker
-    meter.py      bandwidth, fetch vs recompute
-    client.py     redis-py client, safe error text
-    publisher.py  background publication     tier.py      RemoteTier
+    config.py      URLs, redaction              credentials.py  secrets, passwords, files, opt-out
+    keys.py        keyed prefix keys, key ids   records.py      sealed records, the one parser
+    breaker.py     circuit breaker              meter.py        bandwidth, fetch vs recompute
+    client.py      redis-py, deadlines          publisher.py    the background thread
+    publish.py     uploads, best-effort writes  tier.py         RemoteTier: bounded reads
 """
 
 from .config import RemoteConfig, RemoteConfigError, parse_remote_url, redact
-from .keys import REMOTE_FORMAT, block_name, namespace_root, prefix_keys
-from .records import RemoteRecord
+from .credentials import RemoteSettings, resolve
+from .keys import REMOTE_FORMAT, TeamKeys, block_name
+from .publish import Value
+from .records import ExactRecord, RemoteRecord
 from .tier import RemoteError, RemoteMiss, RemoteTier
 
-__all__ = ["REMOTE_FORMAT", "RemoteConfig", "RemoteConfigError", "RemoteError", "RemoteMiss", "RemoteRecord",
-           "RemoteTier", "block_name", "namespace_root", "parse_remote_url", "prefix_keys", "redact"]
+__all__ = ["REMOTE_FORMAT", "ExactRecord", "RemoteConfig", "RemoteConfigError", "RemoteError", "RemoteMiss",
+           "RemoteRecord", "RemoteSettings", "RemoteTier", "TeamKeys", "Value", "block_name", "parse_remote_url",
+           "redact", "resolve"]

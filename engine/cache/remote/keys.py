@@ -1,47 +1,97 @@
-"""Remote key names: chained prefix keys per full block, and block keys by content.
+"""Remote key names, derived from the team secret: prefix keys, block keys, the record MAC key.
 
 A prefix key names "this exact token prefix, in this namespace, for this
-team": key_0 = BLAKE3(root || tokens of block 0), key_i = BLAKE3(key_{i-1} ||
-tokens of block i), token ids as little-endian int32. The chain makes a key
-stand for its whole prefix while each step hashes one block only, and lets a
-lookup compute every key of a prompt in one pass. The root binds the
-namespace (the engine's: model identity, KV scheme, block format), the
-format of these keys and records, and a team salt, so teams sharing a
-server never collide. Cryptographic throughout: never Python's `hash()`,
-which is salted per process and 64 bits wide.
+team": key_0 = H(root || tokens of block 0), key_i = H(key_{i-1} || tokens
+of block i), token ids as little-endian int32, H the BLAKE3 keyed with a key
+derived from the team secret. The chain makes a key stand for its whole
+prefix while each step hashes one block only. Keyed at every step, so
+someone without the secret can neither compute the key of a guessed prompt
+nor extend a key they see on the server by a guessed block: they cannot
+test whether a prompt was run. The root binds the namespace (model
+identity, KV scheme, backend, block format) and the format of these keys.
 
-Blocks are stored under their content name (BLAKE3 of the value), shared by
-every prefix and team that produced the same bytes. No hash tags: blocks and
-records spread over a cluster's slots by their own hash (a tag on all keys
-would put every block on one node).
+Blocks are stored under a keyed hash of their content name, so they too
+cannot be probed for by someone who computed the same KV; a block is still
+verified by the BLAKE3 of its value, which the record (MAC'd) names.
+
+Every Redis key carries the secret's key id (`<prefix>:<key id>:...`): two
+teams never share a key, and after a rotation an operator can find (SCAN)
+and drop the old secret's keys. Without a secret (`insecure`, opted into by
+name) the same scheme runs unkeyed under the key id "open": anyone who can
+reach the server can then compute keys and forge records.
 """
 
 from __future__ import annotations
 
 import re
-import struct
 from typing import Sequence
 
 import blake3
 import numpy as np
 
-REMOTE_FORMAT = 1  # of the key derivation and the prefix records; a change is a new key space
+REMOTE_FORMAT = 2  # of the key derivation and the records; a change is a new key space
+OPEN = "open"  # the key id of the unauthenticated key space
+MIN_SECRET_BYTES = 16
 _NAME_RE = re.compile(r"[0-9a-f]{64}")
 _INT32_MAX = 2**31 - 1
 
 
+def _context(what: str) -> str:
+    return f"mlxcache-kernel 2026-12 remote tier v{REMOTE_FORMAT} {what}"
+
+
+def check_secret(secret) -> bytes:
+    if not isinstance(secret, (bytes, bytearray)) or len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"a remote secret must be at least {MIN_SECRET_BYTES} bytes")
+    return bytes(secret)
+
+
+class TeamKeys:
+    """Everything one team secret derives (or, with None, the open key space)."""
+
+    def __init__(self, secret: bytes | None):
+        if secret is None:
+            self._chain = self.mac = None
+            self.key_id = OPEN
+        else:
+            secret = check_secret(secret)
+            self._chain = blake3.blake3(secret, derive_key_context=_context("prefix keys")).digest()
+            self.mac = blake3.blake3(secret, derive_key_context=_context("record MAC")).digest()
+            self.key_id = blake3.blake3(secret, derive_key_context=_context("key id")).hexdigest()[:12]
+
+    @property
+    def key_id_bytes(self) -> bytes:
+        """The key id as the 6 bytes a packed record carries."""
+        return b"open\0\0" if self._chain is None else bytes.fromhex(self.key_id)
+
+    @property
+    def authenticated(self) -> bool:
+        return self._chain is not None
+
+    def _hash(self, data: bytes) -> bytes:
+        return (blake3.blake3(data, key=self._chain) if self._chain else blake3.blake3(data)).digest()
+
+    def root(self, namespace: str) -> bytes:
+        if not isinstance(namespace, str) or not namespace or len(namespace) > 1024:
+            raise ValueError(f"namespace must be a non-empty string of at most 1024 characters, got {namespace!r:.80}")
+        return self._hash(b"mlxcache-kernel remote prefix root" + _field(namespace.encode())
+                          + _field(str(REMOTE_FORMAT).encode()))
+
+    def prefix_keys(self, namespace: str, tokens: Sequence[int], block_size: int) -> list[bytes]:
+        """One 32-byte key per full block of `tokens`, each naming the prefix that ends there."""
+        keys, parent = [], self.root(namespace)
+        for block in token_blocks(tokens, block_size):
+            parent = self._hash(parent + block.tobytes())
+            keys.append(parent)
+        return keys
+
+    def block_id(self, name: str) -> str:
+        """The Redis-key part for block `name` (a 64-hex BLAKE3 name)."""
+        return self._hash(b"block " + name.encode()).hex() if self._chain else name
+
+
 def _field(b: bytes) -> bytes:
-    return struct.pack("<I", len(b)) + b  # length-prefixed: ("ab", "c") and ("a", "bc") differ
-
-
-def namespace_root(namespace: str, salt: str = "") -> bytes:
-    if not isinstance(namespace, str) or not namespace or len(namespace) > 1024:
-        raise ValueError(f"namespace must be a non-empty string of at most 1024 characters, got {namespace!r:.80}")
-    if not isinstance(salt, str):
-        raise TypeError(f"salt must be a string, got {type(salt).__name__}")
-    data = b"mlxcache-kernel remote prefix root" + _field(namespace.encode()) + _field(
-        str(REMOTE_FORMAT).encode()) + _field(salt.encode())
-    return blake3.blake3(data).digest()
+    return len(b).to_bytes(4, "little") + b  # length-prefixed: ("ab", "c") and ("a", "bc") differ
 
 
 def token_blocks(tokens: Sequence[int], block_size: int) -> np.ndarray:
@@ -57,17 +107,6 @@ def token_blocks(tokens: Sequence[int], block_size: int) -> np.ndarray:
     return arr[: n * block_size].astype("<i4").reshape(n, block_size)
 
 
-def prefix_keys(namespace_root: bytes, tokens: Sequence[int], block_size: int) -> list[bytes]:
-    """One 32-byte key per full block of `tokens`, each naming the prefix that ends there."""
-    if not isinstance(namespace_root, bytes) or len(namespace_root) != 32:
-        raise ValueError("namespace_root must be the 32 bytes of namespace_root()")
-    keys, parent = [], namespace_root
-    for block in token_blocks(tokens, block_size):
-        parent = blake3.blake3(parent + block.tobytes()).digest()
-        keys.append(parent)
-    return keys
-
-
 def is_block_name(name) -> bool:
     return isinstance(name, str) and _NAME_RE.fullmatch(name) is not None
 
@@ -78,15 +117,18 @@ def block_name(value: bytes) -> str:
 
 
 class KeySpace:
-    """Redis key strings under one prefix (so several deployments can share a server)."""
+    """Redis key strings under one prefix and one key id (several deployments and teams share a server)."""
 
-    def __init__(self, prefix: str = "mlxcache"):
-        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", prefix):
+    def __init__(self, keys: TeamKeys, prefix: str = "mlxcache"):
+        if not isinstance(prefix, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", prefix):
             raise ValueError(f"key prefix must match [A-Za-z0-9_.-]{{1,64}}, got {prefix!r}")
-        self.prefix = prefix
+        self.keys, self.base = keys, f"{prefix}:{keys.key_id}"
 
     def block(self, name: str) -> str:
-        return f"{self.prefix}:blk:{name}"
+        return f"{self.base}:blk:{self.keys.block_id(name)}"
 
     def record(self, key: bytes) -> str:
-        return f"{self.prefix}:rec{REMOTE_FORMAT}:{key.hex()}"
+        return f"{self.base}:rec:{key.hex()}"
+
+    def exact(self, key: bytes) -> str:
+        return f"{self.base}:ext:{key.hex()}"

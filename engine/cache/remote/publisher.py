@@ -1,10 +1,11 @@
-"""The background publisher: one thread runs queued uploads, in order.
+"""The background publisher: one thread runs queued jobs (uploads, TTL refreshes), in order.
 
 Publishing waits on the network, so it never runs on the caller's thread:
 `submit` queues and returns at once (a full queue drops the job and says
 so, rather than blocking a generation). Failures are kept as short,
 already-redacted strings for `wait()`, which is what `Engine.flush()`
 reports. A job's exception is caught here; nothing reaches the caller.
+`close()` waits a bounded time and names every job it leaves unfinished.
 """
 
 from __future__ import annotations
@@ -18,24 +19,25 @@ MAX_KEPT_FAILURES = 100
 
 
 class Publisher:
-    def __init__(self, run: Callable[[object], None], describe: Callable[[BaseException], str], *,
-                 max_pending: int = 64, name: str = "mlxcache-remote-publisher"):
-        self._run, self._describe, self.max_pending, self._name = run, describe, max_pending, name
+    def __init__(self, describe: Callable[[BaseException], str], *, max_pending: int = 64,
+                 name: str = "mlxcache-remote-publisher"):
+        self._describe, self.max_pending, self._name = describe, max_pending, name
         self._cond = threading.Condition()
         self._queue: collections.deque = collections.deque()
-        self._busy = False
+        self._busy: str | None = None  # what the running job does
         self._closed = False
         self._thread: threading.Thread | None = None
         self._failures: list[str] = []
         self.failed_total = 0
         self.done_total = 0
 
-    def submit(self, job: object, what: str) -> bool:
-        """Queue `job`; False (and a failure for wait()) if the publisher is closed or full."""
+    def submit(self, job: Callable[[], None], what: str, *, report: bool = True) -> bool:
+        """Queue `job()`; False if the publisher is closed or full (a failure for wait() if `report`)."""
         with self._cond:
             if self._closed or len(self._queue) >= self.max_pending:
                 why = "closed" if self._closed else f"{self.max_pending} publications already queued"
-                self._fail(f"{what}: not published ({why})")
+                if report:
+                    self._fail(f"{what}: not published ({why})")
                 return False
             self._queue.append((job, what))
             if self._thread is None:
@@ -46,16 +48,16 @@ class Publisher:
 
     def pending(self) -> int:
         with self._cond:
-            return len(self._queue) + self._busy
+            return len(self._queue) + (self._busy is not None)
 
     def wait(self, timeout: float | None = None) -> list[str]:
         """Wait until every queued job ran; return (and forget) the failures since the last wait."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._queue or self._busy:
+            while self._queue or self._busy is not None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    n = len(self._queue) + self._busy
+                    n = len(self._queue) + (self._busy is not None)
                     self._failures.append(f"remote publication: {n} still pending after {timeout:g} s")
                     break
                 self._cond.wait(left)
@@ -63,12 +65,15 @@ class Publisher:
             return out
 
     def close(self, timeout: float | None = 5.0) -> list[str]:
+        """Wait at most `timeout`, then stop: the failures, and each job left unfinished by name."""
         failures = self.wait(timeout)
         with self._cond:
             self._closed = True
+            left = ([f"{self._busy}: not finished (closing)"] if self._busy is not None else []) + [
+                f"{what}: not published (closing)" for _, what in self._queue]
             self._queue.clear()
             self._cond.notify_all()
-        return failures
+        return failures + left
 
     def _fail(self, text: str) -> None:  # under the lock
         self.failed_total += 1
@@ -83,14 +88,14 @@ class Publisher:
                 if self._closed:
                     return
                 job, what = self._queue.popleft()
-                self._busy = True
+                self._busy = what
             error = None
             try:
-                self._run(job)
+                job()
             except Exception as e:  # noqa: BLE001 - a publication problem is reported, never raised
                 error = f"{what}: {self._describe(e)}"
             with self._cond:
-                self._busy = False
+                self._busy: str | None = None  # what the running job does
                 self.done_total += 1
                 if error is not None:
                     self._fail(error)

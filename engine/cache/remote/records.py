@@ -1,51 +1,106 @@
 """Prefix records: what a prefix key points at, sealed with a keyed BLAKE3 MAC.
 
-    value = b"MXR1" || tag (32 bytes) || JSON body
-    tag   = BLAKE3-keyed(mac_key, prefix key || body)
+    value = b"MXR2" || tag (32 bytes) || body
+    tag   = BLAKE3-keyed(mac key, kind || prefix key || body)
+            (a chain record's layout enters as its BLAKE3: every record of a
+            probe carries the same layout, hashed once, see _digest)
 
-The body names the block holding this span of KV, the span, the namespace
-and the engine's small layout JSON (opaque here). The tag covers the prefix
-key too, so a record copied to another prefix's key fails: otherwise anyone
-able to write to the server could make a prompt load another prompt's KV.
-The MAC key is derived from the team secret; without a secret the tag is an
-unkeyed BLAKE3, which catches damage but not forgery (a remote only trusted
-users can write to). Blocks need no MAC: their name is their hash, and a
-record that passed its MAC chose the name.
+Two kinds hang from a prefix key (the chain key of full blocks 0..i):
+
+- a chain record (kind "c"): block i's name and the engine's layout JSON
+  (kept as bytes here; remote_state.py parses the one a lookup uses), so a
+  reader can rebuild the first i+1 blocks of KV. A lookup reads one per
+  block (255 at 8k tokens), so its body is packed binary (CHAIN_HEAD, then
+  the namespace, then the layout): parsing it costs a microsecond where
+  JSON cost a hundred. A chain record without a layout is a marker: the
+  prefix continues (towards an exact record), but its blocks alone are no
+  usable state.
+- an exact record (kind "x"): up to MAX_EXACT_STATES whole checkpoints
+  whose state is exact only at its own length (recurrent, a wrapped ring),
+  each the prefix's full blocks plus `tail`, the few tokens after them, and
+  the manifest that holds the inline state and names its blocks (a prompt's
+  boundary and the end of its answer often share their full blocks), as
+  JSON: few are read.
+
+Every body carries the key id of the secret that sealed it (rotation) and
+its issue time: a record older than `max_age_s`, or issued more than a day
+ahead of this clock, is stale. The tag covers the kind and the prefix key,
+so a record copied to another key fails: otherwise anyone able to write to
+the server could make a prompt load another prompt's KV.
+
+`unseal` is the only parser of what the server returns, and it never
+raises: anything but a well-formed, verified, fresh record of the expected
+kind is (None, reason). Nothing here is parsed before its size is bounded
+(the caller reads at most MAX_RECORD_BYTES).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
-from dataclasses import dataclass, field
+import struct
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
 
 import blake3
 
-from .keys import is_block_name
+from .keys import REMOTE_FORMAT, TeamKeys, is_block_name
 
-MAGIC = b"MXR1"
+MAGIC = b"MXR2"
 TAG_BYTES = 32
-MAX_LAYOUT_BYTES = 64 * 1024
-_MAC_CONTEXT = "mlxcache-kernel 2026-12 remote prefix record MAC v1"
+MAX_RECORD_BYTES = 64 * 1024  # a longer value at a record key is not read
+MAX_LAYOUT_BYTES = MAX_RECORD_BYTES - 1024
+MAX_AGE_S = 30 * 24 * 3600  # a record must be republished (re-sealed) within this
+MAX_SKEW_S = 24 * 3600  # clocks disagree; a record further in the future is refused
+MAX_VALUE_BYTES = 1 << 30  # no block or manifest is larger
+MAX_EXACT_STATES = 8  # exact states kept under one prefix key, newest first
+CHAIN, EXACT = "c", "x"
+# version, flags (1: a block, 2: a layout), key id, issued, index, start, end, block digest, namespace length
+CHAIN_HEAD = struct.Struct("<BB6sQIII32sH")
+_MAX_INDEX = 1 << 24
+_INT32_MAX = 2**31 - 1
+
+
+class RemoteRecord(NamedTuple):  # a tuple: a probe makes hundreds, a frozen dataclass is 3x slower to build
+    """A chain record: block `index` of a prefix covers tokens [start, end)."""
+
+    index: int
+    start: int
+    end: int
+    block: str | None  # the block's name (BLAKE3 hex of its value); None in a marker without blocks
+    namespace: str
+    layout: bytes | None = None  # its JSON, parsed by whoever uses it; None: a marker (the prefix continues)
+    key_id: str = ""
+    issued: int = 0
 
 
 @dataclass(frozen=True)
-class RemoteRecord:
-    index: int  # the block's position: it covers tokens [start, end)
-    start: int
-    end: int
-    block: str  # the block's name (BLAKE3 hex of its value)
+class ExactRecord:
+    """A whole checkpoint of (index + 1) full blocks plus `tail`, held by `manifest`."""
+
+    index: int
+    tail: tuple
+    manifest: str  # BLAKE3 hex of the manifest value
+    size: int  # the manifest's bytes
+    nbytes: int  # the manifest and every block it names: what a fetch reads
     namespace: str
-    layout: dict = field(default_factory=dict, compare=False)
+    key_id: str = ""
+    issued: int = 0
+
+    def length(self, block_size: int) -> int:
+        return (self.index + 1) * block_size + len(self.tail)
 
 
-def mac_key(secret: bytes | None) -> bytes | None:
-    """The 32-byte MAC key derived from the team secret (None: unkeyed tags)."""
-    if secret is None:
-        return None
-    if not isinstance(secret, (bytes, bytearray)) or len(secret) < 16:
-        raise ValueError("the remote secret must be at least 16 bytes (bytes, not str)")
-    return blake3.blake3(bytes(secret), derive_key_context=_MAC_CONTEXT).digest()
+@dataclass(frozen=True)
+class ExactSet:
+    """The exact states under one prefix key (kind "x"), newest first."""
+
+    index: int
+    namespace: str
+    states: tuple  # of ExactRecord
+    key_id: str = ""
+    issued: int = 0
 
 
 def encode_layout(layout: dict) -> str:
@@ -58,31 +113,130 @@ def encode_layout(layout: dict) -> str:
     return text
 
 
-def _tag(prefix_key: bytes, body: bytes, key: bytes | None) -> bytes:
-    data = prefix_key + body
-    return blake3.blake3(data, key=key).digest() if key is not None else blake3.blake3(data).digest()
+def _tag(kind: str, prefix_key: bytes, body: bytes, keys: TeamKeys) -> bytes:
+    """The MAC of a record body; a chain body's layout enters through its BLAKE3 (see _chain_tag)."""
+    if kind == CHAIN and len(body) >= CHAIN_HEAD.size:
+        at = CHAIN_HEAD.size + CHAIN_HEAD.unpack_from(body)[-1]
+        return _chain_tag(prefix_key, body[:at], body[at:], keys)
+    return _mac(kind.encode() + prefix_key + body, keys)
 
 
-def seal(prefix_key: bytes, rec: RemoteRecord, layout_json: str, key: bytes | None) -> bytes:
-    body = (f'{{"v":1,"index":{rec.index},"start":{rec.start},"end":{rec.end},'
-            f'"block":{json.dumps(rec.block)},"namespace":{json.dumps(rec.namespace)},'
-            f'"layout":{layout_json}}}').encode()
-    return MAGIC + _tag(prefix_key, body, key) + body
+def _chain_tag(prefix_key: bytes, head: bytes, layout: bytes, keys: TeamKeys) -> bytes:
+    return _mac(CHAIN.encode() + prefix_key + head + _digest(layout), keys)
 
 
-def unseal(prefix_key: bytes, value: bytes, key: bytes | None) -> RemoteRecord | None:
-    """The record, or None if its tag does not verify under `key` or its body is malformed."""
-    if not isinstance(value, bytes) or len(value) <= len(MAGIC) + TAG_BYTES or not value.startswith(MAGIC):
-        return None
-    tag, body = value[len(MAGIC):len(MAGIC) + TAG_BYTES], value[len(MAGIC) + TAG_BYTES:]
-    if not hmac.compare_digest(tag, _tag(prefix_key, body, key)):
-        return None
+def _mac(data: bytes, keys: TeamKeys) -> bytes:
+    return (blake3.blake3(data, key=keys.mac) if keys.mac is not None else blake3.blake3(data)).digest()
+
+
+_last_layout = (b"", blake3.blake3(b"").digest())
+
+
+def _digest(layout: bytes) -> bytes:
+    """BLAKE3 of a layout; the last one is remembered (a probe reads the same layout in each of its
+    records: comparing bytes is ten times cheaper than hashing them). A (bytes, digest) pair is
+    replaced whole, so threads sharing it see one or the other."""
+    global _last_layout
+    last = _last_layout
+    if layout == last[0]:
+        return last[1]
+    digest = blake3.blake3(layout).digest()
+    _last_layout = (layout, digest)
+    return digest
+
+
+def _seal(kind: str, prefix_key: bytes, fields: dict, keys: TeamKeys, now: float) -> bytes:
+    doc = {"v": REMOTE_FORMAT, "t": kind, "kid": keys.key_id, "iat": int(now), **fields}
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    return MAGIC + _tag(kind, prefix_key, body, keys) + body
+
+
+def seal_chain(prefix_key: bytes, rec: RemoteRecord, layout_json: str | None, keys: TeamKeys, now: float) -> bytes:
+    ns = rec.namespace.encode()
+    flags = (rec.block is not None) | (layout_json is not None) << 1
+    body = CHAIN_HEAD.pack(REMOTE_FORMAT, flags, keys.key_id_bytes, int(now), rec.index, rec.start, rec.end,
+                           bytes.fromhex(rec.block) if rec.block else bytes(32), len(ns)) + ns
+    body += layout_json.encode() if layout_json is not None else b""
+    return MAGIC + _tag(CHAIN, prefix_key, body, keys) + body
+
+
+def seal_exact(prefix_key: bytes, states: Sequence[ExactRecord], keys: TeamKeys, now: float) -> bytes:
+    """Up to MAX_EXACT_STATES states of one prefix key (the same index and namespace), newest first."""
+    states = list(states)[:MAX_EXACT_STATES]
+    fields = {"ns": states[0].namespace, "i": states[0].index, "states": [
+        {"tail": list(x.tail), "manifest": x.manifest, "size": x.size, "bytes": x.nbytes,
+         "iat": x.issued or int(now)} for x in states]}
+    return _seal(EXACT, prefix_key, fields, keys, now)
+
+
+def _no_floats(text):
+    raise ValueError(f"no floats or constants in a record: {text[:20]!r}")
+
+
+def _int(v, lo: int, hi: int) -> bool:
+    return type(v) is int and lo <= v <= hi
+
+
+def unseal(kind: str, prefix_key: bytes, value, keys: TeamKeys, *, now: float,
+           max_age_s: float = MAX_AGE_S) -> tuple[RemoteRecord | ExactSet | None, str | None]:
+    """(record, None), or (None, why): "mac" (not sealed by this secret for this key and kind),
+    "malformed" (verified but not a record this build reads) or "stale" (too old, or from the future)."""
+    head = len(MAGIC) + TAG_BYTES
+    if not isinstance(value, bytes) or not head < len(value) <= MAX_RECORD_BYTES or not value.startswith(MAGIC):
+        return None, "malformed"
+    if kind == CHAIN:
+        return _unseal_chain(prefix_key, value, keys, now, max_age_s)
+    body = value[head:]
+    if not hmac.compare_digest(value[len(MAGIC):head], _tag(kind, prefix_key, body, keys)):
+        return None, "mac"
+    try:  # deep nesting (RecursionError), huge integers, bad UTF-8: a miss like any other malformed body
+        rec = _parse_exact(json.loads(body, parse_float=_no_floats, parse_constant=_no_floats), keys)
+    except Exception:  # noqa: BLE001 - a verified body from another build is still only a miss
+        return None, "malformed"
+    if rec is None:
+        return None, "malformed"
+    if not now - max_age_s <= rec.issued <= now + MAX_SKEW_S:
+        return None, "stale"
+    return dataclasses.replace(rec, states=tuple(x for x in rec.states if now - max_age_s <= x.issued)), None
+
+
+def _unseal_chain(prefix_key: bytes, value: bytes, keys: TeamKeys, now: float, max_age_s: float):
+    """unseal() of a chain record: its head unpacked once, its layout sliced once (a probe does hundreds)."""
+    head = len(MAGIC) + TAG_BYTES
+    if len(value) < head + CHAIN_HEAD.size:
+        return None, "malformed"
+    v, flags, kid, issued, index, start, end, block, ns_len = CHAIN_HEAD.unpack_from(value, head)
+    at = head + CHAIN_HEAD.size + ns_len
+    layout = value[at:]
+    if not hmac.compare_digest(value[len(MAGIC):head], _chain_tag(prefix_key, value[head:at], layout, keys)):
+        return None, "mac"
+    if (v != REMOTE_FORMAT or flags > 3 or kid != keys.key_id_bytes or index > _MAX_INDEX or not start < end
+            or not 0 < ns_len <= 1024 or len(value) < at or bool(layout) != bool(flags & 2)):
+        return None, "malformed"
     try:
-        d = json.loads(body)
-        rec = RemoteRecord(int(d["index"]), int(d["start"]), int(d["end"]), d["block"], d["namespace"],
-                           d["layout"])
-    except (ValueError, KeyError, TypeError):
+        namespace = value[head + CHAIN_HEAD.size:at].decode()
+    except UnicodeDecodeError:
+        return None, "malformed"
+    if not now - max_age_s <= issued <= now + MAX_SKEW_S:
+        return None, "stale"
+    return RemoteRecord(index, start, end, block.hex() if flags & 1 else None, namespace, layout or None,
+                        keys.key_id, issued), None
+
+
+def _parse_exact(d, keys: TeamKeys) -> ExactSet | None:
+    if not (type(d) is dict and d.get("v") == REMOTE_FORMAT and d.get("t") == EXACT and d.get("kid") == keys.key_id
+            and _int(d.get("iat"), 0, 1 << 40) and _int(d.get("i"), 0, _MAX_INDEX)
+            and type(d.get("ns")) is str and 0 < len(d["ns"]) <= 1024):
         return None
-    if d.get("v") != 1 or not is_block_name(rec.block) or not isinstance(rec.layout, dict):
+    states = d.get("states")
+    if type(states) is not list or not 0 < len(states) <= MAX_EXACT_STATES:
         return None
-    return rec
+    out = []
+    for x in states:
+        tail = x.get("tail") if type(x) is dict else None
+        if not (type(tail) is list and len(tail) <= 4096 and all(_int(t, 0, _INT32_MAX) for t in tail)
+                and is_block_name(x.get("manifest")) and _int(x.get("size"), 1, MAX_VALUE_BYTES)
+                and _int(x.get("bytes"), x["size"], 1 << 50) and _int(x.get("iat"), 0, d["iat"])):
+            return None
+        out.append(ExactRecord(d["i"], tuple(tail), x["manifest"], x["size"], x["bytes"], d["ns"], d["kid"], x["iat"]))
+    return ExactSet(d["i"], d["ns"], tuple(out), d["kid"], d["iat"])

@@ -1,50 +1,49 @@
 """RemoteTier: KV blocks and prefix records in Redis / Valkey (one server or a cluster).
 
-    <prefix>:blk:<blake3 hex>     a block's bytes verbatim (the SSD block file), TTL ttl_s
-    <prefix>:rec1:<prefix key>    a sealed record per full block of a published prefix, TTL ttl_s
+    <prefix>:<key id>:blk:<keyed block id>   a block's or manifest's bytes verbatim, TTL ttl_s
+    <prefix>:<key id>:rec:<prefix key>       a sealed chain record per full block of a prefix
+    <prefix>:<key id>:ext:<prefix key>       a sealed exact record (a state exact at its own length)
 
-- publish(): queued, then on the publisher thread: EXPIRE each block (one
-  command both asks "present?" and refreshes a present block's TTL), SET the
-  missing ones with EX, then one record per full block. Blocks go before the
-  records naming them, so a record found is a block that was stored (unless
-  evicted since, which a read sees as a miss).
-- probe(): records of the longest run of leading blocks, pipelined batches of
-  prefix keys, stopping at the first miss or rejected record.
-- get_blocks(): pipelined GETs, each value verified against its name.
+Reads use read commands only (STRLEN, GETRANGE), so a read-only ACL user
+or a replica serves lookups, and every read is bounded before it is made:
+a record is read with GETRANGE up to MAX_RECORD_BYTES (its STRLEN in the
+same pipeline says whether that was all of it); a block or manifest is
+read only after STRLEN says it is exactly the size its record or layout
+promised, and then with GETRANGE of that size. A value of the wrong size
+or type, a record that does not verify, a block that does not hash to its
+name: each is a counted miss, never an exception, never a download of
+whatever someone planted. A bad block is also removed (best effort), so
+the next publisher uploads it again. Publication is publish.py's.
 
-Every call to the server goes through the breaker and comes back as a
-result or a redacted RemoteError (client.py). The engine sees only
-RemoteMiss from reads and failure strings from wait(); it knows nothing of
-Redis, and this module nothing of MLX. Thread safety: any thread may call
-in; the client and its connection pool are thread-safe, counters sit under
-a lock.
+Every call goes through the breaker and comes back as a result or a
+redacted RemoteError (client.py); a lookup carries a deadline. The engine
+sees only results, RemoteMiss from reads and failure strings from wait().
+Thread safety: any thread may call in; the clients and their connection
+pools are thread-safe, counters sit under a lock.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, Sequence
-
-import numpy as np
+from dataclasses import dataclass, field
+from typing import Sequence
 
 from .breaker import Breaker
 from .client import GuardedClient, RemoteError, describe
 from .config import parse_remote_url
-from .keys import KeySpace, block_name, is_block_name, namespace_root, prefix_keys, token_blocks
+from .keys import OPEN, KeySpace, TeamKeys, block_name, check_secret, is_block_name
 from .meter import Meter, fetch_beats_recompute
-from .publisher import Publisher
-from .records import RemoteRecord, encode_layout, mac_key, seal, unseal
+from .publish import Publication
+from .records import CHAIN, EXACT, MAX_AGE_S, MAX_RECORD_BYTES, MAX_VALUE_BYTES, ExactRecord, unseal
 
-
-PROBE_BATCH = 16  # prefix keys per round trip: 16 blocks of 256 tokens = 4k tokens per trip
+PROBE_BATCH = 16  # prefix keys per round trip
 GET_BATCH = 8  # block values per round trip: at most 8 x 4 MB in flight
-META_BATCH = 256  # small commands (EXPIRE, record SET, UNLINK) per pipeline
-UPLOAD_BATCH_BYTES = 64 << 20  # bytes of block values per upload pipeline (bounds memory)
+META_BATCH = 256  # small commands (STRLEN, EXPIRE, record SET, UNLINK) per pipeline
 MIN_FETCH_TOKENS = 256  # below this, recomputing is cheaper than any round trip worth making
-COUNTERS = ("hits", "misses", "bytes_read", "bytes_written", "blocks_uploaded", "blocks_skipped",
-            "records_written", "records_found", "probes", "mac_rejected")
+COUNTERS = ("hits", "misses", "bytes_read", "bytes_written", "blocks_uploaded", "blocks_skipped", "records_written",
+            "records_found", "probes", "mac_rejected", "malformed", "stale", "wrong_size", "bad_blocks")
 
 
 class RemoteMiss(Exception):
@@ -59,186 +58,209 @@ class RemoteMiss(Exception):
 
 
 @dataclass
-class _Job:
-    namespace: str
-    root: bytes
-    tokens: np.ndarray  # (n_blocks, block_size) int32, a copy
-    blocks: list  # [(name, fetch)] for blocks 0..len-1
-    layout_json: str
+class Found:
+    """What a probe found: the run of usable chain records, and the longest matching exact record."""
+
+    records: list = field(default_factory=list)
+    exact: ExactRecord | None = None
+    key_id: str = ""
+    chain: list = field(default_factory=list)  # the prefix keys probed (for touch())
 
 
 def _chunks(seq: Sequence, n: int):
     return (seq[i:i + n] for i in range(0, len(seq), n))
 
 
-class RemoteTier:
-    def __init__(self, url: str, *, secret: bytes | None = None, salt: str = "", ttl_s: int = 7 * 24 * 3600,
-                 timeout_s: float = 2.0, key_prefix: str = "mlxcache", probe_batch: int = PROBE_BATCH,
+def secrets_of(secret) -> list[bytes]:
+    """[current, previous...]: bytes, a str (one secret per line) or a sequence of them."""
+    if secret is None:
+        return []
+    if isinstance(secret, str):
+        secret = [s for s in secret.splitlines() if s.strip()]
+    items = [secret] if isinstance(secret, (bytes, bytearray)) else list(secret)
+    return [check_secret(s.encode() if isinstance(s, str) else s) for s in items]
+
+
+class RemoteTier(Publication):
+    def __init__(self, url: str, *, secret=None, insecure: bool = False, ttl_s: int = 7 * 24 * 3600,
+                 timeout_s: float = 1.0, key_prefix: str = "mlxcache", probe_batch: int = PROBE_BATCH,
                  min_fetch_tokens: int = MIN_FETCH_TOKENS, margin: float = 1.5, breaker: Breaker | None = None,
-                 max_pending: int = 64, tls_ca_file: str | None = None):
+                 max_pending: int = 64, tls: dict | None = None, max_age_s: float | None = None,
+                 password: str | None = None):
+        """secret: the team secret (16+ bytes), or [current, previous...] while rotating: records are
+        sealed with the first and read under each. No secret is refused unless insecure=True.
+        password: the server's, when the URL has none; tls: ca_file, cert_file, key_file (rediss://)."""
         self.config = parse_remote_url(url)
+        if password and not self.config.password:
+            self.config = dataclasses.replace(self.config, password=password)
+        secrets = secrets_of(secret)
+        if not secrets and not insecure:
+            raise ValueError(f"remote tier {self.url}: no team secret (or choose insecure=True by name)")
         if not isinstance(ttl_s, int) or ttl_s < 1:
             raise ValueError(f"ttl_s must be a positive whole number of seconds, got {ttl_s!r}")
         if not timeout_s > 0 or not probe_batch >= 1:
             raise ValueError("timeout_s must be > 0 and probe_batch >= 1")
         self.ttl_s, self.timeout_s, self.probe_batch = ttl_s, float(timeout_s), probe_batch
         self.min_fetch_tokens, self.margin = min_fetch_tokens, margin
-        self._mac_key = mac_key(secret)
-        namespace_root("check", salt)  # a bad salt fails here, not at the first probe
-        self._salt = salt
-        self.keys = KeySpace(key_prefix)
+        self.keys = [TeamKeys(s) for s in secrets] or [TeamKeys(None)]
+        self.spaces = {k.key_id: KeySpace(k, key_prefix) for k in self.keys}
+        self.max_age_s = MAX_AGE_S if max_age_s is None else max_age_s
         self.breaker = breaker or Breaker()
         self.meter = Meter()
-        if tls_ca_file is not None and not self.config.tls:
-            raise ValueError(f"tls_ca_file given for {self.url!r}, which is not TLS (use rediss://)")
-        self.server = GuardedClient(self.config, self.timeout_s, self.breaker, tls_ca_file)
+        if tls and not self.config.tls:
+            raise ValueError(f"TLS files given for {self.url!r}, which is not TLS (use rediss://)")
+        self.reader = GuardedClient(self.config, self.timeout_s, self.breaker, tls)
+        self.writer = GuardedClient(self.config, self.timeout_s, self.breaker, tls)  # cut apart from lookups
         self._lock = threading.Lock()  # counters
         self._counts = dict.fromkeys(COUNTERS, 0)
-        self._publisher = Publisher(self._publish_now, self._describe, max_pending=max_pending)
+        Publication.__init__(self, max_pending)
 
     @property
     def url(self) -> str:
         """The URL with user and password hidden."""
         return self.config.redacted
 
+    @property
+    def authenticated(self) -> bool:
+        return self.keys[0].key_id != OPEN
+
     def __repr__(self) -> str:
         kind = "cluster" if self.config.cluster else "server"
-        return f"RemoteTier({self.url!r}, {kind}, breaker={self.breaker.state()!r})"
-
-    # --- publication (background) ---
-
-    def publish(self, namespace: str, tokens: Sequence[int], block_size: int,
-                blocks: list[tuple[str, Callable[[], bytes]]], layout: dict) -> bool:
-        """Queue publication of the prefix whose full blocks are `blocks` (name, bytes getter), in order.
-
-        Returns at once: False if the job could not be queued (reported by
-        wait()). Raises only for malformed arguments, a bug in the caller."""
-        root = namespace_root(namespace, self._salt)
-        arr = token_blocks(tokens, block_size)  # a copy: the caller may reuse its list
-        if len(blocks) > len(arr):
-            raise ValueError(f"{len(blocks)} blocks given for {len(arr)} full blocks of {block_size} tokens")
-        for item in blocks:
-            if not (isinstance(item, tuple) and len(item) == 2 and is_block_name(item[0]) and callable(item[1])):
-                raise ValueError(f"each block must be (64-hex BLAKE3 name, callable returning bytes), got {item!r:.80}")
-        if not blocks:
-            return True
-        job = _Job(namespace, root, arr[: len(blocks)], list(blocks), encode_layout(layout))
-        return self._publisher.submit(job, f"publish {len(blocks)} blocks of {namespace[:40]}")
-
-    def wait(self, timeout: float | None = None) -> list[str]:
-        """Wait for queued publications; return the failures since the last wait (redacted strings)."""
-        return self._publisher.wait(timeout)
-
-    def _publish_now(self, job: _Job) -> None:
-        bs = job.tokens.shape[1]
-        keys = prefix_keys(job.root, job.tokens.ravel(), bs)
-        unique = dict(job.blocks)  # name -> fetch, in block order
-        names = list(unique)
-        present: set[str] = set()
-        for chunk in _chunks(names, META_BATCH):
-            found = self._pipe("publish: check blocks", lambda p, c=chunk: [p.expire(self.keys.block(n), self.ttl_s)
-                                                                           for n in c])
-            present.update(n for n, f in zip(chunk, found) if f)
-        self._count(blocks_skipped=len(present))
-        failure = self._upload([(n, f) for n, f in unique.items() if n not in present])
-        # Records for the blocks before a block that could not be uploaded: probes stop at the gap anyway.
-        usable = len(job.blocks) if failure is None else [n for n, _ in job.blocks].index(failure[0])
-        recs = [(keys[i], RemoteRecord(i, i * bs, (i + 1) * bs, job.blocks[i][0], job.namespace)) for i in range(usable)]
-        for chunk in _chunks(recs, META_BATCH):
-            values = [(self.keys.record(k), seal(k, r, job.layout_json, self._mac_key)) for k, r in chunk]
-            self._pipe("publish: write records", lambda p, v=values: [p.set(k, x, ex=self.ttl_s) for k, x in v])
-            self._count(records_written=len(values), bytes_written=sum(len(x) for _, x in values))
-        if failure is not None:
-            raise RemoteError(f"block {failure[0][:16]}: {failure[1]}; published the first {usable} blocks only")
-
-    def _upload(self, missing: list) -> tuple[str, str] | None:
-        """SET the missing blocks in byte-bounded pipelines; (name, why) of a block that could not be read."""
-        batch: list[tuple[str, bytes]] = []
-        size, failure = 0, None
-        for name, fetch in missing:
-            try:
-                value = fetch()
-                value = bytes(value) if isinstance(value, (bytearray, memoryview)) else value  # redis-py takes bytes
-            except Exception as e:  # noqa: BLE001 - the local copy went away: publish what came before it
-                failure = (name, f"could not be read for upload ({self._describe(e)})")
-                break
-            if not isinstance(value, bytes) or block_name(value) != name:
-                failure = (name, "its bytes do not hash to its name, not uploaded")
-                break
-            batch.append((name, value))
-            size += len(value)
-            if size >= UPLOAD_BATCH_BYTES:
-                self._set_blocks(batch)
-                batch, size = [], 0
-        if batch:
-            self._set_blocks(batch)
-        return failure
-
-    def _set_blocks(self, batch: list[tuple[str, bytes]]) -> None:
-        self._pipe("publish: upload blocks", lambda p: [p.set(self.keys.block(n), v, ex=self.ttl_s) for n, v in batch])
-        self._count(blocks_uploaded=len(batch), bytes_written=sum(len(v) for _, v in batch))
+        auth = f"key id {self.keys[0].key_id}" if self.authenticated else "UNAUTHENTICATED"
+        return f"RemoteTier({self.url!r}, {kind}, {auth}, breaker={self.breaker.state()!r})"
 
     # --- lookup ---
 
-    def probe(self, namespace: str, tokens: Sequence[int], block_size: int) -> list[RemoteRecord]:
-        """Records of the longest run of leading full blocks the remote holds ([] on any failure)."""
-        keys = prefix_keys(namespace_root(namespace, self._salt), tokens, block_size)
-        found: list[RemoteRecord] = []
-        self._count(probes=1)
-        for first in range(0, len(keys), self.probe_batch):
-            chunk = keys[first:first + self.probe_batch]
+    def probe(self, namespace: str, tokens: Sequence[int], block_size: int, *, deadline: float | None = None,
+              exact: bool = False) -> Found:
+        """The longest run of leading full blocks of `tokens` the remote holds chain records for and,
+        with exact=True, the longest exact record whose tokens are a prefix of `tokens`.
+        Under each secret in turn (rotation); an empty Found on any failure. `deadline`: monotonic."""
+        self.count(probes=1)
+        for keys in self.keys:
+            found = self._probe(keys, namespace, tokens, block_size, deadline, exact)
+            if found.records or found.exact:
+                self.count(records_found=len(found.records))
+                return found
+            if deadline is not None and time.monotonic() >= deadline:
+                break  # the next secret's key space would only be "no time left"
+        return Found()
+
+    def _probe(self, keys: TeamKeys, namespace, tokens, block_size, deadline, exact) -> Found:
+        chain, space = keys.prefix_keys(namespace, tokens, block_size), self.spaces[keys.key_id]
+        found, plain, now = Found(key_id=keys.key_id, chain=chain), True, time.time()
+        step = 4 if exact else 2
+
+        def fill(p, chunk):
+            for k in chunk:
+                for name in (space.record(k), space.exact(k)) if exact else (space.record(k),):
+                    p.strlen(name)
+                    p.getrange(name, 0, MAX_RECORD_BYTES - 1)
+
+        for first in range(0, len(chain), self.probe_batch):
+            chunk = chain[first:first + self.probe_batch]
             t0 = time.perf_counter()
             try:
-                # GETEX: a record (and below, a block) in use lives another TTL
-                values = self._pipe("probe", lambda p: [p.getex(self.keys.record(k), ex=self.ttl_s) for k in chunk])
+                replies = self.reader.pipeline("probe", lambda p, c=chunk: fill(p, c), _left(deadline))
             except RemoteError:
                 break  # counted; the records already verified stay good
             self.meter.round_trip(time.perf_counter() - t0)
-            for i, (k, v) in enumerate(zip(chunk, values), first):
-                if v is None:
-                    break
-                rec = unseal(k, v, self._mac_key)
-                if rec is None or (rec.index, rec.start, rec.end, rec.namespace) != (
-                        i, i * block_size, (i + 1) * block_size, namespace):
-                    self._count(mac_rejected=1)
-                    break
-                found.append(rec)
-            if len(found) < first + len(chunk):
-                break
-        self._count(records_found=len(found))
+            for i, k in enumerate(chunk, first):
+                r = replies[(i - first) * step:(i - first + 1) * step]
+                xs = self._unseal(EXACT, k, r[2:], keys, now) if exact else None
+                if xs is not None and xs.namespace == namespace and xs.index == i:
+                    fits = [x for x in xs.states if x.length(block_size) <= len(tokens)
+                            and tuple(tokens[(i + 1) * block_size:x.length(block_size)]) == x.tail]
+                    found.exact = max(fits, key=lambda x: len(x.tail), default=found.exact)
+                rec = self._unseal(CHAIN, k, r[:2], keys, now)
+                if rec is None or (rec.namespace, rec.index, rec.start, rec.end) != (
+                        namespace, i, i * block_size, (i + 1) * block_size):
+                    if rec is not None:
+                        self.count(malformed=1)
+                    return found
+                plain = plain and rec.layout is not None and rec.block is not None
+                if plain:
+                    found.records.append(rec)
         return found
 
-    def get_blocks(self, names: Sequence[str]) -> list[bytes]:
-        """The values of `names`, each verified by BLAKE3; RemoteMiss if any is missing, bad or unreadable."""
-        names = list(names)
-        out: list[bytes] = []
-        why = next((f"not a block name: {n!r:.80}" for n in names if not is_block_name(n)), None)
-        for chunk in ([] if why else _chunks(names, GET_BATCH)):
-            t0 = time.perf_counter()
-            try:
-                values = self._pipe("read blocks",
-                                    lambda p, c=chunk: [p.getex(self.keys.block(n), ex=self.ttl_s) for n in c])
-            except RemoteError as e:
-                why = str(e)
-                break
-            n_bytes = sum(len(v) for v in values if isinstance(v, bytes))
-            self._count(bytes_read=n_bytes)
-            self.meter.transfer(n_bytes, time.perf_counter() - t0)
-            for n, v in zip(chunk, values):
-                if not isinstance(v, bytes):
-                    why = f"block {n[:16]} is not in the remote (evicted or expired)"
-                elif block_name(v) != n:
-                    why = f"block {n[:16]} failed verification ({len(v)} bytes that do not hash to its name)"
-                else:
-                    out.append(v)
-                    continue
-                break
-            if why:
-                break
-        self._count(hits=len(out), misses=len(names) - len(out))
-        if why:
+    def _unseal(self, kind: str, key: bytes, reply: list, keys: TeamKeys, now: float):
+        """A record from a [STRLEN, GETRANGE] reply pair, or None (counted unless simply absent)."""
+        size, value = reply
+        if size == 0:
+            return None
+        if not isinstance(size, int) or not isinstance(value, bytes) or len(value) != min(size, MAX_RECORD_BYTES):
+            self.count(malformed=1)  # a wrong type planted at the key, or replaced between the two commands
+            return None
+        if size > MAX_RECORD_BYTES:
+            self.count(wrong_size=1)
+            return None
+        rec, why = unseal(kind, key, value, keys, now=now, max_age_s=self.max_age_s)
+        if why is not None:
+            self.count(**{"mac_rejected" if why == "mac" else why: 1})
+        return rec
+
+    def get_blocks(self, items: Sequence[tuple[str, int]], *, key_id: str | None = None,
+                   deadline: float | None = None) -> list[bytes]:
+        """The values of blocks (name, exact size), each read only if its size is right and verified
+        by BLAKE3; RemoteMiss (with the verified values before it) if any is missing, wrong or unreadable."""
+        items, out = list(items), []
+        try:
+            self._read_blocks(items, key_id, deadline, out)
+            why = None
+        except (RemoteError, RemoteMiss) as e:
+            why = str(e)
+        self.count(hits=len(out), misses=len(items) - len(out))
+        if why is not None:
             raise RemoteMiss(why, out)
         return out
+
+    def _read_blocks(self, items: list, key_id: str | None, deadline, out: list) -> None:
+        """Append each verified value to `out`; RemoteMiss (or RemoteError) at the first that is not one."""
+        space = self.spaces.get(key_id or self.keys[0].key_id)
+        if space is None:
+            raise RemoteMiss(f"no secret with key id {key_id!r:.20}")
+        bad = next((n for n, s in items if not (is_block_name(n) and isinstance(s, int) and 0 < s <= MAX_VALUE_BYTES)),
+                   None)
+        if bad is not None:
+            raise RemoteMiss(f"not a block name or size: {bad!r:.80}")
+        sized, why = self._sized(items, space, deadline)
+        for chunk in _chunks(sized, GET_BATCH):
+            for (n, size), v in zip(chunk, self._read_values(chunk, space, deadline)):
+                if len(v) != size or block_name(v) != n:
+                    self.count(bad_blocks=1)
+                    self.remove_bad([space.block(n)])
+                    raise RemoteMiss(f"block {n[:16]} failed verification ({len(v)} bytes that do not hash to its "
+                                     "name); removed")
+                out.append(v)
+        if why is not None:
+            raise RemoteMiss(why)
+
+    def _sized(self, items: list, space: KeySpace, deadline) -> tuple[list, str | None]:
+        """The leading items whose STRLEN is their expected size, and why the list stops where it does."""
+        for first in range(0, len(items), META_BATCH):
+            chunk = items[first:first + META_BATCH]
+            sizes = self.reader.pipeline("read block sizes", lambda p, c=chunk: [p.strlen(space.block(n)) for n, _ in c],
+                                         _left(deadline))
+            for i, ((n, want), got) in enumerate(zip(chunk, sizes), first):
+                if got == want:
+                    continue
+                if got == 0:
+                    return items[:i], f"block {n[:16]} is not in the remote (evicted or expired)"
+                self.count(wrong_size=1) if isinstance(got, int) else self.count(malformed=1)
+                self.remove_bad([space.block(n)])
+                return items[:i], (f"block {n[:16]} is {got} bytes, not the {want} its record says; not read, removed"
+                                   if isinstance(got, int) else f"block {n[:16]} is not a string value; removed")
+        return items, None
+
+    def _read_values(self, chunk: list, space: KeySpace, deadline) -> list[bytes]:
+        t0 = time.perf_counter()
+        values = self.reader.pipeline("read blocks", lambda p: [p.getrange(space.block(n), 0, s - 1) for n, s in chunk],
+                                      _left(deadline))
+        values = [v if isinstance(v, bytes) else b"" for v in values]
+        n_bytes = sum(len(v) for v in values)
+        self.count(bytes_read=n_bytes)
+        self.meter.transfer(n_bytes, time.perf_counter() - t0)
+        return values
 
     def worth_fetching(self, n_tokens: int, bytes_per_token: float, prefill_tokens_per_s: float, *,
                        block_size: int = 256) -> bool:
@@ -252,37 +274,26 @@ class RemoteTier:
                                      block_size=block_size, probe_batch=self.probe_batch, get_batch=GET_BATCH,
                                      min_tokens=self.min_fetch_tokens, margin=self.margin)
 
-    # --- deletion ---
-
-    def remove(self, namespace: str, tokens: Sequence[int], block_size: int) -> int:
-        """UNLINK the prefix records of `tokens` (blocks stay: other prefixes may name them; their TTL ends them)."""
-        keys = [self.keys.record(k) for k in prefix_keys(namespace_root(namespace, self._salt), tokens, block_size)]
-        return self._unlink(keys)
-
-    def remove_blocks(self, names: Sequence[str]) -> int:
-        if not all(is_block_name(n) for n in names):
-            raise ValueError("remove_blocks takes 64-hex BLAKE3 block names")
-        return self._unlink([self.keys.block(n) for n in names])
-
-    def _unlink(self, keys: list[str]) -> int:
-        # One UNLINK per key: a multi-key UNLINK spanning slots is refused by a cluster.
-        return sum(sum(self._pipe("unlink", lambda p, c=c: [p.unlink(k) for k in c])) for c in _chunks(keys, META_BATCH))
-
     # --- state ---
 
     def stats(self) -> dict:
         with self._lock:
             counts = dict(self._counts)
-        return {"url": self.url, "cluster": self.config.cluster, "tls": self.config.tls, **counts,
-                "errors": self.server.errors, "skipped_breaker_open": self.server.not_tried,
+        errors = self.reader.errors + self.writer.errors
+        return {"url": self.url, "cluster": self.config.cluster, "tls": self.config.tls,
+                "authenticated": self.authenticated, "key_id": self.keys[0].key_id, **counts, "errors": errors,
+                "deadline_missed": self.reader.deadlines_missed + self.writer.deadlines_missed,
+                "skipped_breaker_open": self.reader.not_tried + self.writer.not_tried,
                 "breaker": self.breaker.state(), "last_error": self.breaker.last_error,
                 "get_bandwidth_bytes_per_s": self.meter.bandwidth, "latency_s": self.meter.latency_s,
-                "publish_pending": self._publisher.pending(), "publish_failed": self._publisher.failed_total}
+                **self.publication_stats()}
 
     def close(self, timeout: float | None = 5.0) -> list[str]:
-        """Wait (bounded) for queued publications, stop the publisher, drop connections; return failures."""
-        failures = self._publisher.close(timeout)
-        self.server.close()
+        """Wait (bounded) for queued publications, stop the publisher, drop connections; return what
+        was not published (and other failures)."""
+        failures = self.close_publisher(timeout)
+        self.reader.close()
+        self.writer.close()
         return failures
 
     def __enter__(self):
@@ -293,7 +304,7 @@ class RemoteTier:
 
     # --- helpers ---
 
-    def _count(self, **deltas: int) -> None:
+    def count(self, **deltas: int) -> None:
         with self._lock:
             for k, v in deltas.items():
                 self._counts[k] += v
@@ -301,5 +312,6 @@ class RemoteTier:
     def _describe(self, exc: BaseException) -> str:
         return describe(exc, self.config)
 
-    def _pipe(self, what: str, fill: Callable) -> list:
-        return self.server.pipeline(what, fill)
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else deadline - time.monotonic()

@@ -1,0 +1,101 @@
+"""Where the remote tier's settings come from, and the rule that a shared tier is authenticated.
+
+What the caller passes (Engine arguments, the kernel's MLXCache settings)
+comes first, then the environment:
+
+    MLXCACHE_REMOTE_URL                          redis://, rediss://, redis+cluster://...
+    MLXCACHE_REMOTE_SECRET, ..._SECRET_FILE      the team secret (16+ bytes); several lines while
+                                                 rotating: the first seals, the others are still read
+    MLXCACHE_REMOTE_PASSWORD, ..._PASSWORD_FILE  the server password (or in the URL)
+    MLXCACHE_REMOTE_INSECURE                     1: share an unauthenticated tier, knowingly
+    MLXCACHE_REMOTE_TLS_CA_FILE, ..._CERT_FILE, ..._KEY_FILE   a private CA, a client certificate
+
+A `..._FILE` variable names a file holding the value (one trailing newline
+dropped), so a credential need never sit in an environment that `%env` or
+a child process shows. No secret and no explicit opt-out is refused with a
+message saying both ways forward. Nothing here ever shows a credential.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from .config import RemoteConfigError, parse_remote_url, redact
+
+TLS_KEYS = ("ca_file", "cert_file", "key_file")
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    url: str = field(repr=False)
+    secret: object = field(default=None, repr=False)  # bytes, str (one per line) or a sequence; None: insecure
+    password: str | None = field(default=None, repr=False)
+    insecure: bool = False
+    tls: dict | None = None
+
+    def __repr__(self) -> str:
+        auth = "insecure" if self.secret is None else "secret set"
+        return f"RemoteSettings({redact(self.url)!r}, {auth}, password {'set' if self.password else 'not set'})"
+
+
+def read_credential_file(path, what: str) -> str:
+    """The value in `path` (one trailing newline dropped); the error names the file, never its content."""
+    try:
+        with open(os.path.expanduser(str(path)), encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise RemoteConfigError(f"{what}: cannot read {path} ({type(e).__name__}: {getattr(e, 'strerror', '') or e})"
+                                ) from None
+    text = text[:-1] if text.endswith("\n") else text
+    if not text.strip():
+        raise RemoteConfigError(f"{what}: {path} is empty")
+    return text
+
+
+def from_env(name: str, env: Mapping[str, str] = os.environ) -> str | None:
+    """$name, or the content of the file $name_FILE; None if neither is set."""
+    value = env.get(name)
+    if value:
+        return value
+    path = env.get(f"{name}_FILE")
+    return read_credential_file(path, f"{name}_FILE") if path else None
+
+
+def env_flag(name: str, env: Mapping[str, str] = os.environ) -> bool:
+    text = (env.get(name) or "").strip().lower()
+    if text in ("", "0", "false", "no", "off"):
+        return False
+    if text in ("1", "true", "yes", "on"):
+        return True
+    raise RemoteConfigError(f"{name}: expected 0/1 (or true/false), got {text!r}")
+
+
+def resolve(url: str | None = None, *, secret=None, password: str | None = None, insecure: bool = False,
+            tls: dict | None = None, env: Mapping[str, str] = os.environ) -> RemoteSettings | None:
+    """The remote tier's settings, or None when no URL is configured (the tier is off)."""
+    url = url or env.get("MLXCACHE_REMOTE_URL") or None
+    if not url:
+        return None
+    parse_remote_url(url)  # a bad URL fails first, and before anything is started
+    secret = secret or from_env("MLXCACHE_REMOTE_SECRET", env)
+    insecure = bool(insecure) or env_flag("MLXCACHE_REMOTE_INSECURE", env)
+    if not secret and not insecure:
+        raise RemoteConfigError(
+            f"remote tier {redact(url)}: no team secret. Set MLXCACHE_REMOTE_SECRET_FILE (or MLXCACHE_REMOTE_SECRET, "
+            "or Engine(remote_secret=...)) to a secret of 16+ bytes shared by your team: it keys and signs what "
+            "the tier holds. To share an unauthenticated tier anyway (anyone who can write to the server can then "
+            "plant KV for your prompts), opt out by name: MLXCACHE_REMOTE_INSECURE=1 or Engine(remote_insecure=True).")
+    password = password or from_env("MLXCACHE_REMOTE_PASSWORD", env)
+    tls = dict(tls or {})
+    unknown = set(tls) - set(TLS_KEYS)
+    if unknown:
+        raise RemoteConfigError(f"remote TLS settings: unknown {sorted(unknown)}; use {', '.join(TLS_KEYS)}")
+    for key in TLS_KEYS:
+        tls[key] = tls.get(key) or env.get(f"MLXCACHE_REMOTE_TLS_{key.upper()}") or None
+    for key, path in tls.items():
+        if path is not None and not os.path.isfile(os.path.expanduser(str(path))):
+            raise RemoteConfigError(f"remote TLS {key} {path} is not a readable file")
+    tls = {k: os.path.expanduser(str(v)) for k, v in tls.items() if v is not None}
+    return RemoteSettings(url, secret or None, password, insecure and not secret, tls or None)
