@@ -14,12 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx_lm.models import llama
-from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.base import create_causal_mask, quantized_scaled_dot_product_attention
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from mlxcache_kernel.engine import Engine, SamplingParams
 from mlxcache_kernel.engine.kv import borrowed
-from mlxcache_kernel.engine.kv.borrowed import BorrowedKVCache, Buffer, Segment, piecewise_attention
+from mlxcache_kernel.engine.kv.borrowed import (BorrowedKVCache, BorrowedQuantizedKVCache, Buffer, Segment,
+                                                piecewise_attention, piecewise_quantized_attention)
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -57,6 +58,23 @@ def test_piecewise_attention_matches_mlx(rep, L, mask_kind):
     assert float(mx.abs(got - want).max()) < 1e-5
 
 
+@pytest.mark.parametrize("rep", [1, 2])
+@pytest.mark.parametrize("mask_kind", [None, "causal", "bool"])
+def test_piecewise_quantized_attention_matches_mlx_lm(rep, mask_kind):
+    mx.random.seed(rep)
+    n_kv, D, T, L = 2, 64, 90, 4
+    q = mx.random.normal((1, n_kv * rep, L, D))
+    k = mx.quantize(mx.random.normal((1, n_kv, T, D)), group_size=32, bits=8)
+    v = mx.quantize(mx.random.normal((1, n_kv, T, D)), group_size=32, bits=8)
+    mask = {"causal": "causal", "bool": create_causal_mask(L, T - L, window_size=50), None: None}[mask_kind]
+    # mlx-lm's scales its queries in place (queries *= scale): give it a copy
+    want = quantized_scaled_dot_product_attention(mx.array(q), k, v, scale=0.125, mask=mask, group_size=32, bits=8)
+    cut = lambda x, a, b: tuple(p[..., a:b, :] for p in x)
+    pieces = [(cut(k, a, b), cut(v, a, b)) for a, b in ((0, 50), (50, 61), (61, T))]
+    got = piecewise_quantized_attention(q, pieces, 0.125, mask, 32, 8)
+    assert float(mx.abs(got - want).max()) < 1e-4
+
+
 def test_a_cache_without_prefix_is_a_plain_kv_cache():
     c, k = BorrowedKVCache(), mx.random.normal((1, 2, 5, 8))
     keys, values = c.update_and_fetch(k, k + 1)
@@ -67,33 +85,43 @@ def test_a_cache_without_prefix_is_a_plain_kv_cache():
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.one_of(st.tuples(st.just("append"), st.integers(1, 300)),
                           st.tuples(st.just("trim"), st.integers(0, 200))), min_size=1, max_size=12),
-       st.lists(st.integers(1, 400), max_size=4))
-def test_a_borrowed_cache_holds_what_a_plain_one_holds(ops, prefix_lengths):
+       st.lists(st.integers(1, 400), max_size=4), st.booleans())
+def test_a_borrowed_cache_holds_what_a_plain_one_holds(ops, prefix_lengths, quantized):
     """Any appends and trims over any prefix segments: the same keys, values and attention
-    as mlx-lm's KVCache fed the same positions, and the lender's segments never change."""
+    as mlx-lm's KVCache (or QuantizedKVCache) fed the same positions, and the lender's
+    segments never change."""
     mx.random.seed(len(ops))
-    segments, ref = [], KVCache()
+    D = 32 if quantized else 8
+    ref = QuantizedKVCache(group_size=32, bits=8) if quantized else KVCache()
+    segments = []
     for n in prefix_lengths:
-        k, v = mx.random.normal((1, 2, n, 8)), mx.random.normal((1, 2, n, 8))
-        segments.append(Segment((k, v), Buffer(0)))
+        k, v = mx.random.normal((1, 2, n, D)), mx.random.normal((1, 2, n, D))
         ref.update_and_fetch(k, v)
+        whole = (*ref.keys, *ref.values) if quantized else (ref.keys, ref.values)
+        at = ref.offset - n
+        segments.append(Segment(tuple(mx.array(a[..., at : ref.offset, :]) for a in whole), Buffer(0)))
     lent = [np.array(a) for s in segments for a in s.arrays]
-    c = BorrowedKVCache(segments)
+    c = BorrowedQuantizedKVCache(segments, group_size=32, bits=8) if quantized else BorrowedKVCache(segments)
     for op, n in ops:
         if op == "append":
-            k, v = mx.random.normal((1, 2, n, 8)), mx.random.normal((1, 2, n, 8))
+            k, v = mx.random.normal((1, 2, n, D)), mx.random.normal((1, 2, n, D))
             c.update_and_fetch(k, v)
             ref.update_and_fetch(k, v)
-            q = mx.random.normal((1, 4, n, 8))
+            q = mx.random.normal((1, 4, n, D))
             mask = "causal" if n > 1 else None
-            want = mx.fast.scaled_dot_product_attention(q, *ref.keys_and_values(), scale=0.3, mask=mask)
-            assert float(mx.abs(c.attend(q, 0.3, mask) - want).max()) < 1e-5
+            if quantized:
+                want = quantized_scaled_dot_product_attention(mx.array(q), *ref.keys_and_values(), scale=0.3,
+                                                              mask=mask, group_size=32, bits=8)
+            else:
+                want = mx.fast.scaled_dot_product_attention(q, *ref.keys_and_values(), scale=0.3, mask=mask)
+            assert float(mx.abs(c.attend(q, 0.3, mask) - want).max()) < 1e-4
         else:
             assert c.trim(n) == ref.trim(n)
         assert c.offset == ref.offset
         if ref.offset:
-            assert np.array_equal(np.array(c.keys), np.array(ref.keys[..., : ref.offset, :]))
-            assert np.array_equal(np.array(c.values), np.array(ref.values[..., : ref.offset, :]))
+            for got, want in zip(c._whole(), ref.keys_and_values()):
+                for a, b in zip(got if quantized else (got,), want if quantized else (want,)):
+                    assert np.array_equal(np.array(a), np.array(b))
         assert len(c.prefix) <= 2 + len(prefix_lengths) + ref.offset // 256
     assert all(np.array_equal(a, np.array(b)) for a, b in zip(lent, (b for s in segments for b in s.arrays)))
 

@@ -15,8 +15,10 @@ final sum is added in a different order (float32 rounding, ~1e-9 here). A
 cache with no prefix attends with `mx.fast.scaled_dot_product_attention`
 itself, bit for bit a plain `KVCache`.
 
-mlx-lm models call `mlx_lm.models.base.scaled_dot_product_attention(q, k, v,
-...)` with the arrays `update_and_fetch` returned; `install()` wraps that
+Quantized KV (`BorrowedQuantizedKVCache`) splits mlx-lm's quantized
+attention the same way. mlx-lm models call
+`mlx_lm.models.base.scaled_dot_product_attention(q, k, v, ...)` with the
+arrays `update_and_fetch` returned; `install()` wraps that
 function so that, given exactly the (lazy, never evaluated) arrays a borrowed
 cache returned, it attends piecewise. A model that attends some other way
 gets those lazy arrays: the whole keys, correct, and the cache collapses into
@@ -116,9 +118,10 @@ _FETCHED: "weakref.WeakValueDictionary[int, BorrowedKVCache]" = weakref.WeakValu
 class BorrowedKVCache(_BaseCache):
     """Like mlx-lm's `KVCache`, over `prefix` segments it never writes.
 
-    hand_over: (keys, values) whole buffers whose first positions are the end
-    of the prefix, when this borrower takes the lender's place: it appends in
-    place after them.
+    The tail is a tuple of arrays along the token axis: (keys, values) here,
+    the quantized triples of each in `BorrowedQuantizedKVCache`. hand_over:
+    a segment whose whole buffers (`parents`) this borrower takes over when
+    it takes the lender's place: it appends in place after the segment.
     """
 
     step = STEP
@@ -126,16 +129,30 @@ class BorrowedKVCache(_BaseCache):
     def __init__(self, prefix=(), hand_over: Segment | None = None):
         self.prefix = list(prefix)  # shared: never written
         self._seed: list = []  # trailing segments the first growth copies into the tail
-        self.tail_keys = self.tail_values = None  # this cache's own buffers
+        self.tail: tuple = ()  # this cache's own buffers
         self.tail_len = 0
         if hand_over is not None:
-            self.tail_keys, self.tail_values = hand_over.parents
-            self.tail_len = hand_over.length
+            self.tail, self.tail_len = tuple(hand_over.parents), hand_over.length
         else:
             self._take_in(self.prefix)
         self.offset = sum(s.length for s in self.prefix + self._seed) + self.tail_len
         self._fetched = None  # the lazy (keys, values) update_and_fetch last returned
         self._attended = False
+
+    # --- what differs between plain and quantized KV ---
+
+    def _encode(self, keys, values) -> tuple:
+        """New positions as the tail stores them."""
+        return keys, values
+
+    def _sides(self, arrays: tuple) -> tuple:
+        """(keys, values) as the model and the attention take them."""
+        return arrays
+
+    def attend(self, queries, scale: float, mask, sinks=None):
+        """Attention of `queries` over prefix and tail (see the module docstring)."""
+        self._attended = True
+        return piecewise_attention(queries, self._pieces(), scale, mask, sinks)
 
     # --- mlx-lm's cache interface ---
 
@@ -146,44 +163,42 @@ class BorrowedKVCache(_BaseCache):
             if self.prefix and not self._attended:  # the model attends some other way: one buffer
                 self._collapse()
         self._attended = False
+        new = self._encode(keys, values)
         n = keys.shape[2]
-        if self.tail_keys is None or self.tail_len + n > self.tail_keys.shape[2]:
-            self._grow(keys, values, n)
+        if not self.tail or self.tail_len + n > self.tail[0].shape[2]:
+            self._grow(new, n)
         t = self.tail_len
-        self.tail_keys[..., t : t + n, :] = keys
-        self.tail_values[..., t : t + n, :] = values
+        for buf, a in zip(self.tail, new):
+            buf[..., t : t + n, :] = a
         self.tail_len += n
         self.offset += n
-        kt, vt = self.tail_keys[..., : self.tail_len, :], self.tail_values[..., : self.tail_len, :]
+        own = self.own_views()
         if not self.prefix:
-            return kt, vt
-        fetched = (mx.concatenate([s.arrays[0] for s in self.prefix] + [kt], axis=2),
-                   mx.concatenate([s.arrays[1] for s in self.prefix] + [vt], axis=2))
+            return self._sides(own)
+        fetched = self._sides(tuple(mx.concatenate([s.arrays[i] for s in self.prefix] + [a], axis=2)
+                                    for i, a in enumerate(own)))
         self._fetched = fetched
         _FETCHED[id(fetched[0])] = self
         return fetched
 
-    def _grow(self, keys, values, n: int) -> None:
+    def _grow(self, new: tuple, n: int) -> None:
         """A tail with room for n more. A full tail of MERGE_TOKENS or more is kept apart
         as a segment of its own (it is never written again); a shorter one is copied
         into the new tail with the segments `to_merge` takes in."""
-        tail = Segment((self.tail_keys[..., : self.tail_len, :], self.tail_values[..., : self.tail_len, :]),
-                       Buffer(int(self.tail_keys.nbytes + self.tail_values.nbytes)),
-                       (self.tail_keys, self.tail_values)) if self.tail_len else None
+        tail = Segment(self.own_views(), Buffer(sum(int(a.nbytes) for a in self.tail)), self.tail) \
+            if self.tail_len else None
         if tail is not None and not self._seed:
             if to_merge(self.prefix, self.tail_len) == 0 and self.tail_len >= MERGE_TOKENS:
                 self.prefix.append(tail)
                 tail = None
             else:
                 self._take_in(self.prefix, self.tail_len)
-        seed = [s.arrays[:2] for s in self._seed] + ([tail.arrays] if tail is not None else [])
+        seed = [s.arrays for s in self._seed] + ([tail.arrays] if tail is not None else [])
         room = (n + self.step - 1) // self.step * self.step
-        B, H, _, _ = keys.shape
-        pad_k = mx.zeros((B, H, room, keys.shape[3]), keys.dtype)
-        pad_v = mx.zeros((B, H, room, values.shape[3]), values.dtype)
-        self.tail_keys = mx.concatenate([k for k, _ in seed] + [pad_k], axis=2) if seed else pad_k
-        self.tail_values = mx.concatenate([v for _, v in seed] + [pad_v], axis=2) if seed else pad_v
-        self.tail_len = sum(int(k.shape[2]) for k, _ in seed)
+        pads = [mx.zeros((*a.shape[:2], room, a.shape[3]), a.dtype) for a in new]
+        self.tail = tuple(mx.concatenate([part[i] for part in seed] + [pad], axis=2) if seed else pad
+                          for i, pad in enumerate(pads))
+        self.tail_len = sum(int(part[0].shape[2]) for part in seed)
         self._seed = []
 
     def _take_in(self, segments, tail: int = 0) -> None:
@@ -195,53 +210,45 @@ class BorrowedKVCache(_BaseCache):
     def _collapse(self) -> None:
         """Everything into a tail of this cache's own at the next growth: a model that
         bypasses the piecewise attention would otherwise join the pieces at every step."""
-        tail = (self.tail_keys[..., : self.tail_len, :], self.tail_values[..., : self.tail_len, :])
-        self._seed = self.prefix + self._seed + [Segment(tail, Buffer(0))]
-        self.prefix, self.tail_keys, self.tail_values, self.tail_len = [], None, None, 0
+        self._seed = self.prefix + self._seed + [Segment(self.own_views(), Buffer(0))]
+        self.prefix, self.tail, self.tail_len = [], (), 0
 
-    def attend(self, queries, scale: float, mask, sinks=None):
-        """Attention of `queries` over prefix and tail (see the module docstring)."""
-        pieces = [s.arrays[:2] for s in self.prefix + self._seed]
-        pieces.append((self.tail_keys[..., : self.tail_len, :], self.tail_values[..., : self.tail_len, :]))
-        self._attended = True
-        return piecewise_attention(queries, pieces, scale, mask, sinks)
+    def _pieces(self) -> list:
+        """Per piece of positions, (keys, values) as the attention takes them."""
+        return [self._sides(s.arrays) for s in self.prefix + self._seed] + [self._sides(self.own_views())]
 
     def size(self):
         return self.offset
 
     @property
     def state(self):
-        return self.tail_keys, self.tail_values
+        return self.tail
 
     @property
     def keys(self):
         """The whole keys (lazy; a copy only if evaluated): for code that reads them."""
-        return self._whole(0)
+        return self._whole()[0] if self.offset else None
 
     @property
     def values(self):
-        return self._whole(1)
+        return self._whole()[1] if self.offset else None
 
-    def _whole(self, i: int):
-        if self.offset == 0:
-            return None
-        parts = [s.arrays[i] for s in self.prefix + self._seed]
-        if self.tail_keys is not None:
-            parts.append((self.tail_keys, self.tail_values)[i][..., : self.tail_len, :])
-        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+    def _whole(self) -> tuple:
+        parts = [s.arrays for s in self.prefix + self._seed] + ([self.own_views()] if self.tail_len else [])
+        if not parts:
+            return ()
+        return self._sides(tuple(p[0] if len(p) == 1 else mx.concatenate(p, axis=2) for p in zip(*parts)))
 
     def shared_segments(self) -> list[Segment]:
         """The segments this cache reads but never writes."""
         return self.prefix + self._seed
 
     def own_views(self) -> tuple:
-        """(keys, values) views of this cache's own positions, or ()."""
-        if not self.tail_len:
-            return ()
-        return self.tail_keys[..., : self.tail_len, :], self.tail_values[..., : self.tail_len, :]
+        """Views of this cache's own positions (every array of the tail), or ()."""
+        return tuple(a[..., : self.tail_len, :] for a in self.tail) if self.tail_len else ()
 
     def own_buffers(self) -> tuple:
-        return (self.tail_keys, self.tail_values) if self.tail_keys is not None else ()
+        return self.tail
 
     def is_trimmable(self):
         return True
@@ -251,8 +258,7 @@ class BorrowedKVCache(_BaseCache):
         keep, fixed = self.offset - n, self.offset - self.tail_len  # fixed: prefix and seed positions
         if keep <= fixed:  # into the segments: the tail goes
             self._take_in(cut_segments(self.prefix + self._seed, keep))
-            self.tail_keys = self.tail_values = None
-            self.tail_len = 0
+            self.tail, self.tail_len = (), 0
         else:
             self.tail_len = keep - fixed
         self.offset = keep
@@ -267,10 +273,30 @@ class BorrowedKVCache(_BaseCache):
     @property
     def nbytes(self):
         """Bytes this cache holds of its own (the prefix is the lender's)."""
-        own = sum(s.nbytes for s in self._seed)
-        if self.tail_keys is not None:
-            own += int(self.tail_keys.nbytes + self.tail_values.nbytes)
-        return own
+        return sum(s.nbytes for s in self._seed) + sum(int(a.nbytes) for a in self.tail)
+
+
+class BorrowedQuantizedKVCache(BorrowedKVCache):
+    """The same over mlx-lm's `QuantizedKVCache` state: (packed, scales, biases) of the
+    keys, then of the values. `bits` and `group_size` also route mlx-lm's own attention
+    to its quantized path, should a model bypass the piecewise one."""
+
+    def __init__(self, prefix=(), *, group_size: int, bits: int):
+        self.group_size, self.bits = group_size, bits
+        super().__init__(prefix)
+
+    def _encode(self, keys, values):
+        return (*mx.quantize(keys, group_size=self.group_size, bits=self.bits),
+                *mx.quantize(values, group_size=self.group_size, bits=self.bits))
+
+    def _sides(self, arrays):
+        return (tuple(arrays[:3]), tuple(arrays[3:])) if arrays else ()
+
+    def attend(self, queries, scale, mask, sinks=None):
+        if sinks is not None:
+            raise ValueError("Quantized SDPA does not support attention sinks.")  # as mlx-lm's
+        self._attended = True
+        return piecewise_quantized_attention(queries, self._pieces(), scale, mask, self.group_size, self.bits)
 
 
 def piecewise_attention(queries, pieces, scale: float, mask, sinks=None):
@@ -307,6 +333,38 @@ def piecewise_attention(queries, pieces, scale: float, mask, sinks=None):
     for _, v in pieces:
         n = v.shape[-2]
         part = weights[..., start : start + n] @ v
+        out = part if out is None else out + part
+        start += n
+    return out.reshape(B, n_q, L, -1) if rep > 1 else out
+
+
+def piecewise_quantized_attention(queries, pieces, scale: float, mask, group_size: int, bits: int):
+    """mlx-lm's quantized attention over (packed, scales, biases) keys/values split into `pieces`."""
+    B, n_q, L, D = queries.shape
+    n_kv = pieces[0][0][0].shape[-3]
+    rep = n_q // n_kv
+    q = queries * scale
+    if rep > 1:
+        q = q.reshape(B, n_kv, rep, L, D)
+        pieces = [tuple(tuple(mx.expand_dims(x, -3) for x in side) for side in piece) for piece in pieces]
+    scores = mx.concatenate([mx.quantized_matmul(q, *k, transpose=True, group_size=group_size, bits=bits)
+                             for k, _ in pieces], axis=-1)
+    if mask is not None:
+        if isinstance(mask, str):
+            total = scores.shape[-1]
+            mask = mx.arange(total - L, total)[:, None] >= mx.arange(total)[None]
+        if rep > 1 and mask.ndim > 3:
+            mask = mx.expand_dims(mask, -3)
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    out, start = None, 0
+    for _, v in pieces:
+        n = v[0].shape[-2]
+        part = mx.quantized_matmul(weights[..., start : start + n], *v, transpose=False, group_size=group_size,
+                                   bits=bits)
         out = part if out is None else out + part
         start += n
     return out.reshape(B, n_q, L, -1) if rep > 1 else out

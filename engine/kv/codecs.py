@@ -10,8 +10,8 @@ reusable offset), and what its arrays are called. Everything else
 name stored in the layer (`LayerState.kind`).
 
 A layer's arrays are `Segment`s along the token axis (borrowed.py): one for
-every kind but plain KV, whose borrowers (`BorrowedKVCache`) keep the
-lender's segments and add their own, so a branch of a cached document holds
+every kind but plain and quantized KV, whose borrowers (`BorrowedKVCache`,
+`BorrowedQuantizedKVCache`) keep the lender's segments and add their own, so a branch of a cached document holds
 the document once. Each segment names the `Buffer` it is a view of: RAM
 accounting counts a buffer once, however many checkpoints share it.
 
@@ -29,7 +29,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import cache as lm_cache
 
-from .borrowed import BorrowedKVCache, Buffer, Segment, cut_segments
+from .borrowed import BorrowedKVCache, BorrowedQuantizedKVCache, Buffer, Segment, cut_segments
 
 # A published buffer may exceed the KV it holds by this much; beyond it (mlx-lm
 # grows caches by 256 positions: 5x the KV of a 48-token prompt) it is copied
@@ -98,20 +98,6 @@ def _own(arrays: tuple, parents: tuple, copy: bool) -> tuple:
         arrays = tuple(mx.array(a) for a in arrays)  # mx.array copies (mx.contiguous may keep a view)
         return (Segment(arrays, Buffer(exact), arrays),)
     return (Segment(arrays, Buffer(whole), parents),)
-
-
-def _lend_linear(c: Any, layer: LayerState, n: int, per_side: int) -> Any:
-    """Point a fresh linear cache at views of the first n positions.
-
-    per_side: arrays per keys and per values (1 plain, 3 quantized).
-    """
-    arrays = layer.arrays
-    if arrays:
-        cut = [_seq(a, n) for a in arrays]
-        keys, values = cut[:per_side], cut[per_side:]
-        c.keys, c.values = (keys[0], values[0]) if per_side == 1 else (tuple(keys), tuple(values))
-    c.offset = n if arrays else 0
-    return c
 
 
 class Codec:
@@ -206,7 +192,7 @@ class PlainKV(Codec):
 
 
 class QuantizedKV(Codec):
-    """`QuantizedKVCache`: (packed, scales, biases) for keys and for values."""
+    """`QuantizedKVCache`: (packed, scales, biases) for keys and for values; borrowers as plain KV's."""
 
     kind, roles = "QuantizedKVCache", ("keys", "keys_scales", "keys_biases", "values", "values_scales", "values_biases")
     always_cuttable = True
@@ -214,14 +200,19 @@ class QuantizedKV(Codec):
     def capture(self, c, copy=False):
         n = int(c.offset)
         meta = {"offset": n, "group_size": int(c.group_size), "bits": int(c.bits)}
-        if c.keys is None:
-            return LayerState(self.kind, (), dict(meta, offset=0))
-        whole = (*c.keys, *c.values)
-        return LayerState(self.kind, _own(tuple(_seq(a, n) for a in whole), whole, copy), meta)
+        if isinstance(c, BorrowedQuantizedKVCache):
+            own = c.own_views()
+            segments = tuple(c.shared_segments()) + (_own(own, c.own_buffers(), copy) if own else ())
+        elif c.keys is None:
+            segments = ()
+        else:
+            whole = (*c.keys, *c.values)
+            segments = _own(tuple(_seq(a, n) for a in whole), whole, copy)
+        return LayerState(self.kind, segments, meta if segments else dict(meta, offset=0))
 
     def lend(self, layer, n):
-        c = lm_cache.QuantizedKVCache(group_size=layer.meta["group_size"], bits=layer.meta["bits"])
-        return _lend_linear(c, layer, n, 3)
+        m = layer.meta
+        return BorrowedQuantizedKVCache(cut_segments(layer.segments, n), group_size=m["group_size"], bits=m["bits"])
 
     def trimmable(self, meta):
         return True
@@ -377,7 +368,8 @@ CODECS = {
     for c in (PlainKV(), QuantizedKV(), RotatingKV(), ChunkedKV(), Recurrent("ArraysCache"), Recurrent("MambaCache"),
               Composite())
 }
-CODECS["BorrowedKVCache"] = CODECS["KVCache"]  # a borrower's live plain KV: captured as KVCache
+# a borrower's live caches: captured as the kinds they borrowed from
+CODECS["BorrowedKVCache"], CODECS["BorrowedQuantizedKVCache"] = CODECS["KVCache"], CODECS["QuantizedKVCache"]
 
 
 def codec(kind: str) -> Codec:
