@@ -17,14 +17,58 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
+import threading
 
 from common import default_model, emit
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_memory import PeakRSS, decode_with_and_without_checkpoints, smollm_prompt  # noqa: E402
+from mlxcache_kernel.engine import Engine, SamplingParams
 
-from mlxcache_kernel.engine import Engine, SamplingParams  # noqa: E402
+
+class PeakRSS:
+    def __init__(self):
+        self.peak, self._stop = 0, threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def now() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+    def _run(self):
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, self.now())
+
+    def __enter__(self):
+        self.base = self.peak = self.now()
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+
+def decode_with_and_without_checkpoints(eng, prompt, params, repeats):
+    """Interleaved pairs of RAM-hit runs without and with checkpoint_every=1 (single decode runs
+    vary by +-10% on a shared machine): decode tok/s of each, and the peak RSS growth of the latter."""
+    plain, every, growth = [], [], 0
+    for i in range(repeats):
+        plain.append(eng.generate_tokens(prompt + [20 + i], params).stats["decode_tokens_per_s"])
+        eng.flush()
+        with PeakRSS() as rss:
+            every.append(eng.generate_tokens(prompt + [30 + i], params, checkpoint_every=1)
+                         .stats["decode_tokens_per_s"])
+        eng.flush()
+        growth = max(growth, rss.peak - rss.base)
+    return plain, every, growth
+
+
+def smollm_prompt(tok, n):
+    text, i = "", 0
+    while len(tok.encode(text)) < n:
+        text += f"Section {i}: the ledger for district {i % 17} lists {i * 13 % 97} entries and {i} notes. "
+        i += 1
+    return list(tok.encode(text))[:n]
 
 
 def checkpoint_every_token(d: str, repeats: int = 5) -> dict:

@@ -7,21 +7,27 @@ travels: `engine.py` (the facade) -> `run.py` (one generation) ->
 KV state itself in `kv/` (`codecs.py` per mlx-lm cache class, `checkpoint.py`).
 """
 
-from .engine import Engine, default_cache_dir, default_ram_budget
-from .kv.checkpoint import Checkpoint
-from .run import GenerationResult
-from .generation import GenerationError, SamplingParams
-from .models import ModelError
-from .sessions import SessionError
+import importlib
 
-__all__ = [
-    "Checkpoint",
-    "Engine",
-    "GenerationError",
-    "GenerationResult",
-    "ModelError",
-    "SamplingParams",
-    "SessionError",
-    "default_cache_dir",
-    "default_ram_budget",
-]
+# Imported on first use (PEP 562): a process that needs only the storage layer
+# (a cache maintenance tool, the crash tests' workers) does not load MLX.
+_EXPORTS = {
+    "Checkpoint": ".kv.checkpoint",
+    "Engine": ".engine",
+    "GenerationError": ".generation",
+    "GenerationResult": ".run",
+    "ModelError": ".models",
+    "SamplingParams": ".generation",
+    "SessionError": ".sessions",
+    "default_cache_dir": ".engine",
+    "default_ram_budget": ".engine",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from . import blas
+from .cache.objects import ObjectCache, is_object_namespace
+from .cache.catalog import CatalogBusy
 from .cache.remote import resolve as resolve_remote
 from .cache.remote_link import attach as attach_remote, close as close_remote, flush as flush_remote
 from .cache.tiered import TieredPromptCache
@@ -22,6 +24,7 @@ from .events import EventBus
 from .generation import GenerationError, SamplingParams
 from .kv.codecs import always_cuttable
 from .inflight import InflightRecords
+from .media import new_counters as new_vision_counters, prompt_for as media_prompt
 from .cache.retention import make_policy
 from .memory import PressureGuard
 from .metrics import AccessTrace, GenerationMetrics
@@ -95,13 +98,15 @@ class Engine(StateMethods):
             make_private_dir(self.cache_dir)
             self.cache = TieredPromptCache(ram_budget_bytes=budget, ssd_dir=self.cache_dir / "checkpoints" if ssd
                                            else None, **kw)
-        except (OSError, sqlite3.Error) as e:  # read-only, full, or another user's directory
+        except (OSError, sqlite3.Error, CatalogBusy) as e:  # read-only, full, another user's, network, locked
             self.ssd_disabled_reason = f"cache directory {self.cache_dir} is not usable ({e}): running RAM-only"
             warnings.warn(f"mlxcache: {self.ssd_disabled_reason}", stacklevel=2)
             self.cache = TieredPromptCache(ram_budget_bytes=budget, ssd_dir=None, **kw)
         self.memory = PressureGuard(self.cache.reclaim, high=memory_high_water, low=memory_low_water,
                                     emit=self.events.emit)
         self.cache.pressure = self.memory
+        self.objects = ObjectCache(self.cache, self._check_open)  # exact-key tensor objects on the same tiers
+        self.vision_counters = new_vision_counters()  # images, encoder runs (media.py)
         usable = self.ssd_disabled_reason is None
         self.models = ModelRegistry(IdentityMemo(self.cache_dir / "identities.json" if usable else None))
         self.metrics = GenerationMetrics()
@@ -120,13 +125,18 @@ class Engine(StateMethods):
     # --- models ---
 
     def load_model(self, path_or_id, name: str = "default", *, kv_bits: int | None = None,
-                   kv_group_size: int = 64) -> dict:
+                   kv_group_size: int = 64, image_attention: str | None = None) -> dict:
         """Load a model; kv_bits (4 or 8) quantizes its KV cache (RAM and SSD hold the quantized bytes).
+
+        A vision-language model (a config with a vision tower) loads through mlx-vlm
+        (`pip install 'mlxcache-kernel[vision]'`); image_attention picks how its image
+        tokens attend ("bidirectional" or "causal" for Gemma 3; None: the model's default).
 
         Then its most recently used SSD checkpoints start loading into RAM in the
         background (up to the prefetch budget); "prefetch" in the result says how many.
         """
-        loaded = self.models.load(path_or_id, name, kv_bits=kv_bits, kv_group_size=kv_group_size)
+        loaded = self.models.load(path_or_id, name, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                                  image_attention=image_attention)
         self.cache.register_namespace(loaded.namespace, loaded.identity)
         self.events.emit("model_loaded", name=name, path=str(loaded.path), namespace=loaded.namespace)
         if loaded.cache_notice:
@@ -194,19 +204,30 @@ class Engine(StateMethods):
         on_text: Callable[[str], None] | None = None,
         on_progress: Callable[[str, int, int], None] | None = None,
         checkpoint_every: int | None = None,
+        images: Sequence | None = None,
     ) -> GenerationResult:
+        """images: paths, PIL images or (H, W, 3) arrays, for a vision-language model; they
+        come before the prompt text in the user turn (a session keeps them for later turns)."""
         self._check_open()
         self.poll(prepare=False)  # no buffers allocated for prefetches on the way to the first token
         params = SamplingParams(max_tokens, float(temperature), float(top_p), int(top_k), seed, tuple(stop))
         m = self.models.get(model)
         params.validate(_vocab_size(m))
-        tokens = self.encode_prompt(prompt, model=m.name, system=system, raw=raw, session=session)
+        media = None
+        if m.vision is not None:  # the model's processor; cache keys carry each image's identity
+            media = media_prompt(self, m, prompt, images, system=system, raw=raw, session=session, use_cache=use_cache)
+            tokens = media.keys
+        elif images:
+            raise GenerationError(f"model {m.name!r} is not a vision-language model: it takes no images")
+        else:
+            tokens = self.encode_prompt(prompt, model=m.name, system=system, raw=raw, session=session)
         result = self.generate_tokens(
             tokens, params, model=m.name, session=session, use_cache=use_cache, on_text=on_text,
-            on_progress=on_progress, checkpoint_every=checkpoint_every,
+            on_progress=on_progress, checkpoint_every=checkpoint_every, media=media,
         )
         if session is not None:
-            self.sessions.get(session).record_turn(prompt, result.text, tokens, result.tokens)
+            self.sessions.get(session).record_turn(prompt, result.text, tokens, result.tokens,
+                                                   images=media.images if media else ())
         return result
 
     def generate_tokens(
@@ -268,10 +289,13 @@ class Engine(StateMethods):
             **self.metrics.as_stats(),
             **self.memory.stats(),
             **self.cache.stats(),
+            **self.objects.stats(),
+            **self.vision_counters,
         }
 
     def cache_entries(self, poll: bool = True) -> list[dict]:
-        """Every RAM and SSD entry as plain data (no MLX arrays are read).
+        """Every RAM and SSD entry as plain data (no MLX arrays are read): prompt prefixes
+        (kind "prefix") and objects (kind "object", see ObjectCache.row).
 
         poll=True first applies finished writes (owner thread); poll=False is
         a view without side effects.
@@ -283,10 +307,13 @@ class Engine(StateMethods):
             names_by_key.setdefault((r["namespace"], tuple(r["tokens"])), []).append(r["name"])
         rows = []
         for row in self.cache.rows():
+            if is_object_namespace(row["ns"]):
+                rows.append(self.objects.row(row))
+                continue
             ns, tokens = row.pop("ns"), row.pop("tokens")
             m = self.models.by_namespace(ns)
             rows.append({
-                "model": m.name if m else None, "namespace": ns, "tokens": len(tokens),
+                "kind": "prefix", "model": m.name if m else None, "namespace": ns, "tokens": len(tokens),
                 "preview": self.models.preview(ns, tokens), "pinned": names_by_key.get((ns, tokens), []), **row,
             })
         return sorted(rows, key=lambda r: -(r["last_used"] or 0))

@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
-from .cache.catalog import Catalog
+from .cache.catalog import Catalog, CatalogBusy
 
 
 def request_id(namespace: str, tokens: Sequence[int], params: dict) -> str:
@@ -41,6 +41,8 @@ class InflightRecords:
             try:
                 record = json.loads(p.read_text())
                 self.catalog.inflight_put(record["request"], record)
+            except CatalogBusy:
+                return  # the rest next time
             except (OSError, ValueError, KeyError, TypeError):
                 pass
             p.unlink(missing_ok=True)
@@ -57,14 +59,17 @@ class InflightRecords:
         return record
 
     def write(self, rid: str, record: dict) -> None:
-        """Replace the record (writer thread), unless the request already finished."""
+        """Replace the record (writer thread), unless the request already finished. No lock is
+        held across the catalogue (whose write lock this thread may wait for): a finish that
+        comes meanwhile is seen after the write, and the record goes again."""
         with self._lock:
             if rid in self._finished or self.catalog is None:
                 return
-            current = self.load(rid)
-            if current is not None and len(current["emitted"]) >= len(record["emitted"]):
-                return  # never step back to an older boundary
-            self.catalog.inflight_put(rid, {**record, "request": rid})
+        current = self.load(rid)
+        if current is not None and len(current["emitted"]) >= len(record["emitted"]):
+            return  # never step back to an older boundary
+        self.catalog.inflight_put(rid, {**record, "request": rid})
+        self._delete_if_finished(rid)
 
     def start(self, rid: str) -> None:
         with self._lock:
@@ -73,8 +78,17 @@ class InflightRecords:
     def finish(self, rid: str) -> None:
         with self._lock:
             self._finished.add(rid)
-            if self.catalog is not None:
-                self.catalog.inflight_delete(rid)
+        if self.catalog is not None:
+            try:
+                self._delete_if_finished(rid)
+            except CatalogBusy:  # the cell goes on; the record goes once the catalogue is free
+                self.catalog.later(lambda: self._delete_if_finished(rid))
+
+    def _delete_if_finished(self, rid: str) -> None:
+        with self._lock:
+            finished = rid in self._finished  # (not when the same request started again meanwhile)
+        if finished:
+            self.catalog.inflight_delete(rid)
 
     def list(self) -> list[dict]:
         records = self.catalog.inflight_all() if self.catalog is not None else []

@@ -153,6 +153,7 @@ class LoadedModel:
     kv_bits: int | None = None
     kv_group_size: int = 64
     cache_notice: str | None = None  # why this model runs uncached (an unknown cache class), else None
+    vision: Any = None  # a vision-language model's image adapter (vlm.Family), else None
 
     def new_caches(self) -> list:
         """Empty live caches in this model's KV scheme."""
@@ -206,22 +207,33 @@ def check_kv_scheme(kv_bits, kv_group_size) -> None:
 
 
 def load_model(path_or_id, name: str, memo: IdentityMemo, kv_bits: int | None = None,
-               kv_group_size: int = 64) -> LoadedModel:
+               kv_group_size: int = 64, image_attention: str | None = None) -> LoadedModel:
+    """image_attention: how a vision-language model's image tokens attend (vlm.py); None: its default."""
     import mlx.core as mx
     import mlx_lm
     from mlx.utils import tree_flatten
 
+    from .vlm import VisionUnavailable, is_vlm_config, load_vlm
+
     check_kv_scheme(kv_bits, kv_group_size)
     path = resolve_model_path(path_or_id)
+    config = json.loads((path / "config.json").read_text())
+    vision, extras = None, {}
+    if not is_vlm_config(config) and image_attention is not None:
+        raise ModelError("image_attention applies to vision-language models only")
     try:
-        model, tokenizer = mlx_lm.load(str(path))
+        if is_vlm_config(config):  # mlx-vlm: the model's own processor and chat template
+            model, tokenizer, vision, extras = load_vlm(path, config, image_attention)
+        else:
+            model, tokenizer = mlx_lm.load(str(path))
+    except VisionUnavailable as e:
+        raise ModelError(str(e)) from None
     except Exception as e:
         raise ModelError(f"could not load a model from {path}: {type(e).__name__}: {e}") from None
-    config = json.loads((path / "config.json").read_text())
     dtype = str(model.parameters_dtype()) if hasattr(model, "parameters_dtype") else _weight_dtype(model)
     caches = new_caches(model, kv_bits, kv_group_size)
     scheme = kv_scheme(caches, dtype.removeprefix("mlx.core."), kv_bits, kv_group_size)
-    identity = model_identity(path, memo, scheme)
+    identity = {**model_identity(path, memo, scheme), **extras}
     unknown = unsupported(caches)
     notice = (f"the prompt cache does not support {', '.join(unknown)}: this model generates uncached"
               if unknown else None)
@@ -231,11 +243,12 @@ def load_model(path_or_id, name: str, memo: IdentityMemo, kv_bits: int | None = 
         "kv_scheme": scheme,
         "parameters_bytes": sum(int(v.nbytes) for _, v in tree_flatten(model.parameters())),
         "cache_notice": notice,
+        **({"vision": {"family": type(vision).__name__, "image_attention": vision.policy}} if vision else {}),
     }
     mx.eval(model.parameters())
     _warm_up(model, caches)
     return LoadedModel(name, path, model, tokenizer, config, identity, namespace_of(identity), info,
-                       kv_bits, kv_group_size, notice)
+                       kv_bits, kv_group_size, notice, vision)
 
 
 def _warm_up(model, caches: list) -> None:

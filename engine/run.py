@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import mlx.core as mx
 
@@ -54,6 +54,7 @@ class Request:
     on_text: Callable[[str], None] | None = None
     on_progress: Callable[[str, int, int], None] | None = None
     checkpoint_every: int | None = None
+    media: Any = None  # a MediaPrompt (media.py) when the prompt holds images for a VLM
 
     @property
     def ns(self) -> str:
@@ -92,8 +93,12 @@ class Generation:
                 t1 = time.perf_counter()
                 if suffix:
                     progress = req.on_progress
-                    prefill(req.model.model, caches, suffix, chunk=self.engine.prefill_chunk,
-                            progress=(lambda done, total: progress("prefill", done, total)) if progress else None)
+                    report = (lambda done, total: progress("prefill", done, total)) if progress else None
+                    if req.media is not None:  # image features merged in; no image split across chunks
+                        req.media.prefill(caches, cached, len(req.tokens) - 1, chunk=self.engine.prefill_chunk,
+                                          progress=report)
+                    else:
+                        prefill(req.model.model, caches, suffix, chunk=self.engine.prefill_chunk, progress=report)
                 prefill_s = time.perf_counter() - t1
                 self.engine.memory.check("prefill")
                 if req.use_cache and not self.emitted:
@@ -124,6 +129,8 @@ class Generation:
             peak_memory=int(mx.get_peak_memory()) if hasattr(mx, "get_peak_memory") else None,
         )
         stats["resumed_from"] = len(self.emitted) or None
+        if req.media is not None:
+            stats.update(req.media.stats(cached, lease.source if lease else None))
         self.engine.metrics.record(req.ns, stats)
         return GenerationResult(self.stream.text, self.emitted + self.decoded.tokens, stats, list(req.tokens))
 
@@ -179,7 +186,8 @@ class Generation:
             return
         pending = emitted[-1:] if emitted else req.tokens[-1:]
         self.decode_ran = True
-        decode(req.model.model, caches, pending, req.params, eos_ids=req.model.eos_token_ids,
+        model = req.media.forward if req.media is not None else req.model.model
+        decode(model, caches, pending, req.params, eos_ids=req.model.eos_token_ids,
                first_step=len(emitted), on_token=on_token, into=self.decoded, sync_at=boundary_due)
         if len(self.times) < len(self.decoded.tokens):  # the eos token is not passed to on_token
             self.times.append(time.perf_counter())
@@ -252,6 +260,8 @@ class Generation:
         if not always_cuttable(caches):
             return
         n = min(min(c.offset for c in caches), len(known))
+        if self.req.media is not None:
+            n = self.req.media.cut(n)  # never a state that ends inside an image
         if n < 1:
             return
         for c in caches:

@@ -26,23 +26,26 @@ class Session:
     id: str
     system: str | None = None
     model: str | None = None
-    messages: list = field(default_factory=list)  # {"role", "content"}
+    messages: list = field(default_factory=list)  # {"role", "content"}: a string, or parts with images
+    images: list = field(default_factory=list)  # a VLM conversation's images, in order
     created: float = field(default_factory=time.time)
     last_prompt_tokens: int = 0
     # Provenance: the token ids of the last turn's prompt and of prompt +
     # generated reply, with their decoded text once known.
     history: list = field(default_factory=list, repr=False)  # [(ids, text or None)], longest first
 
-    def render_messages(self, user_text: str, system: str | None = None) -> list:
+    def render_messages(self, user_text: str, system: str | None = None, images: int = 0) -> list:
         system = system if system is not None else self.system
         head = [{"role": "system", "content": system}] if system else []
-        return head + self.messages + [{"role": "user", "content": user_text}]
+        return head + self.messages + [{"role": "user", "content": user_content(user_text, images)}]
 
-    def record_turn(self, user_text: str, reply: str, prompt_ids: list, generated_ids: list) -> None:
+    def record_turn(self, user_text: str, reply: str, prompt_ids: list, generated_ids: list,
+                    images: list | tuple = ()) -> None:
         self.messages += [
-            {"role": "user", "content": user_text},
+            {"role": "user", "content": user_content(user_text, len(images))},
             {"role": "assistant", "content": reply},
         ]
+        self.images += list(images)
         self.last_prompt_tokens = len(prompt_ids)
         self.history = [(list(prompt_ids) + list(generated_ids), None), (list(prompt_ids), None)]
 
@@ -81,6 +84,18 @@ class Session:
         }
 
 
+def user_content(text: str, images: int) -> str | list:
+    """A user turn: the text, or (a VLM turn) its images first, then the text."""
+    return [{"type": "image"}] * images + [{"type": "text", "text": text}] if images else text
+
+
+def shown(content: str | list) -> str:
+    """A turn's content as text: its images as [image], then its text."""
+    if isinstance(content, str):
+        return content
+    return " ".join("[image]" if part.get("type") == "image" else part.get("text", "") for part in content)
+
+
 class Sessions:
     def __init__(self):
         self._sessions: dict[str, Session] = {}
@@ -109,6 +124,7 @@ class Sessions:
         s.messages.clear()
         s.last_prompt_tokens = 0
         s.history = []
+        s.images = []
         return s
 
     def close(self, session_id: str) -> Session:

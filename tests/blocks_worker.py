@@ -100,12 +100,15 @@ def main() -> None:
             cp = restore(store, hit)
         except CheckpointUnavailable as exc:  # the manifest went first (cap, supersession): a miss
             counts["misses"] += 1
-            counts["block_missing"] += "is missing" in str(exc) or "BLAKE3" in str(exc)  # never while leased
+            if "is missing" in str(exc) or "BLAKE3" in str(exc):  # never while leased
+                counts["block_missing"] += 1
+                counts.setdefault("errors", []).append(str(exc))
             continue
         counts["restores"] += 1
         want = expected(len(hit))
         if not all(np.array_equal(np.array(a), b) for a, b in zip(cp.arrays(), want)):
             counts["wrong"] += 1
+    counts["unleased_reads"] = store.stats()["unleased_reads"]
     print(json.dumps(counts))
 
 

@@ -78,7 +78,7 @@ def test_prefixes_share_blocks_and_the_cap_counts_unique_bytes(tmp_path):
     assert all(np.array_equal(a, b) for a, b in zip(restored_arrays(s, 2 * BT), expected(2 * BT)))
 
 
-def test_corrupt_block_is_a_miss_that_quarantines_only_that_block(tmp_path):
+def test_corrupt_block_is_a_miss_that_quarantines_only_that_block_and_drops_its_users(tmp_path):
     s = open_store(tmp_path)
     write_one(s, 3 * BT)
     other = open_store(tmp_path / "other")  # an unrelated directory stays untouched
@@ -93,13 +93,16 @@ def test_corrupt_block_is_a_miss_that_quarantines_only_that_block(tmp_path):
     s.on_event = events.append
     with pytest.raises(CheckpointUnavailable, match="BLAKE3"):
         restore(s, a)
-    assert not p.exists() and [e["type"] for e in events] == ["quarantine"]
-    assert len(block_files(tmp_path)) == 2 and a.path.exists()  # the manifest and other blocks stay
+    assert not p.exists() and sorted(e["type"] for e in events) == ["dropped", "quarantine"]
     assert [q.name.split(".")[1] for q in (tmp_path / "quarantine").iterdir()] == [bad.name]
-    with pytest.raises(CheckpointUnavailable, match="missing"):  # a miss, not a second quarantine
+    # the manifest that lost a block leaves the index at once (its file stays for gc), and the
+    # blocks only it used go once the read's lease ends
+    assert s.find(list(TOKENS[: 3 * BT]) + [-1], NS) is None and a.path.exists() and block_files(tmp_path) == []
+    with pytest.raises(CheckpointUnavailable):  # a stale handle: a miss, nothing else moves
         restore(s, a)
-    assert len(events) == 1
-    write_one(s, 3 * BT)  # writing the same KV again brings the block back
+    assert len(events) == 2
+    assert s.gc()["files_removed"] == [str(a.path)] and not a.path.exists()
+    write_one(s, 3 * BT)  # writing the same KV again brings it back
     assert all(np.array_equal(x, y) for x, y in zip(restored_arrays(s, 3 * BT), expected(3 * BT)))
     assert len(block_files(tmp_path / "other")) == 1
 
@@ -141,7 +144,7 @@ def test_gc_beside_writers_in_other_processes_never_removes_a_referenced_block(t
     assert sum(w["writes"] for w in writers) > 20 and collector["gc_runs"] > 5
     assert sum(w["wrong"] for w in writers) == 0
     assert sum(w["restores"] for w in writers) > 5
-    assert sum(w["block_missing"] for w in writers) == 0  # a leased manifest's blocks never went
+    assert sum(w["block_missing"] for w in writers) == 0, writers  # a leased manifest's blocks never went
     s = open_store(tmp_path)
     assert s.verify_all() == [] and s.stats()["quarantined"] == 0
     for e in s.entries():  # every manifest's blocks are there and restore

@@ -1,6 +1,7 @@
 """Memory the kernel really has: pressure reclaim, exact LRU with pending and failed
-writes, one write per oversized put, bounded in-flight checkpoints, and RSS
-measured every 10 ms on the default model."""
+writes, one write per oversized put, bounded in-flight checkpoints, a long chat
+under a small budget. (Peak RSS and decode speed are measured, not asserted:
+benchmarks/bench_memory.py.)"""
 
 from __future__ import annotations
 
@@ -134,79 +135,19 @@ def test_eviction_is_lru_among_entries_that_may_leave(tiny_model_dir, second_mod
     eng.close()
 
 
-# --- RSS, sampled every 10 ms, on the default model ---
-
-class PeakRSS:
-    def __init__(self):
-        self.peak, self._stop = 0, threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    @staticmethod
-    def now() -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
-    def _run(self):
-        while not self._stop.wait(0.01):
-            self.peak = max(self.peak, self.now())
-
-    def __enter__(self):
-        self.base = self.peak = self.now()
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
-
-
-def decode_with_and_without_checkpoints(eng, prompt, params, repeats):
-    """Interleaved pairs of RAM-hit runs without and with checkpoint_every=1 (single decode runs
-    vary by +-10% on a shared machine): decode tok/s of each, and the peak RSS growth of the latter."""
-    plain, every, growth = [], [], 0
-    for i in range(repeats):
-        plain.append(eng.generate_tokens(prompt + [20 + i], params).stats["decode_tokens_per_s"])
+def test_chats_under_a_small_budget_stay_within_it(tiny_model_dir, tmp_path):
+    """Four chats in turn, twelve turns: once their writes are durable, older states leave
+    RAM, so the RAM the cache holds stays within the budget plus the entry in use, and
+    every chat continues exactly (peak RSS is measured in benchmarks/bench_memory.py)."""
+    budget = 300_000
+    eng = engine(tmp_path, tiny_model_dir, ram_budget_bytes=budget)
+    for turn in range(12):
+        eng.generate(f"Turn {turn}: one more fact about rivers.", max_tokens=6, session=f"chat{turn % 4}")
         eng.flush()
-        with PeakRSS() as rss:
-            every.append(eng.generate_tokens(prompt + [30 + i], params, checkpoint_every=1)
-                         .stats["decode_tokens_per_s"])
-        eng.flush()
-        growth = max(growth, rss.peak - rss.base)
-    return plain, every, growth
-
-
-def smollm_prompt(tok, n):
-    text, i = "", 0
-    while len(tok.encode(text)) < n:
-        text += f"Section {i}: the ledger for district {i % 17} lists {i * 13 % 97} entries and {i} notes. "
-        i += 1
-    return list(tok.encode(text))[:n]
-
-
-@pytest.mark.smollm
-def test_checkpoint_every_token_keeps_rss_and_speed(default_model_dir, tmp_path):
-    eng = engine(tmp_path, default_model_dir)
-    prompt = smollm_prompt(eng.models.get().tokenizer, 1536)
-    params = SamplingParams(max_tokens=64)
-    eng.generate_tokens(prompt, SamplingParams(max_tokens=2))  # prefill once; the runs below are RAM hits
-    eng.flush()
-    kv = max(e.checkpoint.kv_bytes for e in eng.cache.entries())
-    plain, every, growth = decode_with_and_without_checkpoints(eng, prompt, params, repeats=3)
-    assert growth <= 3 * kv, f"peak RSS grew by {growth / kv:.2f}x one checkpoint's KV"
-    assert np.median(every) >= 0.8 * np.median(plain), (every, plain)
-    eng.close()
-
-
-@pytest.mark.smollm
-def test_a_long_chat_under_a_small_budget_keeps_rss_bounded(default_model_dir, tmp_path):
-    budget = 32 << 20
-    eng = engine(tmp_path, default_model_dir, ram_budget_bytes=budget)
-    eng.generate("Warm up.", max_tokens=2)
-    with PeakRSS() as rss:
-        for turn in range(20):
-            eng.generate(f"Turn {turn}: tell me one more short fact about rivers.", max_tokens=12, session="chat")
-            biggest = max((e.nbytes for e in eng.cache.entries()), default=0)
-    eng.flush()
-    growth = rss.peak - rss.base
-    assert growth <= (budget + biggest) * 1.1, f"grew {growth >> 20} MiB for a {budget >> 20} MiB budget"
+        biggest = max((e.nbytes for e in eng.cache.entries()), default=0)
+        assert eng.stats()["ram_used_bytes"] <= budget + biggest, turn
+    s = eng.stats()
+    assert s["demotions"] > 0 and s["failed_entries"] == 0 and s["dirty_entries"] == 0
+    r = eng.generate("And one more.", max_tokens=6, session="chat0")  # a demoted chat comes back from SSD
+    assert r.stats["cache_source"] == "ssd" and r.stats["cached_tokens"] > 0
     eng.close()

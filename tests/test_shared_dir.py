@@ -131,6 +131,62 @@ def test_catalogue_deleted_or_corrupted_while_running_is_rebuilt(tiny_model_dir,
     eng.close()
 
 
+HOLD_LOCK = """
+import sqlite3, sys
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("BEGIN IMMEDIATE")  # a stuck process, a backup tool, `sqlite3 catalog.db` left in a transaction
+print("held", flush=True)
+sys.stdin.readline()
+db.execute("COMMIT")
+"""
+
+
+def test_a_held_write_lock_is_not_corruption_and_no_cell_waits_for_it(tiny_model_dir, tmp_path):
+    """Another process holds the catalogue's write lock (until told to let go) while a kernel
+    starts, generates and restores a name another kernel saved: everything returns while the
+    lock is still held, the catalogue is not set aside, the delay is said once, and the
+    queued writes commit once the lock is free."""
+    cache = tmp_path / "c"
+    other = Worker(cache, tiny_model_dir)
+    saved = other("generate", prompt=DOC)
+    other("save", name="doc")
+    other.close()
+    db = cache / "checkpoints" / "catalog.db"
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(db)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        eng = engine(cache, tiny_model_dir)  # starts under the lock
+        fresh = ids(50, 9)
+        cold = eng.generate_tokens(fresh, PARAMS).tokens
+        assert eng.checkpoint_restore("doc")["source"] in ("loading", "ram")
+        r = eng.generate_tokens(DOC, PARAMS)
+        assert r.stats["cache_source"] in ("ram", "ssd") and r.tokens == saved["tokens"]
+        eng.generate_tokens(fresh, PARAMS)
+        assert eng.checkpoint_save("mine")["tier"] == "ram"  # named now, on SSD once the lock is free
+        report = eng.flush()
+        assert report["pending"] and "locked by another process" in report["late_reason"]
+        assert "locked by another process" in eng.stats()["ssd_late_reason"]
+        assert holder.poll() is None, "everything above returned while the lock was held"
+    finally:
+        holder.stdin.write("\n")
+        holder.stdin.close()
+        holder.wait(60)
+    assert [e["type"] for e in eng.events.recent].count("ssd_late") == 1, "said once"
+    assert not list(db.parent.glob("catalog.db.corrupt.*")), "a busy catalogue is not corruption"
+    assert eng.flush()["failed"] == [] and eng.stats()["ssd_late_reason"] is None
+    assert [c["tier"] for c in eng.checkpoint_list() if c["name"] == "mine"] == ["ram+ssd"]
+    deadline = time.monotonic() + 30  # the pin reaches the catalogue with the keeper's next turn
+    while "mine" not in eng.cache.catalog.pins():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    later = Worker(cache, tiny_model_dir)  # what was queued meanwhile is on SSD for everyone
+    got = later("generate", prompt=fresh)  # (from RAM when the model's load prefetched it from SSD)
+    assert got["tokens"] == cold and got["source"] in ("ram", "ssd") and got["cached"] == len(fresh) - 1
+    later.close()
+    eng.close()
+
+
 def test_unusable_directory_runs_ram_only(tiny_model_dir, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")

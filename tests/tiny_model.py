@@ -13,18 +13,23 @@ CHATML = (
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def build_tokenizer(path: Path) -> int:
+def save_byte_level_tokenizer(path: Path, specials: list[str]) -> int:
+    """tokenizer.json: `specials` (ids 0..), then the 256 byte tokens, no merges; returns the vocab size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    byte_tokens = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for tok in sorted(byte_tokens):
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    for tok in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab[tok] = len(vocab)
     tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    tk.add_special_tokens(SPECIALS)
+    tk.add_special_tokens(specials)
     tk.save(str(path / "tokenizer.json"))
+    return len(vocab)
+
+
+def build_tokenizer(path: Path) -> int:
+    vocab = save_byte_level_tokenizer(path, SPECIALS)
     (path / "tokenizer_config.json").write_text(
         json.dumps(
             {
@@ -38,7 +43,7 @@ def build_tokenizer(path: Path) -> int:
             }
         )
     )
-    return len(vocab)
+    return vocab
 
 
 def build_tiny_model(path: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64, dtype: str = "float32") -> Path:

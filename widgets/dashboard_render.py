@@ -57,10 +57,11 @@ def _who(e: dict) -> str:
 def render_entries(entries: list[dict], now: float | None = None) -> str:
     """The entries table; ram / kv / file are the row's ram_bytes, kv_bytes and file_bytes."""
     if not entries:
-        return "<div class='mlxc-h'>Entries</div><div class='mlxc-entries mlxc-empty'>no cached prefixes yet</div>"
+        return ("<div class='mlxc-h'>Entries</div><div class='mlxc-entries mlxc-empty'>no cached prefixes or objects "
+                "yet</div>")
     rows = sorted(entries, key=lambda e: e.get("last_used") or 0, reverse=True)
     head = (
-        "<tr><th>prefix</th><th class='num'>tokens</th><th class='num'>ram</th><th class='num'>kv</th>"
+        "<tr><th>prefix or object</th><th class='num'>tokens</th><th class='num'>ram</th><th class='num'>kv</th>"
         "<th class='num'>file</th><th>tier</th><th>write</th><th class='num'>borrowers</th>"
         "<th>session / pinned</th><th class='num'>hits</th><th>last use</th></tr>"
     )
@@ -68,9 +69,11 @@ def render_entries(entries: list[dict], now: float | None = None) -> str:
     for e in rows[:MAX_ROWS]:
         state = e.get("write_state") or "none"
         sizes = "".join(f"<td class='num'>{esc(fmt_bytes(e.get(k)))}</td>" for k in ("ram_bytes", "kv_bytes", "file_bytes"))
+        kind = e.get("kind") or "prefix"
+        preview = ("object · " if kind == "object" else "") + str(e.get("preview") or "")
         body.append(
-            "<tr class='mlxc-entry'>"
-            f"<td class='mlxc-preview' title='{esc(preview_text(e.get('preview'), 400))}'>{esc(preview_text(e.get('preview'), 90))}</td>"
+            f"<tr class='mlxc-entry mlxc-kind-{esc(kind)}'>"
+            f"<td class='mlxc-preview' title='{esc(preview_text(preview, 400))}'>{esc(preview_text(preview, 90))}</td>"
             f"<td class='num'>{fmt_count(e.get('tokens'))}</td>{sizes}"
             f"<td>{esc(e.get('tier'))}</td>"
             f"<td class='mlxc-state-{esc(state)}'>{esc(state)}</td>"
@@ -124,9 +127,11 @@ def render_log(events) -> str:
 
 def ram_label(s: dict) -> str:
     used, budget, n = s.get("ram_used_bytes") or 0, s.get("ram_budget_bytes"), s.get("ram_entries") or 0
+    objects = s.get("object_ram_entries") or 0
+    of_which = f" ({objects} object{'' if objects == 1 else 's'}, {fmt_bytes(s.get('object_ram_bytes'))})" if objects else ""
     return (
-        f"<span data-used='{used}'>{fmt_bytes(used)} of {fmt_bytes(budget) if budget else 'no budget'}"
-        f" · {n} entr{'y' if n == 1 else 'ies'}</span>"
+        f"<span data-used='{used}' data-objects='{objects}'>{fmt_bytes(used)} of "
+        f"{fmt_bytes(budget) if budget else 'no budget'} · {n} entr{'y' if n == 1 else 'ies'}{of_which}</span>"
     )
 
 

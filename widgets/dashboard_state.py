@@ -22,6 +22,8 @@ COUNTERS = [
     ("RAM hits", "ram_hits", ("hits",), "n"),
     ("SSD hits", "ssd_hits", ("ssd_hits",), "n"),
     ("misses", "misses", ("misses",), "n"),
+    ("object hits", "object_hits", ("object_ram_hits", "object_ssd_hits"), "n"),
+    ("object misses", "object_misses", ("object_misses",), "n"),
     ("prompt tokens saved", "tokens_saved", ("engine_cached_tokens",), "n"),
     ("prefill saved", "prefill_s_saved", ("engine_prefill_s_saved",), "s"),
     ("bytes written", "bytes_written", ("bytes_written",), "b"),

@@ -1,77 +1,74 @@
 """The catalogue: one SQLite database per cache directory, shared by every process.
 
-Several kernels use one cache directory at once. The catalogue is what they
-agree on: which checkpoint files exist (with everything a lookup needs:
-namespace, token ids, length, bytes, minimum reusable offset, trimmability,
-format version, created, last used), which blocks exist and which manifests
-reference them, which blocks a writer is about to reference (pending), which
-files are pinned by a name, which are being read (leases), in-flight
-generation records, and which processes are alive with how many writes
-pending. Every process keeps an in-memory view of
-the files and follows the `changes` log (an indexed range query per lookup),
-so a file one kernel commits is found by every other on its next lookup.
+Several kernels use one cache directory at once; the catalogue is what they
+agree on. Its tables:
 
-Every deletion (cap, supersession, clear, quarantine) is one transaction that
-checks pins and live leases first; a commit renames its file into place in
-the transaction that records it, so a deletion can never unlink a newer copy.
-A block leaves only in a transaction that finds no manifest referencing it
-and no live writer's pending claim on it.
+    files    one row per checkpoint file (a manifest, or a format 1 file): what a
+             lookup needs (namespace, token ids, length, bytes, minimum reusable
+             offset, trimmability, format, identity, created, last used) and its path
+    blocks   the content-addressed blocks on disk; `refs` says which files use which
+    claims   blocks a live process needs kept: a write about to reference them
+             (write_id > 0) or a read holding a lease (write_id = -lease id)
+    freeing  blocks whose row is gone and whose file is being unlinked; no one
+             writes them again until that is done
+    leases   files being read: no cap, clear or supersession deletes them
+    pins     names (named checkpoints) holding files
+    inflight resume records of generations, with their owner and boundary file
+    procs    the processes using the directory (liveness.py says who is alive)
+    changes  a log of files added and removed: every process follows it, so a
+             file one kernel commits is found by every other on its next lookup
+    totals   bytes of files and blocks, kept by triggers (no scans for the cap; likewise
+             files.pinned counts the pins on each file)
 
-Files stay the truth for bytes: a missing or corrupt database is set aside
-and rebuilt from file headers (the store does the scan) and from the named
-checkpoint records (`named.py`). WAL mode; one connection per process,
-shared by its threads under a lock.
+Rules every caller keeps (store.py, upkeep.py; objects and media will too):
+- A row goes first, its file after: a deletion drops rows (and records
+  freed blocks in `freeing`) in one short transaction, then unlinks after
+  COMMIT, then `unfree`s. A commit checks its blocks and renames its new,
+  uniquely named file last inside the transaction that records it.
+- A block leaves only when no file references it and no live process
+  claims it. A live process's claims and leases never expire by age;
+  they go when it releases them or when it is found dead (`sweep`).
+- Transactions hold no scans, unlinks or callbacks; writes on a cell's
+  thread are bounded or deferred to the keeper (`later`, `touch`).
+
+The calls, by table (`db`: inside the caller's `transaction(label)`; the
+rest open their own; CatalogBusy when the write lock does not come in time,
+catalog_db.py):
+
+    files    files(), file(ns, key[, db]), add_file(db, row), drop_file(db, ns, key),
+             changes(), least_recent(db, after), deletable(db, ns, key), touch(ns, key)
+    blocks   reserve_blocks(names, write_id), add_blocks(sizes[, db]), claims_held(db, ...),
+             release(db, write_id), free_blocks(db, names), unfree(names), drop_block(db, name)
+    leases   lease(ns, key) -> (id, path, blocks missing), end_lease(db, id)
+    pins     set_pin(name, ns, key), replace_pins(want), pins()
+    inflight inflight_put / _get / _delete / _all
+    procs    processes(), live_tags(), sweep(); later(fn) (presence.py)
+
+Threads: any; one connection each (catalog_db.py). Paths are stored relative
+to the directory (it may move, or be mounted elsewhere in a container).
+Files stay the truth for bytes: a lost or corrupt database is rebuilt from
+the files (the store).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable
 
 import numpy as np
 
-SCHEMA_VERSION = 2
-KEEP_CHANGES = 20_000  # older change records are pruned; a process that fell further behind reloads
-HEARTBEAT_S = 1.0
-LEASE_TTL_S = 600.0  # a lease older than this is stale even if its process lives (a hung read)
+from .catalog_db import CatalogBusy, CatalogCorrupt, background_thread  # noqa: F401 (the API callers use)
+from .presence import Presence
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta(k TEXT PRIMARY KEY, v TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS files(
-    namespace TEXT NOT NULL, key TEXT NOT NULL, path TEXT NOT NULL, length INTEGER NOT NULL,
-    tokens BLOB NOT NULL, file_bytes INTEGER NOT NULL, kv_bytes INTEGER NOT NULL,
-    min_reusable_offset INTEGER NOT NULL, trimmable INTEGER NOT NULL, format_version INTEGER NOT NULL,
-    created REAL NOT NULL, last_used REAL NOT NULL, identity TEXT NOT NULL, block_bytes INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY(namespace, key));
-CREATE TABLE IF NOT EXISTS blocks(name TEXT PRIMARY KEY, bytes INTEGER NOT NULL, created REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS refs(namespace TEXT NOT NULL, key TEXT NOT NULL, block TEXT NOT NULL,
-    PRIMARY KEY(namespace, key, block));
-CREATE INDEX IF NOT EXISTS refs_block ON refs(block);
-CREATE TABLE IF NOT EXISTS pending(block TEXT NOT NULL, pid INTEGER NOT NULL, write_id INTEGER NOT NULL,
-    since REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS pending_block ON pending(block);
-CREATE INDEX IF NOT EXISTS files_lru ON files(last_used);
-CREATE TABLE IF NOT EXISTS changes(seq INTEGER PRIMARY KEY AUTOINCREMENT, op TEXT NOT NULL,
-    namespace TEXT NOT NULL, key TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS pins(name TEXT PRIMARY KEY, namespace TEXT NOT NULL, key TEXT NOT NULL);
-CREATE INDEX IF NOT EXISTS pins_key ON pins(namespace, key);
-CREATE TABLE IF NOT EXISTS leases(id INTEGER PRIMARY KEY AUTOINCREMENT, pid INTEGER NOT NULL,
-    namespace TEXT NOT NULL, key TEXT NOT NULL, since REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS leases_key ON leases(namespace, key);
-CREATE TABLE IF NOT EXISTS inflight(request TEXT PRIMARY KEY, record TEXT NOT NULL, time REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS processes(pid INTEGER PRIMARY KEY, started REAL NOT NULL, heartbeat REAL NOT NULL,
-    pending_writes INTEGER NOT NULL, pending_bytes INTEGER NOT NULL);
-"""
+KEEP_CHANGES = 20_000  # older change records are pruned; a process that fell further behind reloads
 
 _COLUMNS = ("namespace, key, path, length, tokens, file_bytes, kv_bytes, min_reusable_offset, trimmable, "
             "format_version, created, last_used, identity, block_bytes")
+_JOINED = ", ".join("f." + c.strip() for c in _COLUMNS.split(","))
 
 
 @dataclass
@@ -103,302 +100,280 @@ class FileRow:
                    r[13])
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+class Catalog(Presence):
+    """The rows. Opening one registers this process (presence.py: its row, heartbeat and
+    keeper thread); `clock`, the monotonic clock peers are judged by (tests move it)."""
 
-
-class Catalog:
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        self.pid = os.getpid()
-        self._lock = threading.RLock()
-        self.closed = False  # after close(): reads see an empty catalogue, writes are refused
-        self._last_heartbeat = 0.0
-        try:
-            self._open()
-        except sqlite3.DatabaseError:
-            self._set_aside()
-            self._open()
+    def __init__(self, path: Path, **kw):
+        self._touches: dict = {}
+        self.seq = self._pruned = 0
+        super().__init__(path, **kw)
         self.seq = self._pruned = self._max_seq()
 
-    def _open(self) -> None:
-        self.db = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
-        os.chmod(self.path, 0o600)
-        self._inode = os.stat(self.path).st_ino
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        if self.db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
-            raise sqlite3.DatabaseError("catalogue failed its integrity check")
-        with self.transaction():
-            for statement in _SCHEMA.split(";"):
-                if statement.strip():
-                    self.db.execute(statement)
-            columns = {r[1] for r in self.db.execute("PRAGMA table_info(files)")}
-            if "block_bytes" not in columns:  # a schema 1 catalogue: format 1 files only
-                self.db.execute("ALTER TABLE files ADD COLUMN block_bytes INTEGER NOT NULL DEFAULT 0")
-            self.db.execute("INSERT OR REPLACE INTO meta VALUES('schema', ?)", (str(SCHEMA_VERSION),))
-            self.db.execute("INSERT OR REPLACE INTO processes VALUES(?,?,?,0,0)", (self.pid, time.time(), time.time()))
-
-    def replaced(self) -> bool:
-        """Whether the database file was deleted or replaced since this process opened it."""
-        try:
-            return os.stat(self.path).st_ino != self._inode
-        except FileNotFoundError:
-            return True
-
     def reopen(self) -> None:
-        """Start over on a fresh (or another process's rebuilt) database; corrupt ones are set aside."""
-        with self._lock:
-            try:
-                self.db.close()
-            except sqlite3.Error:
-                pass
-            try:
-                self._open()
-            except sqlite3.DatabaseError:
-                self._set_aside()
-                self._open()
-            self.seq = self._pruned = 0  # everything is news to this process now
+        super().reopen()
+        self.seq = self._pruned = 0  # everything is news to this process now
 
-    def _set_aside(self) -> None:
-        """A corrupt database is kept as evidence and replaced by a fresh one."""
-        try:
-            self.db.close()
-        except Exception:
-            pass
-        stamp = time.time_ns()
-        for suffix in ("", "-wal", "-shm"):
-            p = Path(str(self.path) + suffix)
-            if p.exists():
-                os.replace(p, p.with_name(f"{p.name}.corrupt.{stamp}"))
-
-    @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        """A write transaction: other processes' writes wait (BEGIN IMMEDIATE)."""
-        with self._lock:
-            self.db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self.db
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
-            self.db.execute("COMMIT")
-
-    def query(self, sql: str, args: tuple = ()) -> list:
-        with self._lock:
-            return [] if self.closed else self.db.execute(sql, args).fetchall()
-
-    def _max_seq(self) -> int:
-        return self.query("SELECT COALESCE(MAX(seq), 0) FROM changes")[0][0]
+    def _keep(self) -> None:
+        super()._keep()
+        if self.seq - self._pruned > KEEP_CHANGES // 10:  # now and then, forget old history
+            with self.transaction("prune") as db:
+                db.execute("DELETE FROM changes WHERE seq < ?", (self.seq - KEEP_CHANGES,))
+            self._pruned = self.seq
 
     # --- files ---
 
     def files(self) -> list[FileRow]:
-        return [FileRow.from_sql(r) for r in self.query(f"SELECT {_COLUMNS} FROM files")]
+        return [self._file_row(r) for r in self.query(f"SELECT {_COLUMNS} FROM files")]
 
-    def file(self, ns: str, key: str) -> FileRow | None:
-        rows = self.query(f"SELECT {_COLUMNS} FROM files WHERE namespace=? AND key=?", (ns, key))
-        return FileRow.from_sql(rows[0]) if rows else None
+    def file(self, ns: str, key: str, db: sqlite3.Connection | None = None) -> FileRow | None:
+        """The row of (ns, key): inside the caller's transaction when `db` is given."""
+        sql, args = f"SELECT {_COLUMNS} FROM files WHERE namespace=? AND key=?", (ns, key)
+        rows = db.execute(sql, args).fetchall() if db is not None else self.query(sql, args)
+        return self._file_row(rows[0]) if rows else None
+
+    def _file_row(self, r) -> FileRow:
+        row = FileRow.from_sql(r)
+        row.path = str(self.root / row.path)  # (a path stored whole, by an older build, stays whole)
+        return row
 
     def add_file(self, db: sqlite3.Connection, row: FileRow) -> list[str]:
-        """Record a file and its block references (inside a transaction, after it was
-        renamed into place); returns the blocks a replaced version referenced alone."""
-        old = self._drop_refs(db, row.namespace, row.key)
-        db.execute(f"INSERT OR REPLACE INTO files({_COLUMNS}) VALUES({','.join('?' * 14)})", row.values())
+        """Record a file and its block references (replacing the row of the same tokens);
+        returns the blocks only the replaced version referenced (candidates for `free_blocks`)."""
+        old = self.drop_file(db, row.namespace, row.key, log=False)
+        path = Path(row.path)
+        stored = str(path.relative_to(self.root)) if path.is_relative_to(self.root) else str(path)
+        db.execute(f"INSERT INTO files({_COLUMNS}) VALUES({','.join('?' * 14)})", (*row.values()[:2], stored,
+                                                                                   *row.values()[3:]))
         db.executemany("INSERT OR IGNORE INTO refs VALUES(?,?,?)", [(row.namespace, row.key, b) for b in row.blocks])
         db.execute("INSERT INTO changes(op, namespace, key) VALUES('add', ?, ?)", (row.namespace, row.key))
         return sorted(set(old) - set(row.blocks))
 
-    def drop_file(self, db: sqlite3.Connection, ns: str, key: str) -> list[str]:
+    def drop_file(self, db: sqlite3.Connection, ns: str, key: str, log: bool = True) -> list[str]:
         """Forget a file; returns the blocks it referenced (candidates for `free_blocks`)."""
-        db.execute("DELETE FROM files WHERE namespace=? AND key=?", (ns, key))
-        db.execute("INSERT INTO changes(op, namespace, key) VALUES('del', ?, ?)", (ns, key))
-        return self._drop_refs(db, ns, key)
-
-    def _drop_refs(self, db, ns: str, key: str) -> list[str]:
-        names = [r[0] for r in db.execute("SELECT block FROM refs WHERE namespace=? AND key=?", (ns, key))]
-        db.execute("DELETE FROM refs WHERE namespace=? AND key=?", (ns, key))
+        names = [r[0] for r in db.execute("DELETE FROM refs WHERE namespace=? AND key=? RETURNING block", (ns, key))]
+        if db.execute("DELETE FROM files WHERE namespace=? AND key=?", (ns, key)).rowcount and log:
+            db.execute("INSERT INTO changes(op, namespace, key) VALUES('del', ?, ?)", (ns, key))
         return names
+
+    def least_recent(self, db: sqlite3.Connection, after: tuple = (float("-inf"), 0), limit: int = 64) -> list:
+        """(namespace, key, (last_used, rowid)) of unpinned, unleased files used after `after`,
+        least recently used first (the index on (pinned, last_used) skips every pinned file
+        at once). Pass the last one's third item as `after` for the next page."""
+        rows = db.execute("SELECT namespace, key, last_used, rowid FROM files f WHERE pinned = 0 AND "
+                          "(last_used, rowid) > (?, ?) AND NOT EXISTS (SELECT 1 FROM leases l WHERE "
+                          "l.namespace = f.namespace AND l.key = f.key) ORDER BY last_used, rowid LIMIT ?",
+                          (*after, limit)).fetchall()
+        return [(ns, key, (used, rowid)) for ns, key, used, rowid in rows]
+
+    def deletable(self, db: sqlite3.Connection, ns: str, key: str) -> bool:
+        """Neither pinned by a name nor leased by a reader (inside a transaction)."""
+        return not (db.execute("SELECT 1 FROM pins WHERE namespace=? AND key=?", (ns, key)).fetchone()
+                    or db.execute("SELECT 1 FROM leases WHERE namespace=? AND key=?", (ns, key)).fetchone())
+
+    def touch(self, ns: str, key: str) -> None:
+        """A use of the file: recorded by the keeper, or by this process's next write that
+        looks at recency (`apply_touches`); never a write on the caller's thread."""
+        self._touches[(ns, key)] = time.time()
+
+    def touched(self) -> bool:
+        return bool(self._touches)
+
+    def apply_touches(self, db: sqlite3.Connection) -> bool:
+        """Record this process's pending uses of files (inside a transaction)."""
+        touches, self._touches = self._touches, {}
+        db.executemany("UPDATE files SET last_used=MAX(last_used, ?) WHERE namespace=? AND key=?",
+                       [(t, ns, key) for (ns, key), t in touches.items()])
+        return bool(touches)
+
+    def total_bytes(self, db: sqlite3.Connection | None = None) -> int:
+        """Unique bytes on disk: every file once, every block once (kept by triggers)."""
+        sql = "SELECT COALESCE(SUM(v), 0) FROM totals WHERE k IN ('file_bytes', 'block_bytes')"
+        return (db.execute(sql).fetchone() if db is not None else self.query(sql)[0])[0]
+
+    def changes(self) -> tuple[list[FileRow], list[tuple], bool]:
+        """Files added and (namespace, key) removed since the last call, in one read (each added
+        file's current row with it); reload=True when this process fell behind the pruned log
+        and must reload every row."""
+        rows = self.query(f"SELECT c.seq, c.op, c.namespace, c.key, {_JOINED} FROM changes c LEFT JOIN files f "
+                          "ON f.namespace = c.namespace AND f.key = c.key WHERE c.seq > ? ORDER BY c.seq", (self.seq,))
+        if not rows:
+            return [], [], False
+        last = {(r[2], r[3]): r for r in rows}
+        # fell behind the pruned log, or so much changed that one full read is cheaper
+        reload = (rows[0][0] > self.seq + 1 and self.seq > 0) or len(last) > 256
+        self.seq = rows[-1][0]
+        if reload:
+            return [], [], True
+        added = [self._file_row(r[4:]) for r in last.values() if r[1] == "add" and r[4] is not None]
+        return added, [k for k, r in last.items() if r[1] == "del" or r[4] is None], False
+
+    def _max_seq(self) -> int:
+        return self.query("SELECT COALESCE(MAX(seq), 0) FROM changes")[0][0]
 
     # --- blocks (format 2) ---
 
-    def reserve_blocks(self, names: list[str], write_id: int) -> set[str]:
-        """Claim blocks a write will reference (no process frees them meanwhile);
-        returns those not recorded as present."""
-        with self.transaction() as db:
-            now = time.time()
-            db.executemany("INSERT INTO pending VALUES(?,?,?,?)", [(n, self.pid, write_id, now) for n in set(names)])
-            present = {n for n in set(names) if db.execute("SELECT 1 FROM blocks WHERE name=?", (n,)).fetchone()}
-        return set(names) - present
+    def reserve_blocks(self, names: list[str], write_id: int) -> tuple[set, set]:
+        """Claim the blocks a write will reference (no process frees them meanwhile); returns
+        (those not recorded as present, those being freed right now: write them once that ends)."""
+        names = set(names)
+        with self.transaction("reserve") as db:
+            db.executemany("INSERT INTO claims VALUES(?,?,?)", [(n, self.owner, write_id) for n in names])
+            present = {n for n in names if db.execute("SELECT 1 FROM blocks WHERE name=?", (n,)).fetchone()}
+            freeing = {n for n in names - present if db.execute("SELECT 1 FROM freeing WHERE name=?", (n,)).fetchone()}
+        return names - present, freeing
+
+    def being_freed(self, names: Iterable[str]) -> set:
+        return {n for n in names if self.query("SELECT 1 FROM freeing WHERE name=?", (n,))}
 
     def add_blocks(self, sizes: dict[str, int], db: sqlite3.Connection | None = None) -> None:
-        """Record blocks on disk (in the caller's transaction when given)."""
+        """Record blocks durable on disk (in the caller's transaction when given)."""
         if db is None:
-            with self.transaction() as db:
+            with self.transaction("record") as db:
                 return self.add_blocks(sizes, db)
-        db.executemany("INSERT OR REPLACE INTO blocks VALUES(?,?,?)", [(n, b, time.time()) for n, b in sizes.items()])
+        now = time.time()
+        db.executemany("INSERT OR IGNORE INTO blocks VALUES(?,?,?)", [(n, b, now) for n, b in sizes.items()])
+
+    def claims_held(self, db: sqlite3.Connection, write_id: int, names: Iterable[str]) -> bool:
+        """Whether this write still claims every one of `names` and each is recorded on disk:
+        what a commit checks before it renames (a write declared dead lost its claims)."""
+        held = db.execute("SELECT COUNT(DISTINCT c.block) FROM claims c JOIN blocks b ON b.name = c.block "
+                          "WHERE c.owner=? AND c.write_id=?", (self.owner, write_id)).fetchone()[0]
+        return held == len(set(names))
 
     def release(self, db: sqlite3.Connection, write_id: int) -> list[str]:
-        """End a write's claims (its manifest now references the blocks, or it failed)."""
-        names = [r[0] for r in db.execute("SELECT block FROM pending WHERE pid=? AND write_id=?", (self.pid, write_id))]
-        db.execute("DELETE FROM pending WHERE pid=? AND write_id=?", (self.pid, write_id))
-        return names
+        """End a write's (or, with -lease id, a read's) claims; returns the blocks they named."""
+        return [r[0] for r in db.execute("DELETE FROM claims WHERE owner=? AND write_id=? RETURNING block",
+                                         (self.owner, write_id))]
 
-    def free_blocks(self, db: sqlite3.Connection, names=None, dry_run: bool = False) -> list[tuple[str, int]]:
-        """Forget the blocks among `names` (all when None) that no manifest references and
-        no live writer claims; returns (name, bytes) of each, for the caller to unlink
-        (dry_run: only list them)."""
-        now = time.time()
-        for pid, since in db.execute("SELECT pid, MAX(since) FROM pending GROUP BY pid").fetchall():
-            if not pid_alive(pid) or now - since > LEASE_TTL_S:
-                db.execute("DELETE FROM pending WHERE pid=?", (pid,))
-        if names is None:
-            names = [r[0] for r in db.execute("SELECT name FROM blocks")]
+    def free_blocks(self, db: sqlite3.Connection, names: Iterable[str]) -> list[tuple[str, int]]:
+        """Drop the rows of the blocks among `names` that no file references and no one
+        claims, and mark them `freeing`; returns (name, bytes) of each: the caller unlinks
+        them after COMMIT, then calls `unfree`."""
         out = []
-        for n in set(names):
-            if db.execute("SELECT 1 FROM refs WHERE block=? LIMIT 1", (n,)).fetchone():
-                continue
-            if db.execute("SELECT 1 FROM pending WHERE block=? LIMIT 1", (n,)).fetchone():
-                continue
-            row = db.execute("SELECT bytes FROM blocks WHERE name=?", (n,)).fetchone()
-            if not dry_run:
-                db.execute("DELETE FROM blocks WHERE name=?", (n,))
-            out.append((n, row[0] if row else 0))
+        for n in sorted(set(names)):
+            row = db.execute("DELETE FROM blocks WHERE name=? AND NOT EXISTS (SELECT 1 FROM refs WHERE block=?) "
+                             "AND NOT EXISTS (SELECT 1 FROM claims WHERE block=?) RETURNING bytes", (n, n, n)).fetchone()
+            if row is not None:
+                db.execute("INSERT OR REPLACE INTO freeing VALUES(?, ?)", (n, self.owner))
+                out.append((n, row[0]))
         return out
 
-    def drop_block(self, db: sqlite3.Connection, name: str) -> None:
+    def unfree(self, names: list[str]) -> None:
+        """Their files are unlinked: the blocks may be written again."""
+        if names:
+            with self.transaction("unfree") as db:
+                db.executemany("DELETE FROM freeing WHERE name=? AND owner=?", [(n, self.owner) for n in names])
+
+    def drop_block(self, db: sqlite3.Connection, name: str, freeing: bool) -> list[tuple]:
+        """Forget a block found bad or gone, claimed or not; with `freeing` (its bad file goes
+        after COMMIT, then `unfree`) no one writes it again meanwhile. Returns (namespace, key)
+        of the files using it."""
         db.execute("DELETE FROM blocks WHERE name=?", (name,))
+        if freeing:
+            db.execute("INSERT OR REPLACE INTO freeing VALUES(?, ?)", (name, self.owner))
+        return db.execute("SELECT namespace, key FROM refs WHERE block=?", (name,)).fetchall()
 
     def blocks(self) -> dict[str, int]:
         return dict(self.query("SELECT name, bytes FROM blocks"))
 
     def block_totals(self) -> tuple[int, int]:
-        """(blocks, bytes) recorded: an aggregate, for stats read many times a second."""
-        rows = self.query("SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM blocks")
-        return tuple(rows[0]) if rows else (0, 0)
+        """(blocks, bytes) recorded (kept by triggers: cheap enough for stats read often)."""
+        got = dict(self.query("SELECT k, v FROM totals WHERE k IN ('blocks', 'block_bytes')"))
+        return got.get("blocks", 0), got.get("block_bytes", 0)
 
+    def unreferenced_blocks(self, ignoring: Iterable[str] = ()) -> list[str]:
+        """Blocks no file references and no one claims but the `ignoring` owners (a read: gc
+        re-checks each in `free_blocks`; a dry run ignores the claims of the dead)."""
+        ignoring = list(ignoring)
+        return [r[0] for r in self.query(
+            "SELECT name FROM blocks b WHERE NOT EXISTS (SELECT 1 FROM refs WHERE block=b.name) AND NOT EXISTS "
+            f"(SELECT 1 FROM claims WHERE block=b.name AND owner NOT IN ({','.join('?' * len(ignoring))}))",
+            tuple(ignoring))]
 
-    def deletable(self, db: sqlite3.Connection, ns: str, key: str) -> bool:
-        """Neither pinned by a name nor leased by a live reader (inside a transaction)."""
-        if db.execute("SELECT 1 FROM pins WHERE namespace=? AND key=?", (ns, key)).fetchone():
-            return False
-        now = time.time()
-        for pid, since in db.execute("SELECT pid, since FROM leases WHERE namespace=? AND key=?", (ns, key)):
-            if now - since < LEASE_TTL_S and pid_alive(pid):
-                return False
-        return True
-
-    def touch(self, ns: str, key: str) -> None:
-        with self.transaction() as db:
-            db.execute("UPDATE files SET last_used=? WHERE namespace=? AND key=?", (time.time(), ns, key))
-
-    def changes(self) -> tuple[list[FileRow], list[tuple], bool]:
-        """Files added and (namespace, key) removed since the last call; reload=True when
-        this process fell behind the pruned log and must reload every row."""
-        with self._lock:
-            rows = self.query("SELECT seq, op, namespace, key FROM changes WHERE seq > ? ORDER BY seq", (self.seq,))
-            if not rows:
-                return [], [], False
-            last = {(ns, key): op for _, op, ns, key in rows}
-            # fell behind the pruned log, or so much changed that one full read is cheaper
-            reload = (rows[0][0] > self.seq + 1 and self.seq > 0) or len(last) > 256
-            self.seq = rows[-1][0]
-            if reload:
-                return [], [], True
-            added = [self.file(ns, key) for (ns, key), op in last.items() if op == "add"]
-            removed = [k for k, op in last.items() if op == "del"]
-            if self.seq - self._pruned > KEEP_CHANGES // 10:  # now and then, forget old history
-                self._pruned = self.seq
-                self.db.execute("DELETE FROM changes WHERE seq < ?", (self.seq - KEEP_CHANGES,))
-            return [r for r in added if r is not None], removed, reload
-
-    def total_bytes(self, db: sqlite3.Connection) -> int:
-        """Unique bytes on disk: every file (manifest) once, every block once."""
-        return (db.execute("SELECT COALESCE(SUM(file_bytes), 0) FROM files").fetchone()[0]
-                + db.execute("SELECT COALESCE(SUM(bytes), 0) FROM blocks").fetchone()[0])
-
-    def lru(self, db: sqlite3.Connection) -> list[tuple]:
-        return db.execute("SELECT namespace, key, path, file_bytes FROM files ORDER BY last_used").fetchall()
+    def files_missing_blocks(self) -> list[tuple]:
+        """(namespace, key) of files that reference a block with no row (a read)."""
+        return self.query("SELECT DISTINCT namespace, key FROM refs r WHERE NOT EXISTS "
+                          "(SELECT 1 FROM blocks WHERE name=r.block)")
 
     # --- pins, leases ---
 
     def set_pin(self, name: str, ns: str | None, key: str | None) -> None:
-        with self.transaction() as db:
+        with self.transaction("pin") as db:
             if ns is None:
                 db.execute("DELETE FROM pins WHERE name=?", (name,))
             else:
                 db.execute("INSERT OR REPLACE INTO pins VALUES(?,?,?)", (name, ns, key))
 
+    def replace_pins(self, want: dict[str, tuple]) -> None:
+        """Make the pins exactly `want` (name -> (namespace, key)), in one transaction."""
+        with self.transaction("pin") as db:
+            db.execute("DELETE FROM pins")
+            db.executemany("INSERT INTO pins VALUES(?,?,?)", [(n, ns, key) for n, (ns, key) in want.items()])
+
     def pins(self) -> dict:
         return {name: (ns, key) for name, ns, key in self.query("SELECT name, namespace, key FROM pins")}
 
-    @contextmanager
-    def lease(self, ns: str, key: str):
-        """While held, no process deletes this file."""
-        with self.transaction() as db:
-            lease_id = db.execute("INSERT INTO leases(pid, namespace, key, since) VALUES(?,?,?,?)",
-                                  (self.pid, ns, key, time.time())).lastrowid
-        try:
-            yield
-        finally:
-            with self.transaction() as db:
-                db.execute("DELETE FROM leases WHERE id=?", (lease_id,))
+    def lease(self, ns: str, key: str) -> tuple[int, str, int] | None:
+        """Keep (ns, key)'s file and every block it references until `end_lease`: returns
+        (lease id, the file's path, how many of its blocks have no row), or None without a file."""
+        with self.transaction("lease") as db:
+            row = db.execute("SELECT path FROM files WHERE namespace=? AND key=?", (ns, key)).fetchone()
+            if row is None:
+                return None
+            lid = db.execute("INSERT INTO leases(owner, namespace, key) VALUES(?,?,?)", (self.owner, ns, key)).lastrowid
+            db.execute("INSERT INTO claims SELECT block, ?, ? FROM refs WHERE namespace=? AND key=?",
+                       (self.owner, -lid, ns, key))
+            missing = db.execute("SELECT COUNT(*) FROM refs r WHERE namespace=? AND key=? AND NOT EXISTS "
+                                 "(SELECT 1 FROM blocks WHERE name=r.block)", (ns, key)).fetchone()[0]
+        return lid, str(self.root / row[0]), missing
+
+    def end_lease(self, db: sqlite3.Connection, lease_id: int) -> list[str]:
+        """End a lease; returns the blocks it kept (candidates for `free_blocks`)."""
+        db.execute("DELETE FROM leases WHERE id=? AND owner=?", (lease_id, self.owner))
+        return self.release(db, -lease_id)
 
     # --- in-flight records ---
 
     def inflight_put(self, request: str, record: dict) -> None:
-        with self.transaction() as db:
-            db.execute("INSERT OR REPLACE INTO inflight VALUES(?,?,?)", (request, json.dumps(record), time.time()))
+        with self.transaction("inflight") as db:
+            db.execute("INSERT OR REPLACE INTO inflight VALUES(?,?,?,?,?,?)",
+                       (request, json.dumps(record), time.time(), self.owner, record.get("namespace", ""),
+                        record.get("boundary_key", "")))
 
     def inflight_get(self, request: str) -> dict | None:
         rows = self.query("SELECT record FROM inflight WHERE request=?", (request,))
         return json.loads(rows[0][0]) if rows else None
 
     def inflight_delete(self, request: str) -> None:
-        with self.transaction() as db:
+        with self.transaction("inflight") as db:
             db.execute("DELETE FROM inflight WHERE request=?", (request,))
 
     def inflight_all(self) -> list[dict]:
         return [json.loads(r[0]) for r in self.query("SELECT record FROM inflight")]
 
-    # --- processes ---
+    # --- dead processes ---
 
-    def heartbeat(self, pending_writes: int, pending_bytes: int, force: bool = False) -> None:
-        now = time.time()
-        if self.closed or (not force and now - self._last_heartbeat < HEARTBEAT_S):
-            return
-        self._last_heartbeat = now
-        with self.transaction() as db:
-            db.execute("INSERT OR REPLACE INTO processes VALUES(?, COALESCE((SELECT started FROM processes "
-                       "WHERE pid=?), ?), ?, ?, ?)", (self.pid, self.pid, now, now, pending_writes, pending_bytes))
-
-    def processes(self) -> list[dict]:
-        """Live processes on this directory (dead ones and their leases are cleared)."""
-        rows = self.query("SELECT pid, started, heartbeat, pending_writes, pending_bytes FROM processes")
-        dead = [r[0] for r in rows if r[0] != self.pid and not pid_alive(r[0])]
-        if dead:
-            with self.transaction() as db:
-                for pid in dead:
-                    db.execute("DELETE FROM processes WHERE pid=?", (pid,))
-                    db.execute("DELETE FROM leases WHERE pid=?", (pid,))
-        keys = ("pid", "started", "heartbeat", "pending_writes", "pending_bytes")
-        return [dict(zip(keys, r)) for r in rows if r[0] not in dead]
-
-    def close(self) -> None:
-        with self._lock:
-            if self.closed:
-                return
-            try:
-                with self.transaction() as db:
-                    db.execute("DELETE FROM processes WHERE pid=?", (self.pid,))
-                    db.execute("DELETE FROM leases WHERE pid=?", (self.pid,))
-            except sqlite3.Error:
-                pass
-            self.db.close()
-            self.closed = True
+    def sweep(self) -> tuple[list[tuple[str, int]], bool]:
+        """Forget dead processes: their rows, claims and leases, and the resume records
+        of their requests whose boundary file is gone. Returns the blocks their claims
+        kept that nothing holds now (unlink them, then `unfree`), and whether anyone
+        died (then their temp files may go)."""
+        dead, orphans = self.dead_owners()
+        stale = self.query("SELECT 1 FROM inflight i WHERE owner NOT IN (SELECT owner FROM procs) AND NOT EXISTS "
+                           "(SELECT 1 FROM files f WHERE f.namespace=i.namespace AND f.key=i.key) LIMIT 1")
+        if not (dead or orphans or stale):
+            return [], False
+        with self.transaction("sweep") as db:
+            names, unlink = [], []
+            for owner in dead + orphans:
+                db.execute("DELETE FROM procs WHERE owner=?", (owner,))
+                names += [r[0] for r in db.execute("DELETE FROM claims WHERE owner=? RETURNING block", (owner,))]
+                db.execute("DELETE FROM leases WHERE owner=?", (owner,))
+                unlink += [(r[0], 0) for r in db.execute("UPDATE freeing SET owner=? WHERE owner=? RETURNING name",
+                                                         (self.owner, owner))]  # its unlinks may not have happened
+            db.execute("DELETE FROM inflight WHERE owner NOT IN (SELECT owner FROM procs) AND NOT EXISTS "
+                       "(SELECT 1 FROM files f WHERE f.namespace=inflight.namespace AND f.key=inflight.key)")
+            freed = self.free_blocks(db, names)
+        self.forget_owners(dead + orphans)
+        return freed + unlink, bool(dead or orphans)

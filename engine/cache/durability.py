@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 from ..kv.checkpoint import Checkpoint
 from ..kv.tokens import token_key
+from .catalog import CatalogBusy
 from .ram import Entry, PromptCache
 from .ssd.writer import WriteCancelled, WriteJob
 
@@ -143,14 +144,27 @@ class Durability(PromptCache):
         if not self.store.contains(entry.tokens, entry.ns):
             if entry.write_state in (WriteState.PENDING, WriteState.COMMITTED):
                 entry.write_state = WriteState.DIRTY  # its file was superseded or capped away: write it again
-            self.writer.wait(timeout)
+            self._wait_writes(timeout)
             self.poll()
-            if not self.store.contains(entry.tokens, entry.ns):
+            if not self.store.contains(entry.tokens, entry.ns) and not self.store.catalog.late:
                 entry.write_state = WriteState.DIRTY
                 self._queue_write(entry)
-                self.writer.wait(timeout)
+                self._wait_writes(timeout)
                 self.poll()
         return self.store.contains(entry.tokens, entry.ns)
+
+    def _wait_writes(self, timeout: float | None) -> bool:
+        """Wait for the writer (at most `timeout`); give up sooner when another process holds
+        the catalogue's lock: the writes wait for it, a cell does not. True when drained."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = 0.25 if deadline is None else min(0.25, deadline - time.monotonic())
+            if self.writer.wait(max(left, 0.0)):
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            if self.store.catalog.late or self.store.catalog.locked_elsewhere():
+                return False
 
     def queue_inflight(self, cp: Checkpoint, ns: str, request: str, on_commit: Callable) -> None:
         """Queue an in-flight generation checkpoint: SSD only, never waiting for the generation.
@@ -233,7 +247,7 @@ class Durability(PromptCache):
                 self._queue_write(e)
         self._demote_idle()
         self.enforce_budget()
-        self.store.catalog.heartbeat(*self.writer.pending())
+        self.store.catalog.pending = self.writer.pending()  # the catalogue's keeper records it
 
     def _completed(self, done) -> None:
         if done.key[0] == "inflight":
@@ -293,7 +307,7 @@ class Durability(PromptCache):
             if e.write_state in _UNWRITTEN:
                 self._queue_write(e)
         failed_before = self.counters["writes_failed"]
-        self.writer.wait(timeout)
+        self._wait_writes(timeout)
         self.poll()
         failed = [{"tokens": len(e.tokens), "error": e.write_error}
                   for e in self.entries() if e.write_state == WriteState.FAILED]
@@ -303,6 +317,7 @@ class Durability(PromptCache):
             "failed_writes": self.counters["writes_failed"] - failed_before,
             "pending": self.writer.pending()[0],
             "seconds": time.perf_counter() - t0,
+            "late_reason": self.store.catalog.late,  # why writes are still pending, if the catalogue is locked
         }
         self._emit("flush", **{k: v for k, v in report.items() if k != "failed"}, failed_count=len(failed))
         return report
@@ -323,11 +338,11 @@ class Durability(PromptCache):
         entry.pinned.add(name)
         if self.store is None:
             return True
-        self.store.catalog.set_pin(name, entry.ns, token_key(entry.tokens))
-        if self.persist(entry):
-            return True
+        self._set_pin(name, entry.ns, token_key(entry.tokens))
+        if self.persist(entry) or (self.store.catalog.late and entry.write_state == WriteState.PENDING):
+            return True  # (late: pinned in RAM, its write queued for when the catalogue is free)
         entry.pinned.discard(name)
-        self.store.catalog.set_pin(name, None, None)
+        self._set_pin(name, None, None)
         return False
 
     def unpin(self, ns: str, tokens: Sequence[int], name: str) -> None:
@@ -335,19 +350,27 @@ class Durability(PromptCache):
         if entry is not None:
             entry.pinned.discard(name)
         if self.store is not None:
-            self.store.catalog.set_pin(name, None, None)
+            self._set_pin(name, None, None)
+
+    def _set_pin(self, name: str, ns: str | None, key: str | None) -> None:
+        """One pin now; with the catalogue busy, all of them from the records once it is free."""
+        try:
+            self.store.catalog.set_pin(name, ns, key)
+        except CatalogBusy:
+            self.store.catalog.later(self._sync_pins_now)
 
     def sync_pins(self) -> None:
-        """Make the catalogue's pins exactly the named records (`pins_source`, read now)."""
+        """Make the catalogue's pins exactly the named records (`pins_source`), in one
+        transaction; with the catalogue busy, once it is free (the keeper)."""
         if self.store is None:
             return
-        catalog, want = self.store.catalog, {n: (ns, token_key(t)) for n, (ns, t) in self.pins_source().items()}
-        have = catalog.pins()
-        for name in set(have) - set(want):
-            catalog.set_pin(name, None, None)
-        for name, (ns, key) in want.items():
-            if have.get(name) != (ns, key):
-                catalog.set_pin(name, ns, key)
+        try:
+            self._sync_pins_now()
+        except CatalogBusy:
+            self.store.catalog.later(self._sync_pins_now)
+
+    def _sync_pins_now(self) -> None:
+        self.store.catalog.replace_pins({n: (ns, token_key(t)) for n, (ns, t) in self.pins_source().items()})
 
 
 def _release_freed() -> None:

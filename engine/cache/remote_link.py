@@ -31,6 +31,8 @@ import warnings
 from typing import Callable, Sequence
 
 from ..kv.checkpoint import Checkpoint
+from . import object_remote
+from .objects import REVISION as OBJECT_REVISION, is_object_namespace
 from .remote.credentials import RemoteSettings
 from .remote.publish import Value
 from .remote.tier import Found, RemoteMiss, RemoteTier
@@ -160,6 +162,10 @@ class RemoteLink:
         """After a local commit: queue the checkpoint for the remote (its full blocks, or the exact state)."""
         h = info.header
         if self.publish_mode == "none" or (self.publish_mode == "named" and not self.is_named(h.namespace, h.tokens)):
+            return
+        if is_object_namespace(h.namespace):  # an exact tensor object (Engine.objects): object_remote.py
+            if object_remote.publish(self.tier, info, OBJECT_REVISION):
+                self.counters["remote_published"] += 1
             return
         bt = blocks.BLOCK_TOKENS
 

@@ -64,10 +64,10 @@ class TieredPromptCache(Loading, Durability):
 
     # --- wiring ---
 
-    def register_namespace(self, ns: str, identity: dict) -> None:
+    def register_namespace(self, ns: str, identity: dict, *, check: bool = True) -> None:
         self.identities[ns] = dict(identity)
         if self.store is not None:
-            self.store.register_namespace(ns, identity)
+            self.store.register_namespace(ns, identity, check=check)
 
     def _store_event(self, event: dict) -> None:
         event = dict(event)
@@ -133,18 +133,23 @@ class TieredPromptCache(Loading, Durability):
 
     def _restore_longer(self, prompt, ns, n_ram, progress, move) -> Lease | None:
         prompt_array = as_token_array(prompt)
-        handle = self.store.find(prompt, ns, min_len=max(MIN_RESTORE_TOKENS, n_ram + 1))
-        if handle is None:
-            return None
-        handle_tokens = as_token_array(handle.tokens)
-        n = min(common_prefix_len(handle_tokens, prompt_array), len(prompt) - 1)
-        if n <= n_ram or n < MIN_RESTORE_TOKENS:
-            return None
-        t0 = time.perf_counter()
-        if progress is not None:
-            progress("restore", 0, len(handle.tokens))
-        cp, job = self.read_now(handle)
-        if cp is None:
+        for _ in range(3):  # a file found to have lost a block left the index: the next longest one
+            handle = self.store.find(prompt, ns, min_len=max(MIN_RESTORE_TOKENS, n_ram + 1))
+            if handle is None:
+                return None
+            handle_tokens = as_token_array(handle.tokens)
+            n = min(common_prefix_len(handle_tokens, prompt_array), len(prompt) - 1)
+            if n <= n_ram or n < MIN_RESTORE_TOKENS:
+                return None
+            t0 = time.perf_counter()
+            if progress is not None:
+                progress("restore", 0, len(handle.tokens))
+            cp, job = self.read_now(handle)
+            if cp is not None:
+                break
+            if self.store.contains(handle.tokens, ns):  # still there: a passing failure, prefill this time
+                return None
+        else:
             return None
         if progress is not None:
             progress("restore", len(handle.tokens), len(handle.tokens))
@@ -247,8 +252,9 @@ class TieredPromptCache(Loading, Durability):
         for e in self.entries():
             h = files.pop((e.ns, e.tokens), None)
             rows.append({
-                "ns": e.ns, "tokens": e.tokens, "tier": "ram+ssd" if h else "ram", "write_state": e.write_state.value,
-                "ram_bytes": e.nbytes, "kv_bytes": e.checkpoint.kv_bytes, "file_bytes": h.file_bytes + h.block_bytes if h else None,
+                "ns": e.ns, "tokens": e.tokens, "tier": "ram" if h is None else "ram+ssd",
+                "write_state": e.write_state.value, "ram_bytes": e.nbytes, "kv_bytes": e.checkpoint.kv_bytes,
+                "file_bytes": None if h is None else h.file_bytes + h.block_bytes,
                 "borrowers": e.borrowers, "sessions": sorted(e.sessions), "last_used": e.last_used_time, "hits": e.hits,
             })
         for (ns, tokens), h in files.items():

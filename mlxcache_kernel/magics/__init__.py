@@ -1,14 +1,14 @@
 """IPython magics over one lazily created Engine.
 
 ``%model``, ``%%generate``, ``%session``, ``%checkpoint``, ``%cache``, ``%kv``,
-``%dashboard`` and ``%mlxcache`` (the cheat sheet). Arguments are parsed with IPython's magic_arguments, so
+``%dashboard``, ``%memo`` and ``%mlxcache`` (the cheat sheet). Arguments are parsed with IPython's magic_arguments, so
 ``%%generate?`` shows the help. Every bad option, unknown name, missing
 model or empty cell ends in one UsageError line; the engine keeps working.
 
 ``generate.py`` owns ``%%generate`` (interpolation, streaming), ``footer.py``
 its result and footer (words and bar), ``admin.py`` the other magics,
-``help.py`` their examples and the cheat sheet, ``tables.py`` how they show
-rows, ``base.py`` the Engine they share. ``MLXCacheMagics`` is all of them on one Engine.
+``memo.py`` ``%memo`` (the results of ``@memo``), ``help.py`` their examples
+and the cheat sheet, ``tables.py`` how they show rows, ``base.py`` the Engine they share. ``MLXCacheMagics`` is all of them on one Engine.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from .admin import AdminMagics
 from .base import combined_magics
 from .generate import Generation, GenerateMagics, interpolate
 from .help import HelpMagics
+from .memo import MemoMagics
 
 __all__ = ["MLXCacheMagics", "Generation", "interpolate"]
 
 
 @combined_magics
-class MLXCacheMagics(GenerateMagics, AdminMagics, HelpMagics):
+class MLXCacheMagics(GenerateMagics, AdminMagics, MemoMagics, HelpMagics):
     """Every mlxcache magic over one Engine, created on first use from the ``MLXCache`` settings."""

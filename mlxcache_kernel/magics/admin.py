@@ -13,6 +13,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import line_magic, magics_class
 from IPython.core.magic_arguments import argument, kwds, magic_arguments
 
+from mlxcache_kernel.engine.sessions import shown
+
 from .base import EngineMagics, no_target, only_for, parse_args, usage_errors
 from .help import CHEAT_SHEET, examples
 from .tables import (ENTRY_COLUMNS, checkpoint_row, columns_of, entry_row, fmt_s, format_bytes, kv_row,
@@ -53,6 +55,8 @@ class AdminMagics(EngineMagics):
               help="load: quantize the KV cache to 4 or 8 bits (RAM and SSD hold the quantized bytes)")
     @argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
               help="load: values per quantization group (default 64)")
+    @argument("--image-attention", choices=["bidirectional", "causal"], default=None,
+              help="load, a vision-language model: how image tokens attend (default: the model's own)")
     @line_magic
     @usage_errors
     def model(self, line):
@@ -74,7 +78,9 @@ class AdminMagics(EngineMagics):
             no_target(args.target, "model list")
             self._model_list()
         elif args.action == "load":
-            self._model_load(args.target, args.name or "default", kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
+            extra = {"image_attention": args.image_attention} if args.image_attention else {}
+            self._model_load(args.target, args.name or "default", kv_bits=args.kv_bits,
+                             kv_group_size=args.kv_group_size, **extra)
         elif args.action == "info":
             for k, v in eng.model_info(args.target).items():
                 if isinstance(v, dict):
@@ -169,7 +175,7 @@ class AdminMagics(EngineMagics):
             if s.system:
                 print(f"[system] {s.system}")
             for msg in s.messages:
-                print(f"[{msg['role']}] {msg['content']}")
+                print(f"[{msg['role']}] {shown(msg['content'])}")
         elif args.action == "switch":
             info = eng.session_switch(args.id)
             state = {"ram": "its state is in RAM", "loading": "loading its state from SSD in the background",
@@ -293,6 +299,8 @@ class AdminMagics(EngineMagics):
               f"{len(failed)} failed in {fmt_s(r.get('seconds'))}")
         for f in failed:
             print(f"  failed: {f}")
+        if r.get("pending") and r.get("late_reason"):
+            print(f"  pending: {r['late_reason']}")
 
     def _cache_clear(self, args) -> None:
         r = self.engine.cache_clear(ssd=args.ssd)
@@ -307,7 +315,8 @@ class AdminMagics(EngineMagics):
         verb = "would remove" if args.dry_run else "removed"
         q, t = r["quarantine_removed"], r["temp_removed"]
         print(f"gc{' (dry run)' if args.dry_run else ''}: {verb} {len(q)} quarantined file(s), {len(t)} stale temp "
-              f"file(s), {r['inflight_removed']} resume record(s) without their checkpoint")
+              f"file(s), {len(r.get('blocks_removed', []))} unreferenced block(s), {len(r.get('files_removed', []))} "
+              f"unusable checkpoint file(s), {r['inflight_removed']} resume record(s) without their checkpoint")
         for path in q + t:
             print(f"  {path}")
         if r["dangling_names"]:
@@ -321,7 +330,7 @@ class AdminMagics(EngineMagics):
             print(f"verify: all {s.get('ssd_files', '?')} SSD checkpoints and their {s.get('ssd_blocks', 0)} blocks "
                   f"are intact ({fmt_s(time.perf_counter() - t0)})")
             return
-        print(f"verify: {len(bad)} bad file(s), quarantined:")
+        print(f"verify: {len(bad)} bad file(s) (quarantined) or checkpoint(s) that lost a block (dropped):")
         for b in bad:
             print(f"  {b.get('path')}: {b.get('reason') or b.get('error')}" if isinstance(b, dict) else f"  {b}")
 

@@ -52,6 +52,22 @@ def footer_html(stats: dict, words: str) -> str:
     )
 
 
+_TIERS = {"ram": "RAM", "ssd": "SSD", "remote": "remote"}
+
+
+def images_phrase(sources: list) -> str:
+    """Where each image came from, e.g. "2 images: in the cached prefix (RAM), encoded"."""
+    words = []
+    for s in sources:
+        if s.startswith("prefix:"):
+            words.append(f"in the cached prefix ({_TIERS.get(s[7:], s[7:])})")
+        elif s == "encoder":
+            words.append("encoded")
+        else:
+            words.append(f"encoder output from {_TIERS.get(s, s)}")
+    return f"{len(sources)} image{'' if len(sources) == 1 else 's'}: " + ", ".join(words)
+
+
 class Generation:
     """What ``%%generate`` returns (and stores in ``--out``).
 
@@ -89,6 +105,8 @@ class Generation:
             else f"{s.get('decode_tokens', len(self.tokens))} tokens",
             f"finish: {s.get('finish_reason', '?')}",
         ]
+        if s.get("image_sources"):
+            parts.insert(1, images_phrase(s["image_sources"]))
         resumed = s.get("resumed_from")
         if resumed:
             parts.insert(1, f"resumed from an in-flight checkpoint at token {resumed}")

@@ -25,7 +25,7 @@ import time
 import types
 
 from IPython.core.error import UsageError
-from IPython.core.magic import cell_magic, magics_class
+from IPython.core.magic import cell_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, kwds, magic_arguments
 from IPython.display import display
 
@@ -38,6 +38,7 @@ from .help import examples
 __all__ = ["Generation", "GenerateMagics", "interpolate"]
 
 _FIELD = re.compile(r"\{\{([A-Za-z_][A-Za-z0-9_]*)\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_IMAGE_VAR = re.compile(r"((?:^|\s)(?:--image|-i)(?:\s+|=))\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _NOT_VALUES = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, type)
 
 
@@ -194,8 +195,12 @@ class GenerateMagics(EngineMagics):
     @argument("--checkpoint-every", type=int, default=None,
               help="commit an in-flight checkpoint every N generated tokens, so an identical request "
                    "after a crash, kill or interrupt resumes from it")
+    @argument("--image", "-i", action="append", default=[], metavar="PATH",
+              help="an image for a vision-language model (repeatable, in order); {var} names a variable "
+                   "holding a path, a PIL image or an array")
     @argument("--no-cache", action="store_true", help="neither look up nor publish prompt caches")
     @argument("--literal", action="store_true", help="no {name} interpolation")
+    @no_var_expand  # _expand_line: as IPython expands, but --image {var} keeps the object
     @cell_magic
     @usage_errors
     def generate(self, line, cell):
@@ -208,7 +213,9 @@ class GenerateMagics(EngineMagics):
         decode speed. Returns (and with --out stores) the result: .text,
         .tokens, .stats.
         """
+        line, held = self._expand_line(line)
         args = parse_args(self.generate, line)
+        args.image = [held.get(spec, spec) for spec in args.image]
         if args.out is not None and not args.out.isidentifier():
             raise UsageError(f"--out needs a variable name, got {args.out!r}")
         if args.checkpoint_every is not None and args.checkpoint_every < 1:
@@ -233,6 +240,8 @@ class GenerateMagics(EngineMagics):
             raw=args.raw,
             use_cache=not args.no_cache,
         )
+        if args.image:
+            kwargs["images"] = [self._image(spec) for spec in args.image]
         if args.checkpoint_every is not None:
             if "checkpoint_every" not in inspect.signature(eng.generate).parameters:
                 raise UsageError("this engine does not support --checkpoint-every yet")
@@ -243,6 +252,35 @@ class GenerateMagics(EngineMagics):
         if args.out:
             self.shell.user_ns[args.out] = gen
         return gen
+
+    def _expand_line(self, line: str) -> tuple[str, dict]:
+        """The options line with {name} and $name expanded from the notebook namespace, as
+        IPython does for other magics, except `--image {name}`: held back (placeholder ->
+        "{name}") so the image is the variable's object, not its text."""
+        from IPython.utils.text import DollarFormatter
+
+        held: dict = {}
+
+        def hold(m: re.Match) -> str:
+            key = f"__mlxcache_image_{len(held)}__"
+            held[key] = "{" + m.group(2) + "}"
+            return m.group(1) + key
+
+        line = _IMAGE_VAR.sub(hold, line)
+        try:
+            line = DollarFormatter().vformat(line, args=[], kwargs=dict(self.shell.user_ns))
+        except Exception:
+            pass  # as IPython does: a line that cannot be expanded is used as written
+        return line, held
+
+    def _image(self, spec: str):
+        """--image: a path, or {name} of a variable holding a path, a PIL image or an array."""
+        m = re.fullmatch(r"\{([A-Za-z_][A-Za-z0-9_]*)\}", spec.strip())
+        if m is None:
+            return spec
+        if m.group(1) not in self.shell.user_ns:
+            raise UsageError(f"--image {spec}: {m.group(1)!r} is not defined")
+        return self.shell.user_ns[m.group(1)]
 
     def _prompt(self, cell: str, *, literal: bool) -> str:
         """The cell body, interpolated unless ``literal``; never empty."""

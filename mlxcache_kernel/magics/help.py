@@ -26,6 +26,8 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%%generate --model small", "use the model loaded as 'small' (-m small)"),
         ("%%generate --checkpoint-every 32", "an interrupted or killed run resumes from its last 32-token mark"),
         ("%%generate --no-cache", "neither look up nor publish prompt caches (a cold baseline)"),
+        ("%%generate --image cat.png", "a vision-language model sees the image (repeatable: -i a.png -i b.png)"),
+        ("%%generate --image {picture}", "a variable holding a path, a PIL image or an array"),
         ("%%generate --literal", "no {name} interpolation (or write {{name}} for one literal {name})"),
     ],
     "model": [
@@ -33,6 +35,9 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%model load ~/models/qwen --name small", "a model directory or hub id, under a name"),
         ("%model load --kv-bits 8", "quantize the KV cache to 8 (or 4) bits"),
         ("%model load --kv-bits 4 --kv-group-size 32", "values per quantization group: 32, 64 or 128"),
+        ("%model load ~/models/gemma-3-4b-it", "a vision-language model loads through mlx-vlm ([vision] extra)"),
+        ("%model load ~/models/gemma-3-4b-it --image-attention causal",
+         "image tokens attend causally (as mlx-vlm generates), not bidirectionally"),
         ("%model list", "resident models; * marks the default"),
         ("%model use small", "make 'small' the default for %%generate"),
         ("%model unload small", "free its memory"),
@@ -69,6 +74,11 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%cache config", "the settings in effect"),
         ("%cache help", "the cheat sheet (same as %mlxcache)"),
     ],
+    "memo": [
+        ("%memo ls", "functions decorated with @memo (from mlxcache_kernel import memo): results, bytes, hits"),
+        ("%memo clear embed", "forget embed's results, in RAM and on SSD"),
+        ("%memo clear --all", "forget every memoized result"),
+    ],
     "kv": [
         ("%kv inspect", "shapes, bytes, hashes and statistics of the last generation's KV (--last)"),
         ("%kv inspect --last --layer 0", "one layer"),
@@ -102,6 +112,8 @@ mlxcache: a resident model and a RAM/SSD prompt cache. Add ? to any magic for ev
   %cache stats | ls [--all] [--model M] [--session S] | flush | clear [--ssd] | gc | verify | config
   %kv inspect|export [--session ID | --checkpoint NAME | --last] [--layer L] [--to VAR] [--widget]
   %dashboard                                      live RAM/SSD residency, writes, hits
+  @memo (from mlxcache_kernel import memo)        a function's array results, kept in RAM and on SSD
+  %memo ls | clear NAME | clear --all             what @memo keeps
 
 Settings: MLXCACHE_CACHE_DIR, MLXCACHE_RAM_BUDGET, MLXCACHE_SSD_BUDGET, MLXCACHE_PREFETCH_BUDGET,
 MLXCACHE_DEFAULT_MODEL (or c.MLXCache.* in IPython config); %cache config shows them."""

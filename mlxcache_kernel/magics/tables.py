@@ -18,10 +18,11 @@ __all__ = [
     "setting_lines", "show_table", "stat_lines",
 ]
 
-# %cache ls: ram, kv and file are the entry's resident footprint, its KV
-# state's logical bytes and its SSD file's size (– where it has none).
+# %cache ls: kind is "prefix" (a prompt's KV) or "object" (Engine.objects, @memo); ram, kv and file
+# are the entry's resident footprint, its KV state's (an object's value's) bytes and its SSD file's
+# size (– where it has none).
 ENTRY_COLUMNS = ["model", "tokens", "tier", "write_state", "ram", "kv", "file", "borrowers", "sessions", "pinned",
-                 "hits", "last_used", "preview"]
+                 "hits", "last_used", "kind", "preview"]
 
 
 def fmt_s(x) -> str:

@@ -132,3 +132,6 @@ class KeySpace:
 
     def exact(self, key: bytes) -> str:
         return f"{self.base}:ext:{key.hex()}"
+
+    def object(self, root: bytes) -> str:
+        return f"{self.base}:obj:{root.hex()}"

@@ -31,8 +31,8 @@ from redis.exceptions import NoPermissionError, ReadOnlyError, ResponseError
 from .client import RemoteError
 from .keys import block_name, is_block_name
 from .publisher import Publisher
-from .records import (EXACT, MAX_RECORD_BYTES, ExactRecord, RemoteRecord, encode_layout, seal_chain, seal_exact,
-                      unseal)
+from .records import (EXACT, MAX_RECORD_BYTES, ExactRecord, ObjectRecord, RemoteRecord, encode_layout, seal_chain,
+                      seal_exact, seal_object, unseal)
 
 META_BATCH = 256  # small commands per pipeline
 UPLOAD_BATCH_BYTES = 64 << 20  # bytes of values per upload pipeline (bounds memory)
@@ -131,6 +131,22 @@ class Publication:
         kept = [x for x in (found.states if found is not None and found.namespace == namespace else ())
                 if x.tail != tail]
         self._set_records([(key, seal_exact(chain[-1], [rec] + kept, keys, now))])
+
+    def publish_object(self, namespace: str, values: Sequence[Value], manifest: Value) -> bool:
+        """Queue publication of an exact tensor object: its chunks, then its manifest (which names
+        them), then its record under the namespace's root key (object_remote.py)."""
+        values = _checked(list(values) + [manifest])
+        job = lambda: self._publish_object_now(namespace, values, manifest)  # noqa: E731
+        return self._publisher.submit(job, f"publish object {namespace[:40]}")
+
+    def _publish_object_now(self, namespace: str, values: list, manifest: Value) -> None:
+        keys = self.keys[0]
+        failure = self._upload(values)
+        if failure is not None:
+            raise RemoteError(f"block {failure[0][:16]}: {failure[1]}; the object was not published")
+        now, root = time.time(), keys.root(namespace)
+        rec = ObjectRecord(manifest.name, manifest.size, sum(v.size for v in values), namespace)
+        self._set_records([(self.spaces[keys.key_id].object(root), seal_object(root, rec, keys, now))])
 
     def _upload(self, values: list[Value]) -> tuple[str, str] | None:
         """SET the values the remote lacks (or holds at a wrong size), in byte-bounded pipelines;

@@ -22,6 +22,10 @@ Two kinds hang from a prefix key (the chain key of full blocks 0..i):
   boundary and the end of its answer often share their full blocks), as
   JSON: few are read.
 
+A third kind hangs from a namespace's root key instead: an object record
+(kind "o", JSON) names the manifest of an exact tensor object
+(Engine.objects; the namespace holds its key digest; object_remote.py).
+
 Every body carries the key id of the secret that sealed it (rotation) and
 its issue time: a record older than `max_age_s`, or issued more than a day
 ahead of this clock, is stale. The tag covers the kind and the prefix key,
@@ -55,7 +59,7 @@ MAX_AGE_S = 30 * 24 * 3600  # a record must be republished (re-sealed) within th
 MAX_SKEW_S = 24 * 3600  # clocks disagree; a record further in the future is refused
 MAX_VALUE_BYTES = 1 << 30  # no block or manifest is larger
 MAX_EXACT_STATES = 8  # exact states kept under one prefix key, newest first
-CHAIN, EXACT = "c", "x"
+CHAIN, EXACT, OBJECT = "c", "x", "o"
 # version, flags (1: a block, 2: a layout), key id, issued, index, start, end, block digest, namespace length
 CHAIN_HEAD = struct.Struct("<BB6sQIII32sH")
 _MAX_INDEX = 1 << 24
@@ -99,6 +103,19 @@ class ExactSet:
     index: int
     namespace: str
     states: tuple  # of ExactRecord
+    key_id: str = ""
+    issued: int = 0
+
+
+@dataclass(frozen=True)
+class ObjectRecord:
+    """An exact tensor object (kind "o", under its namespace's root key): its manifest value names
+    its chunks (engine/cache/object_remote.py)."""
+
+    manifest: str  # BLAKE3 hex of the manifest value
+    size: int  # the manifest's bytes
+    nbytes: int  # the manifest and every chunk it names: what a fetch reads
+    namespace: str
     key_id: str = ""
     issued: int = 0
 
@@ -169,6 +186,11 @@ def seal_exact(prefix_key: bytes, states: Sequence[ExactRecord], keys: TeamKeys,
     return _seal(EXACT, prefix_key, fields, keys, now)
 
 
+def seal_object(root_key: bytes, rec: ObjectRecord, keys: TeamKeys, now: float) -> bytes:
+    fields = {"ns": rec.namespace, "i": 0, "manifest": rec.manifest, "size": rec.size, "bytes": rec.nbytes}
+    return _seal(OBJECT, root_key, fields, keys, now)
+
+
 def _no_floats(text):
     raise ValueError(f"no floats or constants in a record: {text[:20]!r}")
 
@@ -178,7 +200,7 @@ def _int(v, lo: int, hi: int) -> bool:
 
 
 def unseal(kind: str, prefix_key: bytes, value, keys: TeamKeys, *, now: float,
-           max_age_s: float = MAX_AGE_S) -> tuple[RemoteRecord | ExactSet | None, str | None]:
+           max_age_s: float = MAX_AGE_S) -> tuple[RemoteRecord | ExactSet | ObjectRecord | None, str | None]:
     """(record, None), or (None, why): "mac" (not sealed by this secret for this key and kind),
     "malformed" (verified but not a record this build reads) or "stale" (too old, or from the future)."""
     head = len(MAGIC) + TAG_BYTES
@@ -190,13 +212,16 @@ def unseal(kind: str, prefix_key: bytes, value, keys: TeamKeys, *, now: float,
     if not hmac.compare_digest(value[len(MAGIC):head], _tag(kind, prefix_key, body, keys)):
         return None, "mac"
     try:  # deep nesting (RecursionError), huge integers, bad UTF-8: a miss like any other malformed body
-        rec = _parse_exact(json.loads(body, parse_float=_no_floats, parse_constant=_no_floats), keys)
+        d = json.loads(body, parse_float=_no_floats, parse_constant=_no_floats)
+        rec = _parse_object(d, keys) if kind == OBJECT else _parse_exact(d, keys)
     except Exception:  # noqa: BLE001 - a verified body from another build is still only a miss
         return None, "malformed"
     if rec is None:
         return None, "malformed"
     if not now - max_age_s <= rec.issued <= now + MAX_SKEW_S:
         return None, "stale"
+    if kind == OBJECT:
+        return rec, None
     return dataclasses.replace(rec, states=tuple(x for x in rec.states if now - max_age_s <= x.issued)), None
 
 
@@ -223,10 +248,21 @@ def _unseal_chain(prefix_key: bytes, value: bytes, keys: TeamKeys, now: float, m
                         keys.key_id, issued), None
 
 
-def _parse_exact(d, keys: TeamKeys) -> ExactSet | None:
-    if not (type(d) is dict and d.get("v") == REMOTE_FORMAT and d.get("t") == EXACT and d.get("kid") == keys.key_id
+def _head_ok(kind: str, d, keys: TeamKeys) -> bool:
+    return (type(d) is dict and d.get("v") == REMOTE_FORMAT and d.get("t") == kind and d.get("kid") == keys.key_id
             and _int(d.get("iat"), 0, 1 << 40) and _int(d.get("i"), 0, _MAX_INDEX)
-            and type(d.get("ns")) is str and 0 < len(d["ns"]) <= 1024):
+            and type(d.get("ns")) is str and 0 < len(d["ns"]) <= 1024)
+
+
+def _parse_object(d, keys: TeamKeys) -> ObjectRecord | None:
+    if not (_head_ok(OBJECT, d, keys) and is_block_name(d.get("manifest")) and _int(d.get("size"), 1, MAX_VALUE_BYTES)
+            and _int(d.get("bytes"), d["size"], 1 << 50)):
+        return None
+    return ObjectRecord(d["manifest"], d["size"], d["bytes"], d["ns"], d["kid"], d["iat"])
+
+
+def _parse_exact(d, keys: TeamKeys) -> ExactSet | None:
+    if not _head_ok(EXACT, d, keys):
         return None
     states = d.get("states")
     if type(states) is not list or not 0 < len(states) <= MAX_EXACT_STATES:

@@ -3,6 +3,7 @@
     <prefix>:<key id>:blk:<keyed block id>   a block's or manifest's bytes verbatim, TTL ttl_s
     <prefix>:<key id>:rec:<prefix key>       a sealed chain record per full block of a prefix
     <prefix>:<key id>:ext:<prefix key>       a sealed exact record (a state exact at its own length)
+    <prefix>:<key id>:obj:<namespace root>   a sealed object record (an exact tensor object, find_object)
 
 Reads use read commands only (STRLEN, GETRANGE), so a read-only ACL user
 or a replica serves lookups, and every read is bounded before it is made:
@@ -36,7 +37,7 @@ from .config import parse_remote_url
 from .keys import OPEN, KeySpace, TeamKeys, block_name, check_secret, is_block_name
 from .meter import Meter, fetch_beats_recompute
 from .publish import Publication
-from .records import CHAIN, EXACT, MAX_AGE_S, MAX_RECORD_BYTES, MAX_VALUE_BYTES, ExactRecord, unseal
+from .records import CHAIN, EXACT, MAX_AGE_S, MAX_RECORD_BYTES, MAX_VALUE_BYTES, OBJECT, ExactRecord, ObjectRecord, unseal
 
 PROBE_BATCH = 16  # prefix keys per round trip
 GET_BATCH = 8  # block values per round trip: at most 8 x 4 MB in flight
@@ -182,6 +183,24 @@ class RemoteTier(Publication):
                 if plain:
                     found.records.append(rec)
         return found
+
+    def find_object(self, namespace: str, *, deadline: float | None = None) -> ObjectRecord | None:
+        """The record of the exact tensor object in `namespace` (object_remote.py), under each secret
+        in turn; None when there is none or it does not verify."""
+        self.count(probes=1)
+        now = time.time()
+        for keys in self.keys:
+            name = self.spaces[keys.key_id].object(keys.root(namespace))
+            try:
+                reply = self.reader.pipeline("find object", lambda p: (p.strlen(name), p.getrange(
+                    name, 0, MAX_RECORD_BYTES - 1)), _left(deadline))
+            except RemoteError:
+                return None
+            rec = self._unseal(OBJECT, keys.root(namespace), reply, keys, now)
+            if rec is not None and rec.namespace == namespace:
+                self.count(records_found=1)
+                return rec
+        return None
 
     def _unseal(self, kind: str, key: bytes, reply: list, keys: TeamKeys, now: float):
         """A record from a [STRLEN, GETRANGE] reply pair, or None (counted unless simply absent)."""

@@ -34,7 +34,8 @@ from typing import Callable, Sequence
 import blake3
 import numpy as np
 
-from ...system import make_private_dir, unlink_quietly
+from ...system import fsync_file, make_private_dir, process_tag, unlink_quietly
+from ..faults import fault
 
 MAGIC = b"MLXBLK2\n"
 _PREFIX = struct.Struct("<8sI")
@@ -157,14 +158,17 @@ def write(path: Path, head: bytes, data: Sequence[memoryview], pause: Callable[[
     Returns its size. Replacing an existing block is harmless: same name, same bytes.
     """
     make_private_dir(path.parent)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+    tmp = path.with_name(f".{path.name}.{process_tag()}.{os.urandom(4).hex()}.tmp")  # the tag: whose it is
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         _writev_all(fd, [memoryview(head)] + list(data), pause)
-        os.fsync(fd)
+        fault("block.written")
+        fsync_file(fd)
         os.close(fd)
         fd = -1
+        fault("block.synced")
         os.replace(tmp, path)
+        fault("block.renamed")
     except BaseException:
         if fd >= 0:
             os.close(fd)
@@ -228,6 +232,18 @@ def read_into(path: Path, name: str, head: bytes, dst: Sequence[np.ndarray]) -> 
     finally:
         os.close(fd)
     _verify_and_copy(buf, name, head, dst)
+
+
+def intact(path: Path, name: str) -> bool:
+    """Whether the file at `path` holds what block `name` names (read whole and hashed again)."""
+    try:
+        with open(path, "rb") as f:
+            h = blake3.blake3()
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    except OSError:
+        return False
+    return h.hexdigest() == name
 
 
 def fill_from_value(value, name: str, head: bytes, dst: Sequence[np.ndarray]) -> None:

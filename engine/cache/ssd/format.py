@@ -36,7 +36,8 @@ from typing import Callable, Iterable, Sequence
 import blake3
 import numpy as np
 
-from ...system import fsync_dir, unlink_quietly
+from ...system import fsync_dir, fsync_file, process_tag, unlink_quietly
+from ..faults import fault
 from .blocks import BlockRef
 
 MAGIC = b"MLXCKPT\n"
@@ -160,7 +161,13 @@ def _header_json(fields: dict, tensors: Iterable[TensorEntry], version: int) -> 
 
 
 def temp_path_for(path: Path) -> Path:
-    return path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+    """A temp file beside `path`, named with this process's tag (its writer can be told dead)."""
+    return path.with_name(f".{path.name}.{process_tag()}.{time.monotonic_ns()}.tmp")
+
+
+def _rename_durably(tmp: Path, info: "FileInfo") -> None:
+    os.replace(tmp, info.path)
+    fsync_dir(Path(info.path).parent)
 
 
 # --- writing ----------------------------------------------------------------
@@ -194,8 +201,8 @@ def write_checkpoint(
     writer's yield rule blocks there while it must not compete. On any
     error the temp file is removed and the exception propagates; the final
     path is untouched. `commit(temp, info)` renames the finished temp file to
-    `info.path` (default: a plain rename; the store records it in the same
-    catalogue transaction).
+    `info.path` and makes that durable (default: rename, fsync the directory;
+    the store records it in the same catalogue transaction).
     """
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}")
@@ -295,14 +302,15 @@ def write_checkpoint(
             head_digest.update(body)
             f.write(_PREFIX.pack(MAGIC, version, capacity, len(body), head_digest.digest()))
             f.write(body + b" " * (capacity - len(body)))
-            os.fsync(f.fileno())
+            fault("manifest.written")
+            fsync_file(f.fileno())
+        fault("manifest.synced")
         header = _parse_header(dict(fields, tensors=[e.to_json(version) for e in entries]), version, end)
         info = FileInfo(path, header, end, header.raw_bytes, time.perf_counter() - t0)
-        (commit or (lambda tmp_path, _: os.replace(tmp_path, path)))(tmp, info)
+        (commit or _rename_durably)(tmp, info)
     except BaseException:
         unlink_quietly(tmp)
         raise
-    fsync_dir(path.parent)
     return info
 
 

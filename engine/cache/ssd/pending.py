@@ -7,20 +7,24 @@
     pending.close()                       owner: always safe; finish() calls it
 
 Any problem is CheckpointUnavailable (a miss) when it reaches the owner, mapped
-exactly as a synchronous read maps it: a corrupt file is quarantined (unless its
-path now holds another file), a corrupt block is quarantined alone, a missing
-block, a newer format or a vanished file is a plain miss. `fill` never raises:
-it keeps the error for `finish`. No MLX here.
+exactly as a synchronous read maps it. Only verified corruption is quarantined:
+a file whose header, hash or identity is bad (unless its path now holds another
+file), a block whose bytes do not hash to its name (read twice). A missing block
+drops the files using it from the index; a newer format, a vanished file, an
+I/O error (EIO, EMFILE...), a busy catalogue or a bug of ours is a plain miss,
+tried again by the next lookup. `fill` never raises: it keeps the error for
+`finish`. No MLX here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from ..faults import fault
 from .blocks import CorruptBlock
 from .format import CorruptCheckpoint, Header, NewerFormat, read_header
 from .index import IndexEntry
@@ -28,9 +32,6 @@ from .reader import MissingBlock, allocate_all, fill
 
 if TYPE_CHECKING:
     from .store import CheckpointStore
-
-_BAD_FILE = (CorruptCheckpoint, OSError, ValueError, KeyError, TypeError, IndexError)
-
 
 class CheckpointUnavailable(Exception):
     """A checkpoint could not be restored; treat it as a cache miss."""
@@ -48,20 +49,23 @@ class PendingRead:
         self.error: BaseException | None = None
         self.seconds = 0.0  # work time: open, fill and build (not time spent queued)
         self._fd: int | None = None
-        self._lease = contextlib.ExitStack()
+        self._lease: int | None = None
         self._lock = threading.Lock()  # close() vs a fill still using the descriptor
         want = store._identities.get(entry.namespace)
         if want is None:  # nothing to check against: a miss, not a bad file
             raise CheckpointUnavailable(f"namespace {entry.namespace} is not registered")
-        self._lease.enter_context(store.catalog.lease(*self.key))
+        self._lease, path = store.lease(self.key)  # (a busy catalogue: read unleased)
+        if path is None:
+            raise CheckpointUnavailable(f"{self.path}: no longer in the catalogue")
+        self.path = Path(path) if path else self.path  # the version the lease holds
         try:
             self._fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
-            self._lease.close()
+            self.close()
             store._drop_vanished(self.key, self.path)
             raise CheckpointUnavailable(f"{self.path}: file vanished") from None
         except OSError as exc:
-            self._lease.close()
+            self.close()
             raise CheckpointUnavailable(f"{self.path}: {exc}") from None
         try:
             h = read_header(self._fd)
@@ -99,6 +103,7 @@ class PendingRead:
                 self.error = self.error or CheckpointUnavailable(f"{self.path}: read closed")
                 return False
             try:
+                fault("read.fill")
                 fill(self._fd, self.header, self.buffers, self.store.blocks_root)
             except Exception as exc:
                 exc.__traceback__ = None  # frames hold views of the buffers
@@ -129,7 +134,9 @@ class PendingRead:
             fd, self._fd = self._fd, None
             if fd is not None:
                 os.close(fd)
-        self._lease.close()
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            self.store.end_lease(lease)
         self.buffers = None
 
     def _fail(self, exc: BaseException):
@@ -142,17 +149,19 @@ class PendingRead:
     def _reason(self, exc: BaseException) -> str:
         if isinstance(exc, CheckpointUnavailable):
             return str(exc).removeprefix(f"{self.path}: ")
-        if isinstance(exc, (NewerFormat, MissingBlock)):
+        if isinstance(exc, MissingBlock):
+            self.store._drop_missing(self.key, self.path, exc.name)
             return str(exc)
         if isinstance(exc, CorruptBlock):
             self.store.quarantine_block(exc.name, exc.reason)
             return exc.reason
-        if isinstance(exc, _BAD_FILE):
-            reason = getattr(exc, "reason", None) or f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, CorruptCheckpoint):
             if self._fd is not None and _same_file(self._fd, self.path):
-                self.store._quarantine(self.path, reason, self.key)
-            return reason
-        raise exc  # not a cache problem: a bug, reported as such
+                self.store._quarantine(self.path, exc.reason, self.key)
+            return exc.reason
+        if isinstance(exc, (NewerFormat, OSError)):
+            return str(exc)
+        return f"{type(exc).__name__}: {exc} (not a problem of the file: a bug, reported; the file stays)"
 
 
 def _same_file(fd: int, path) -> bool:

@@ -2,17 +2,19 @@
 
 1. Cut the span tensors into blocks on the fixed grid and name each by the
    BLAKE3 of its bytes (no I/O).
-2. Claim those names in the catalogue (`pending`): from now on no process
-   frees them, and the claim says which are already on disk.
-3. Write only the missing blocks (temp, fsync, rename), fsync their
-   directories.
-4. Unless an identical manifest is already stored, write the manifest and
-   commit it: rename, catalogue row, its block references and the new
-   blocks' rows in one transaction, which also ends the claims.
+2. Claim those names in the catalogue: from now on no process frees them,
+   and the claim says which are already on disk (and which another process
+   is unlinking right now: those are written once it is done).
+3. Write only the missing blocks (temp, fsync, rename), fsync the blocks
+   directory, record them (they count against the SSD cap from here on).
+4. Unless an identical manifest is already stored, write the manifest under
+   a new name and commit it: one transaction checks that the claims still
+   hold, records the row and its block references, ends the claims, and
+   renames the manifest into place last.
 
-A kill -9 anywhere leaves either no manifest or one whose blocks are all
-durable; blocks nobody references are gc's (their claim dies with the
-process). Writer thread only; numpy views, no MLX.
+A kill -9 anywhere leaves either no new manifest or one whose blocks are
+all durable; blocks nobody references are freed by the survivors once they
+find this process dead, or by gc. Writer thread only; numpy views, no MLX.
 """
 
 from __future__ import annotations
@@ -24,10 +26,15 @@ from typing import Callable
 import numpy as np
 
 from ...system import fsync_dir
+from ..catalog import CatalogBusy
+from ..faults import fault
 from . import blocks
 from . import format as fmt
 from .blocks import BlockRef
 from .store import CheckpointStore
+
+
+FREEING_WAIT_S = 60.0  # at most this long for another process to finish unlinking a block we need
 
 
 @dataclass
@@ -47,17 +54,24 @@ def _inline_digests(job) -> list[str]:
     return out
 
 
-def _same_as_stored(store: CheckpointStore, job, refs: list[BlockRef], path) -> fmt.FileInfo | None:
-    """The stored manifest at `path` (these tokens'), if it holds exactly this state."""
-    try:
-        h = fmt.read_header(path)
-    except (OSError, fmt.CorruptCheckpoint, fmt.NewerFormat):
-        return None
-    same = (h.version == fmt.FORMAT_VERSION and h.blocks == tuple(refs) and h.layout == job.layout
-            and h.identity == job.identity and h.min_reusable_offset == job.min_reusable_offset
-            and h.trimmable == job.trimmable and [t.digest for t in h.inline] == _inline_digests(job)
-            and store.contains(job.tokens, job.namespace))
-    return fmt.FileInfo(path, h, h.file_size, h.raw_bytes, 0.0) if same else None
+def _same_as_stored(store: CheckpointStore, job, refs: list[BlockRef]) -> fmt.FileInfo | None:
+    """The stored manifest of these tokens, if it holds exactly this state."""
+    info = store.file_info(job.namespace, job.tokens)
+    h = info.header if info is not None else None
+    same = h is not None and (h.version == fmt.FORMAT_VERSION and h.blocks == tuple(refs) and h.layout == job.layout
+                              and h.identity == job.identity and h.min_reusable_offset == job.min_reusable_offset
+                              and h.trimmable == job.trimmable and [t.digest for t in h.inline] == _inline_digests(job))
+    return info if same else None
+
+
+def _wait_freed(store: CheckpointStore, names: set) -> None:
+    """Blocks another process is unlinking right now: write them only once it is done."""
+    deadline = time.monotonic() + FREEING_WAIT_S
+    while names:
+        if time.monotonic() > deadline:
+            raise CatalogBusy(f"{len(names)} blocks are still being removed by another process")
+        time.sleep(0.01)
+        names = store.catalog.being_freed(names)
 
 
 def persist(store: CheckpointStore, job, *, pause: Callable[[], None] | None = None,
@@ -65,7 +79,7 @@ def persist(store: CheckpointStore, job, *, pause: Callable[[], None] | None = N
             block_tokens: int | None = None) -> Persisted:
     t0 = time.perf_counter()
     block_tokens = block_tokens or blocks.BLOCK_TOKENS
-    path = store.prepare_path(job.namespace, job.tokens)
+    path = store.prepare_path(job.namespace, job.tokens)  # first: a directory that cannot be made fails at once
     span = [h for h in job.host_tensors if getattr(h, "span", False)]
     specs = [(h.name, h.dtype, tuple(h.shape)) for h in span]
     views = blocks.SpanViews([h.array for h in span])
@@ -76,10 +90,13 @@ def persist(store: CheckpointStore, job, *, pause: Callable[[], None] | None = N
         head, data = blocks.header(a, b, specs), views.runs(a, b)
         planned.append((BlockRef(blocks.name_of(head, data), a, b, len(head) + sum(len(d) for d in data)), head, data))
     refs = [r for r, _, _ in planned]
+    names = [r.name for r in refs]
     write_id = time.monotonic_ns()
-    missing = store.catalog.reserve_blocks([r.name for r in refs], write_id)
+    missing, freeing = store.catalog.reserve_blocks(names, write_id)
     committed = False
     try:
+        fault("write.claimed")
+        _wait_freed(store, freeing)
         to_write = {r.name: (r, head, data) for r, head, data in planned
                     if r.name in missing or not blocks.block_path(store.blocks_root, r.name).exists()}
         total = sum(r.nbytes for r, _, _ in to_write.values())
@@ -92,9 +109,10 @@ def persist(store: CheckpointStore, job, *, pause: Callable[[], None] | None = N
                 progress(done, total + inline_bytes)
         if to_write:  # one directory holds every block: one fsync makes their renames durable
             fsync_dir(store.blocks_root)
-        new_blocks = {r.name: r.nbytes for r, _, _ in to_write.values()}
+            fault("write.blocks_synced")
+            store.catalog.add_blocks({r.name: r.nbytes for r, _, _ in to_write.values()})
         saved = sum(r.nbytes for r in refs) - total
-        stored = _same_as_stored(store, job, refs, path) if not to_write else None
+        stored = _same_as_stored(store, job, refs) if not to_write else None
         if stored is not None:
             return Persisted(stored, 0, saved + stored.file_bytes)
         info = fmt.write_checkpoint(
@@ -103,12 +121,14 @@ def persist(store: CheckpointStore, job, *, pause: Callable[[], None] | None = N
             min_reusable_offset=job.min_reusable_offset, host_tensors=job.host_tensors, codec=job.codec,
             trimmable=job.trimmable, pause=pause, blocks=refs,
             progress=None if progress is None else (lambda d, _t: progress(total + d, total + inline_bytes)),
-            commit=lambda tmp, info: store.commit(tmp, info, write_id, new_blocks),
+            commit=lambda tmp, info: store.commit(tmp, info, write_id, names),
         )
         committed = True
         info = fmt.FileInfo(info.path, info.header, info.file_bytes, info.raw_bytes, time.perf_counter() - t0)
         return Persisted(info, total + info.file_bytes, saved)
     finally:
         if not committed:
-            store.release(write_id)
-
+            try:
+                store.release(write_id)
+            except Exception:  # never hide the error that got us here; the keeper retries
+                store.catalog.later(lambda: store.release(write_id))

@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 
 from . import blocks
-from .blocks import BlockRef, CorruptBlock
+from .blocks import BlockRef
 from .format import CorruptCheckpoint, Header, TensorEntry, hasher
 
 # Threads that read, hash and copy blocks: reading a warm block, hashing it and
@@ -93,9 +93,7 @@ def _load_block(root: Path, ref: BlockRef, head: bytes, dst: list, ahead: BlockR
     try:
         blocks.read_into(blocks.block_path(root, ref.name), ref.name, head, dst)
     except FileNotFoundError:
-        raise MissingBlock(ref.name) from None
-    except OSError as exc:
-        raise CorruptBlock(ref.name, str(exc)) from None
+        raise MissingBlock(ref.name) from None  # (any other OSError is an I/O error: a miss, not corruption)
 
 
 class MissingBlock(Exception):

@@ -1,47 +1,64 @@
 """The SSD tier: checkpoint files under one root, indexed by the shared catalogue.
 
     root/catalog.db                                  the catalogue (../catalog.py)
-    root/<namespace>/<key of token ids>.ckpt         committed checkpoints (manifests)
-    root/<namespace>/.<name>.<pid>.<n>.tmp           writes in progress (ignored)
-    root/blocks/<2 hex>/<BLAKE3>.blk                 KV token spans, shared (blocks.py)
+    root/.heartbeats/<owner>                         each open catalogue's heartbeat (../liveness.py)
+    root/<namespace>/<key>.<tag>.ckpt                committed checkpoints (manifests): each write a new tag
+    root/<namespace>/.<name>.<process tag>.<n>.tmp   writes in progress (ignored)
+    root/blocks/<BLAKE3>.blk                         KV token spans, shared (blocks.py)
     root/quarantine/                                 files found bad, kept as evidence
 
 Every process sharing the root sees the same files: its in-memory index is a
 copy of the catalogue's rows, brought up to date from the change log before
 each lookup (no directory scans on the hot path). At start the files on disk
-are reconciled with the catalogue: rows whose file vanished are dropped and
-complete files without a row (a lost catalogue, an older build) are indexed
-from their headers. Files of a newer format version are left alone.
+are reconciled with the catalogue (upkeep.py).
 
-Every deletion (supersession, the SSD cap, clear, quarantine) is a catalogue
-transaction that spares pinned and leased files and frees the blocks no
-other manifest references; the cap counts every process's unique bytes. Identity: the caller registers the expected identity of each
-namespace; files of other namespaces count against capacity but are not served.
-Thread safety: one lock over the in-memory index; any thread may call in. No
-MLX here: `read` verifies into buffers the caller allocates (restore.py).
+A commit checks, inside its transaction, that the write still claims every
+block it references and that each is recorded; then it renames the new
+manifest (a name no one else uses) last, so a failed COMMIT leaves the old
+version indexed and the new file removed. Every deletion (supersession, the
+SSD cap, clear, quarantine) is a short transaction that spares pinned and
+leased files and frees only blocks no file references and no live process
+claims; unlinks follow the COMMIT (removal.py). The cap counts every
+process's unique bytes (totals kept by the catalogue). A busy catalogue is
+never a failure here: lookups go on from the index, reads go unleased, and
+`late` says why the SSD tier lags. A directory on a network filesystem is
+refused (SQLite's WAL needs a local disk).
+
+Identity: the caller registers the expected identity of each namespace;
+files of other namespaces count against capacity but are not served. Any
+thread may call in. No MLX here: `read` verifies into buffers the caller
+allocates (restore.py).
 """
 
 from __future__ import annotations
 
 import os
-import sqlite3
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-
 from ...kv.tokens import token_key
-from ...system import make_private_dir, unlink_quietly
-from ..catalog import Catalog, FileRow
+from ...system import fsync_dir, make_private_dir, network_filesystem, unlink_quietly
+from ..catalog import Catalog, CatalogBusy, CatalogCorrupt, FileRow
+from ..faults import fault
 from . import format as fmt
 from .format import CorruptCheckpoint, FileInfo, Header, NewerFormat
 from .index import FileIndex, IndexEntry
 from .pending import CheckpointUnavailable, PendingRead
+from .removal import AfterCommit, changing
+from .upkeep import BLOCKS, HEARTBEATS, NAMESPACE_RE, QUARANTINE, SUFFIX, Upkeep
 
-__all__ = ["CheckpointStore", "CheckpointUnavailable", "PendingRead", "validate_namespace"]
-from .upkeep import BLOCKS, NAMESPACE_RE, QUARANTINE, SUFFIX, Upkeep
+__all__ = ["CheckpointStore", "CheckpointUnavailable", "LostClaims", "PendingRead", "validate_namespace"]
 
+
+class LostClaims(Exception):
+    """A write's blocks are no longer all claimed and recorded (another process took the
+    writer for dead and freed them): nothing was committed; the write is retried."""
+
+
+class UnsupportedFilesystem(OSError):
+    """The directory is on a network filesystem: SQLite's WAL needs a local disk."""
 
 
 def validate_namespace(namespace: str) -> str:
@@ -59,9 +76,15 @@ def _row(path: Path, h: Header) -> FileRow:
 
 class CheckpointStore(Upkeep):
     def __init__(self, root, *, ssd_budget_bytes: int | None = None, on_event: Callable[[dict], None] | None = None,
-                 on_removed: Callable[[str, tuple], None] | None = None):
+                 on_removed: Callable[[str, tuple], None] | None = None, clock: Callable[[], float] = time.monotonic):
+        """clock: the monotonic clock liveness is judged by (tests age peers with their own)."""
+        kind = network_filesystem(root)
+        if kind is not None:
+            raise UnsupportedFilesystem(f"{root} is on a network filesystem ({kind}): the SSD tier needs a local "
+                                        "disk (SQLite's WAL shares memory between processes)")
         self.root = make_private_dir(root)
         make_private_dir(self.root / QUARANTINE)
+        make_private_dir(self.root / HEARTBEATS)
         self.blocks_root = make_private_dir(self.root / BLOCKS)
         self.ssd_budget_bytes = ssd_budget_bytes
         self.on_event, self.on_removed = on_event, on_removed
@@ -70,12 +93,25 @@ class CheckpointStore(Upkeep):
         self._entries = self.index.entries  # (namespace, key) -> IndexEntry
         self._identities: dict[str, dict] = {}
         self._reported: set = set()
+        self._unsynced: set = set()  # directories whose deletions await an fsync (the keeper's)
         self._stats = {"quarantined": 0, "restores": 0, "restore_bytes": 0, "restore_seconds": 0.0, "evicted": 0,
-                       "newer_format_files": 0, "bytes_written": 0, "bytes_deduplicated": 0, "blocks_freed": 0}
-        self.catalog = Catalog(self.root / "catalog.db")
+                       "newer_format_files": 0, "bytes_written": 0, "bytes_deduplicated": 0, "blocks_freed": 0,
+                       "dropped_missing_blocks": 0, "unleased_reads": 0}
+        self.catalog = Catalog(self.root / "catalog.db", clock=clock)
+        self.catalog.on_late = self._late
         self.rebuilds = 0  # times the catalogue was found gone or broken and rebuilt while running
         self._reload()
-        self._reconcile()
+        self._start()
+        self.catalog.maintain = self.maintain
+
+    def _start(self) -> None:
+        """Forget dead processes, then reconcile the catalogue with the files (upkeep.py);
+        with another process holding the lock, once it is free (the keeper)."""
+        try:
+            self.maintain()
+            self._reconcile()
+        except CatalogBusy:
+            self.catalog.later(self._start)
 
     # --- the in-memory view of the catalogue ---
 
@@ -86,17 +122,19 @@ class CheckpointStore(Upkeep):
         """Apply what any process committed or deleted since the last call (an indexed query).
 
         A catalogue that was deleted, replaced or corrupted meanwhile is reopened
-        (rebuilt if need be) and reconciled with the files.
+        (rebuilt if need be) and reconciled with the files. A busy one waits for the next call.
         """
         try:
             if self.catalog.replaced():
-                raise sqlite3.DatabaseError("the catalogue was deleted or replaced")
+                raise CatalogCorrupt("the catalogue was deleted or replaced")
             added, removed, reload = self.catalog.changes()
-        except sqlite3.DatabaseError:
+        except CatalogBusy:
+            return
+        except CatalogCorrupt:
             self.catalog.reopen()
             self.rebuilds += 1
             self._reload()
-            self._reconcile()
+            self._start()
             self._emit({"type": "catalog_rebuilt", "path": str(self.catalog.path)})
             return
         with self._lock:
@@ -112,14 +150,19 @@ class CheckpointStore(Upkeep):
 
     _row = staticmethod(_row)
 
-    def register_namespace(self, namespace: str, identity: dict) -> None:
-        """Declare the identity files of `namespace` must carry; quarantine those that differ."""
+    def register_namespace(self, namespace: str, identity: dict, *, check: bool = True) -> None:
+        """Declare the identity files of `namespace` must carry; quarantine those that differ
+        (check=False: the caller has checked its one file, as the object cache does)."""
         validate_namespace(namespace)
+        if not check:
+            with self._lock:
+                self._identities[namespace] = dict(identity)
+            return
         self.sync()
         with self._lock:
             self._identities[namespace] = dict(identity)
             bad = [e for k, e in self._entries.items() if k[0] == namespace and e.identity != identity]
-        for e in bad:
+        for e in bad:  # (a busy catalogue: they stay, never served: a read checks the identity)
             self._quarantine(e.path, "identity mismatch", (e.namespace, e.key))
 
     def _emit(self, event: dict) -> None:
@@ -128,6 +171,10 @@ class CheckpointStore(Upkeep):
                 self.on_event(event)
             except Exception:
                 pass  # an observer must not break the store
+
+    def _late(self, reason: str | None) -> None:
+        if reason is not None:
+            self._emit({"type": "ssd_late", "reason": reason})
 
     # --- lookup ---
 
@@ -185,13 +232,44 @@ class CheckpointStore(Upkeep):
         `allocate(name, dtype, shape)`, then return `build(header)` (see restore.py):
         open_read, allocate, fill and finish on the calling thread.
 
-        Any problem is CheckpointUnavailable (a miss). A bad file is quarantined,
-        unless the path now holds another file (a concurrent replace is not corruption).
+        Any problem is CheckpointUnavailable (a miss). Only verified corruption is
+        quarantined (a bad hash, header or identity); a vanished file, a missing
+        block, an I/O error or a busy catalogue is a miss, and the next lookup tries again.
         """
         pending = self.open_read(entry)
         pending.allocate(allocate)
         pending.fill()
         return pending.finish(build)
+
+    def lease(self, k: tuple) -> tuple[int | None, str | None]:
+        """Lease (namespace, key) for a read: (lease id, the file's path). (None, None): no such file
+        any more; (None, "") when the catalogue is busy: read unleased (a deletion meanwhile is a miss).
+        A file found referencing a lost block is dropped on the spot (a miss)."""
+        try:
+            got = self.catalog.lease(*k)
+        except CatalogBusy:
+            with self._lock:
+                self._stats["unleased_reads"] += 1
+            return None, ""
+        if got is None:
+            self.sync()
+            return None, None
+        lease_id, path, missing = got
+        if missing:
+            self.end_lease(lease_id)
+            self._drop_missing(k, Path(path))
+            return None, None
+        return lease_id, path
+
+    def end_lease(self, lease_id: int) -> None:
+        """The read is over: its blocks may go if nothing else holds them (a busy catalogue: later)."""
+        def end() -> None:
+            with changing(self, "unlease") as (db, after):
+                after.blocks = self.catalog.free_blocks(db, self.catalog.end_lease(db, lease_id))
+        try:
+            end()
+        except CatalogBusy:
+            self.catalog.later(end)
 
     def count_restore(self, read: PendingRead, *, touch: bool = True) -> None:
         """A finished read: restore statistics and, unless it was speculative, the file's last use."""
@@ -208,35 +286,62 @@ class CheckpointStore(Upkeep):
     # --- commits and deletions (catalogue transactions) ---
 
     def prepare_path(self, namespace: str, tokens: Sequence[int]) -> Path:
-        """Final path for a checkpoint of `tokens`; creates the namespace dir."""
-        return make_private_dir(self.root / validate_namespace(namespace)) / (token_key(tokens) + SUFFIX)
+        """A new final path for a checkpoint of `tokens` (a fresh tag: no write replaces a
+        file in place, so a failed commit leaves the old version whole); creates the namespace dir."""
+        d = make_private_dir(self.root / validate_namespace(namespace))
+        return d / f"{token_key(tokens)}.{os.urandom(4).hex()}{SUFFIX}"
 
-    def commit(self, tmp: Path, info: FileInfo, write_id: int | None = None, new_blocks: dict | None = None) -> None:
-        """Rename a finished temp file into place and record it with its block references,
-        in one transaction that also ends the write's block claims (writer thread)."""
-        h = info.header
-        with self.catalog.transaction() as db:
-            try:
-                fmt.read_header(info.path)
-            except NewerFormat:  # a newer build's file under this name: leave it alone
-                raise FileExistsError(f"{info.path} holds a newer format's checkpoint; not replaced") from None
-            except (OSError, CorruptCheckpoint):
-                pass
-            old = self.catalog.file(h.namespace, token_key(h.tokens))
-            if new_blocks:
-                self.catalog.add_blocks(new_blocks, db)
-            os.replace(tmp, info.path)
-            freed = self.catalog.add_file(db, _row(Path(info.path), h))
-            if old is not None and old.path != str(info.path):  # a format 1 file of the same tokens
-                unlink_quietly(old.path)
-            if write_id is not None:
-                freed += self.catalog.release(db, write_id)
-            self._unlink_blocks(self.catalog.free_blocks(db, freed))
+    def commit(self, tmp: Path, info: FileInfo, write_id: int | None = None, blocks: Sequence[str] = ()) -> None:
+        """Record a finished temp file with its block references, end the write's claims, then
+        rename it into place, last, in the same transaction (writer thread). `blocks`: what
+        the write claimed (checked: still claimed and recorded, else LostClaims)."""
+        h, path = info.header, Path(info.path)
+        k = (h.namespace, token_key(h.tokens))
+        after, renamed = AfterCommit(self, "commit"), False
+        try:
+            with self.catalog.transaction("commit") as db:
+                if write_id is not None and not self.catalog.claims_held(db, write_id, blocks):
+                    raise LostClaims(f"{path.name}: blocks this write relied on were freed meanwhile; "
+                                     "written again later")
+                old = self.catalog.file(*k, db=db)
+                freed = self.catalog.add_file(db, _row(path, h))
+                if write_id is not None:
+                    freed += self.catalog.release(db, write_id)
+                after.blocks = self.catalog.free_blocks(db, freed)
+                if old is not None and old.path != str(path):
+                    after.files.append(Path(old.path))
+                fault("commit.rename")
+                os.replace(tmp, path)
+                renamed = True
+                after.dirs.add(path.parent)
+                fault("commit.renamed")
+        except BaseException:
+            if renamed:  # the COMMIT failed: nothing may point at the new file
+                unlink_quietly(path)
+            raise
+        after.run()
 
     def release(self, write_id: int) -> None:
         """End a failed or skipped write's block claims; free what nothing references."""
-        with self.catalog.transaction() as db:
-            self._unlink_blocks(self.catalog.free_blocks(db, self.catalog.release(db, write_id)))
+        with changing(self, "release") as (db, after):
+            after.blocks = self.catalog.free_blocks(db, self.catalog.release(db, write_id))
+
+    def fsync_later(self, dirs: set) -> None:
+        """Directories that lost files: the keeper fsyncs them within a second."""
+        with self._lock:
+            first = not self._unsynced and bool(dirs)
+            self._unsynced |= dirs
+        if first:
+            self.catalog.later(self._fsync_unsynced)
+
+    def _fsync_unsynced(self) -> None:
+        with self._lock:
+            dirs, self._unsynced = self._unsynced, set()
+        for d in sorted(dirs):
+            try:
+                fsync_dir(d)
+            except OSError:
+                pass  # (a deletion a crash undoes is found again by reconcile or gc)
 
     def count_write(self, written: int, deduplicated: int) -> None:
         with self._lock:
@@ -248,44 +353,59 @@ class CheckpointStore(Upkeep):
         h = info.header
         self.sync()
         k = (h.namespace, token_key(h.tokens))
-        with self.catalog.transaction() as db:
-            if h.trimmable:
-                with self._lock:
-                    older = [e for e in self._entries.values() if e.namespace == h.namespace and len(e) < len(h.tokens)
-                             and len(e) >= h.min_reusable_offset and h.tokens[: len(e)] == e.tokens]
-                for e in older:
-                    self._delete(db, e.namespace, e.key, str(e.path), e.file_bytes, "superseded")
-            self._enforce_budget(db, keep=k)
+        with self._lock:
+            older = [(e.namespace, e.key) for e in self._entries.values() if h.trimmable and e.namespace == h.namespace
+                     and len(e) < len(h.tokens) and len(e) >= h.min_reusable_offset and h.tokens[: len(e)] == e.tokens]
+        with changing(self, "publish") as (db, after):
+            self.catalog.apply_touches(db)  # the cap sees this process's latest uses
+            for ns, key in older:
+                self._delete(db, after, ns, key, "superseded")
+            self._enforce_budget(db, after, keep=k)
         self.sync()
         with self._lock:
             e = self._entries.get(k)
             return replace(e, _arr=None) if e is not None else IndexEntry.from_row(_row(Path(info.path), h))
 
-    def _delete(self, db, ns: str, key: str, path: str, nbytes: int, reason: str) -> bool:
-        if not self.catalog.deletable(db, ns, key):
+    def _delete(self, db, after: AfterCommit, ns: str, key: str, reason: str) -> bool:
+        """Drop (ns, key) unless pinned or leased (inside a transaction); its file goes after COMMIT."""
+        row = self.catalog.file(ns, key, db=db)
+        if row is None or not self.catalog.deletable(db, ns, key):
             return False
-        self._drop(db, ns, key)
-        unlink_quietly(path)
-        self._stats["evicted"] += 1
-        self._emit({"type": "evict", "path": path, "reason": reason, "nbytes": nbytes})
+        after.blocks += self.catalog.free_blocks(db, self.catalog.drop_file(db, ns, key))
+        after.files.append(Path(row.path))
+        after.evicted += 1
+        after.events.append({"type": "evict", "path": row.path, "reason": reason, "nbytes": row.file_bytes})
         return True
 
-    def _enforce_budget(self, db, keep: tuple | None = None) -> None:
+    def _enforce_budget(self, db, after: AfterCommit, keep: tuple | None = None) -> None:
+        """Delete least recently used files until every process's unique bytes fit the budget
+        (the totals are kept by triggers: no scan per file)."""
         if self.ssd_budget_bytes is None:
             return
-        # every process's unique bytes: deleting a manifest frees only blocks nobody else uses
-        for ns, key, path, nbytes in self.catalog.lru(db):
-            if self.catalog.total_bytes(db) <= self.ssd_budget_bytes:
-                break
-            if (ns, key) != keep:
-                self._delete(db, ns, key, path, nbytes, "capacity")
+        since = (float("-inf"), 0)
+        while self.catalog.total_bytes(db) > self.ssd_budget_bytes:
+            page = self.catalog.least_recent(db, since)
+            if not page:
+                return
+            for ns, key, since in page:
+                if (ns, key) != keep:
+                    self._delete(db, after, ns, key, "capacity")
+                if self.catalog.total_bytes(db) <= self.ssd_budget_bytes:
+                    return
+
+    def remove(self, keys, reason: str = "removed", label: str = "remove") -> int:
+        """Delete the files of these (namespace, key) that no name pins and no reader leases
+        (short transactions of a few files each); how many went. CatalogBusy if the lock does not come."""
+        keys, removed = list(keys), 0
+        for i in range(0, len(keys), 64):
+            with changing(self, label) as (db, after):
+                removed += sum(self._delete(db, after, ns, key, reason) for ns, key in keys[i : i + 64])
+        self.sync()
+        return removed
 
     def clear(self) -> None:
         """Delete every catalogued checkpoint that no name pins and no reader leases."""
-        with self.catalog.transaction() as db:
-            for ns, key, path, nbytes in self.catalog.lru(db):
-                self._delete(db, ns, key, path, nbytes, "cleared")
-        self.sync()
+        self.remove(self.catalog.query("SELECT namespace, key FROM files"), "cleared", "clear")
 
     def stats(self) -> dict:
         self.sync()
@@ -300,8 +420,8 @@ class CheckpointStore(Upkeep):
         processes = self.catalog.processes()
         s["processes"] = len(processes)
         s["processes_pending_writes"] = sum(p["pending_writes"] for p in processes)
+        s["late_reason"] = self.catalog.late
         return s
 
     def close(self) -> None:
         self.catalog.close()
-

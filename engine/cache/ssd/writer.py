@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from ..catalog import background_thread
 from ..gate import GenerationGate
 from . import format as fmt
 from .persist import persist
@@ -237,6 +238,7 @@ class CheckpointWriter:
             self._progress = (done, total)
 
     def _run(self) -> None:
+        background_thread()  # the catalogue's write lock may be held elsewhere: a write waits for it
         while True:
             with self._cv:
                 while not self._queue and not self._closed:

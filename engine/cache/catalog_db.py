@@ -1,0 +1,326 @@
+"""The catalogue's SQLite database: connections, transactions, the schema, and
+what a busy or a corrupt database means. (Its rows: catalog.py.)
+
+- One connection per thread, WAL mode: readers never wait for a writer, and
+  SQLite serialises writers, across threads and processes alike.
+- A write transaction is BEGIN IMMEDIATE. How long it waits for another
+  process's write lock depends on who asks: a cell's thread (any thread
+  not marked) waits OWNER_WAIT_S, and once such a wait ran out, only
+  LATE_WAIT_S until some write succeeds again (`late` says why; RAM,
+  prefill and the write queue carry on meanwhile); the catalogue's keeper thread
+  KEEPER_WAIT_S; a background thread marked with `background_thread()`
+  (the writer) BACKGROUND_WAIT_S. Running out is CatalogBusy: a wait, a
+  deferral or a miss, never a reason to replace the database.
+- Only SQLITE_CORRUPT, SQLITE_NOTADB or a failed quick_check set a database
+  aside (kept as `catalog.db.corrupt.<time>`, replaced by a fresh one that
+  the store rebuilds from the files).
+- A failed COMMIT (a full disk) is rolled back unless SQLite already did,
+  and the original error propagates.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+from .faults import fault
+
+SCHEMA_VERSION = 3
+OWNER_WAIT_S = 1.0
+LATE_WAIT_S = 0.05  # a cell's wait while the lock is known to be held elsewhere: a short transaction's length
+KEEPER_WAIT_S = 0.5
+BACKGROUND_WAIT_S = 60.0
+_BUSY, _LOCKED, _CORRUPT, _NOTADB = 5, 6, 11, 26
+_thread = threading.local()
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(k TEXT PRIMARY KEY, v TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS files(
+    namespace TEXT NOT NULL, key TEXT NOT NULL, path TEXT NOT NULL, length INTEGER NOT NULL,
+    tokens BLOB NOT NULL, file_bytes INTEGER NOT NULL, kv_bytes INTEGER NOT NULL,
+    min_reusable_offset INTEGER NOT NULL, trimmable INTEGER NOT NULL, format_version INTEGER NOT NULL,
+    created REAL NOT NULL, last_used REAL NOT NULL, identity TEXT NOT NULL, block_bytes INTEGER NOT NULL DEFAULT 0,
+    pinned INTEGER NOT NULL DEFAULT 0, PRIMARY KEY(namespace, key));
+CREATE INDEX IF NOT EXISTS files_unpinned_lru ON files(pinned, last_used);
+CREATE TABLE IF NOT EXISTS blocks(name TEXT PRIMARY KEY, bytes INTEGER NOT NULL, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS refs(namespace TEXT NOT NULL, key TEXT NOT NULL, block TEXT NOT NULL,
+    PRIMARY KEY(namespace, key, block));
+CREATE INDEX IF NOT EXISTS refs_block ON refs(block);
+CREATE TABLE IF NOT EXISTS claims(block TEXT NOT NULL, owner TEXT NOT NULL, write_id INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS claims_block ON claims(block);
+CREATE INDEX IF NOT EXISTS claims_owner ON claims(owner, write_id);
+CREATE TABLE IF NOT EXISTS freeing(name TEXT PRIMARY KEY, owner TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS changes(seq INTEGER PRIMARY KEY AUTOINCREMENT, op TEXT NOT NULL,
+    namespace TEXT NOT NULL, key TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS pins(name TEXT PRIMARY KEY, namespace TEXT NOT NULL, key TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS pins_key ON pins(namespace, key);
+CREATE TABLE IF NOT EXISTS leases(id INTEGER PRIMARY KEY AUTOINCREMENT, owner TEXT NOT NULL,
+    namespace TEXT NOT NULL, key TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS leases_key ON leases(namespace, key);
+CREATE TABLE IF NOT EXISTS inflight(request TEXT PRIMARY KEY, record TEXT NOT NULL, time REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS procs(owner TEXT PRIMARY KEY, tag TEXT NOT NULL, pid INTEGER NOT NULL,
+    host TEXT NOT NULL, boot TEXT NOT NULL, pidns TEXT NOT NULL, start INTEGER, started REAL NOT NULL,
+    pending_writes INTEGER NOT NULL DEFAULT 0, pending_bytes INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS totals(k TEXT PRIMARY KEY, v INTEGER NOT NULL);
+CREATE TRIGGER IF NOT EXISTS files_in AFTER INSERT ON files BEGIN
+    UPDATE totals SET v = v + NEW.file_bytes WHERE k = 'file_bytes'; END;
+CREATE TRIGGER IF NOT EXISTS files_out AFTER DELETE ON files BEGIN
+    UPDATE totals SET v = v - OLD.file_bytes WHERE k = 'file_bytes'; END;
+CREATE TRIGGER IF NOT EXISTS files_size AFTER UPDATE OF file_bytes ON files BEGIN
+    UPDATE totals SET v = v - OLD.file_bytes + NEW.file_bytes WHERE k = 'file_bytes'; END;
+CREATE TRIGGER IF NOT EXISTS files_pinned AFTER INSERT ON files BEGIN
+    UPDATE files SET pinned = (SELECT COUNT(*) FROM pins p WHERE p.namespace = NEW.namespace AND p.key = NEW.key)
+    WHERE rowid = NEW.rowid; END;
+CREATE TRIGGER IF NOT EXISTS pins_in AFTER INSERT ON pins BEGIN
+    UPDATE files SET pinned = pinned + 1 WHERE namespace = NEW.namespace AND key = NEW.key; END;
+CREATE TRIGGER IF NOT EXISTS pins_out AFTER DELETE ON pins BEGIN
+    UPDATE files SET pinned = pinned - 1 WHERE namespace = OLD.namespace AND key = OLD.key; END;
+CREATE TRIGGER IF NOT EXISTS blocks_in AFTER INSERT ON blocks BEGIN
+    UPDATE totals SET v = v + 1 WHERE k = 'blocks'; UPDATE totals SET v = v + NEW.bytes WHERE k = 'block_bytes'; END;
+CREATE TRIGGER IF NOT EXISTS blocks_out AFTER DELETE ON blocks BEGIN
+    UPDATE totals SET v = v - 1 WHERE k = 'blocks'; UPDATE totals SET v = v - OLD.bytes WHERE k = 'block_bytes'; END
+"""
+# Schema 2 kept pids in its process, claim and lease tables: they go (a build that
+# old must not share the directory with this one); inflight rows learn their owner.
+_MIGRATE = """
+DROP TABLE IF EXISTS processes; DROP TABLE IF EXISTS pending; DROP TABLE IF EXISTS leases;
+DROP TRIGGER IF EXISTS files_in; DROP TRIGGER IF EXISTS files_out; DROP TRIGGER IF EXISTS files_size;
+DROP TRIGGER IF EXISTS blocks_in; DROP TRIGGER IF EXISTS blocks_out; DROP INDEX IF EXISTS files_lru
+"""
+_TOTALS = """
+UPDATE files SET pinned = (SELECT COUNT(*) FROM pins p WHERE p.namespace = files.namespace AND p.key = files.key);
+INSERT OR REPLACE INTO totals VALUES('file_bytes', (SELECT COALESCE(SUM(file_bytes), 0) FROM files));
+INSERT OR REPLACE INTO totals VALUES('blocks', (SELECT COUNT(*) FROM blocks));
+INSERT OR REPLACE INTO totals VALUES('block_bytes', (SELECT COALESCE(SUM(bytes), 0) FROM blocks))
+"""
+
+
+class CatalogBusy(Exception):
+    """Another process held the catalogue's write lock longer than this caller may wait."""
+
+
+class CatalogCorrupt(Exception):
+    """The database is damaged (SQLITE_CORRUPT, SQLITE_NOTADB or a failed integrity check)."""
+
+
+def background_thread(wait_s: float = BACKGROUND_WAIT_S) -> None:
+    """Mark the calling thread as one that may wait `wait_s` for the write lock (not a cell's)."""
+    _thread.wait = wait_s
+
+
+def _statements(script: str) -> list[str]:
+    out, buf = [], ""
+    for part in script.split(";"):  # a trigger's body holds ";": wait for its END
+        buf += part + ";"
+        if sqlite3.complete_statement(buf):
+            out.append(buf.strip())
+            buf = ""
+    return [s for s in out if s.strip(";").strip()]
+
+
+class Database:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._local = threading.local()
+        self._conns: list[sqlite3.Connection] = []
+        self._conns_lock = threading.Lock()
+        self._generation = 0
+        self.closed = False  # after close(): reads see an empty catalogue, writes are refused
+        self.late: str | None = None  # why SSD work waits (the write lock is held elsewhere), or None
+        self.on_late: Callable[[str | None], None] | None = None
+        self.holds: list | None = None  # a list: (label, seconds the write lock was held) per transaction
+        self._open()
+
+    # --- opening, setting aside ---
+
+    def _open(self) -> None:
+        try:
+            self._prepare()
+        except CatalogCorrupt:
+            self._set_aside()
+            self._prepare()
+
+    def _prepare(self) -> None:
+        try:
+            db = self.connection()
+            os.chmod(self.path, 0o600)
+            self._inode = os.stat(self.path).st_ino
+            db.execute("PRAGMA journal_mode=WAL")
+            if db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
+                raise CatalogCorrupt(f"{self.path} failed its integrity check")
+            try:
+                version = int(db.execute("SELECT v FROM meta WHERE k='schema'").fetchone()[0])
+            except (sqlite3.OperationalError, TypeError):
+                version = 0
+        except sqlite3.DatabaseError as e:
+            raise self._failed(e, OWNER_WAIT_S) from e
+        if version < SCHEMA_VERSION:
+            with self.transaction("schema") as db:
+                for statement in _statements(_MIGRATE + ";" + _SCHEMA):
+                    db.execute(statement)
+                have = {r[1] for r in db.execute("PRAGMA table_info(files)")}
+                if "block_bytes" not in have:  # a schema 1 catalogue: format 1 files only
+                    db.execute("ALTER TABLE files ADD COLUMN block_bytes INTEGER NOT NULL DEFAULT 0")
+                if "pinned" not in have:
+                    db.execute("ALTER TABLE files ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0")
+                have = {r[1] for r in db.execute("PRAGMA table_info(inflight)")}
+                for column in ("owner", "namespace", "key"):
+                    if column not in have:
+                        db.execute(f"ALTER TABLE inflight ADD COLUMN {column} TEXT NOT NULL DEFAULT ''")
+                for statement in _statements(_TOTALS):
+                    db.execute(statement)
+                db.execute("INSERT OR REPLACE INTO meta VALUES('schema', ?)", (str(SCHEMA_VERSION),))
+
+    def _set_aside(self) -> None:
+        """A corrupt database is kept as evidence and replaced by a fresh one."""
+        self._close_connections()
+        stamp = time.time_ns()
+        for suffix in ("", "-wal", "-shm"):
+            p = Path(str(self.path) + suffix)
+            if p.exists():
+                os.replace(p, p.with_name(f"{p.name}.corrupt.{stamp}"))
+        self._generation += 1
+
+    def replaced(self) -> bool:
+        """Whether the database file was deleted or replaced since this process opened it."""
+        try:
+            return os.stat(self.path).st_ino != self._inode
+        except FileNotFoundError:
+            return True
+
+    def reopen(self) -> None:
+        """Start over on a fresh (or another process's rebuilt) database; a corrupt one is set aside."""
+        self._generation += 1
+        self._open()
+
+    # --- connections and transactions ---
+
+    def connection(self) -> sqlite3.Connection:
+        """This thread's connection (a new one after reopen)."""
+        c = getattr(self._local, "conn", None)
+        if c is not None and self._local.generation == self._generation:
+            return c
+        c = sqlite3.connect(self.path, timeout=0, isolation_level=None, check_same_thread=False)
+        self._local.wait = 0.0
+        c.execute("PRAGMA synchronous=NORMAL")
+        c.execute("PRAGMA wal_autocheckpoint=0")  # the keeper checkpoints: a COMMIT stays short
+        c.execute("PRAGMA recursive_triggers=ON")  # INSERT OR REPLACE keeps the totals right
+        if sys.platform == "darwin":
+            c.execute("PRAGMA fullfsync=ON")
+            c.execute("PRAGMA checkpoint_fullfsync=ON")
+        self._local.conn, self._local.generation = c, self._generation
+        with self._conns_lock:
+            self._conns.append(c)
+        return c
+
+    def _wait(self, db: sqlite3.Connection, wait: float | None) -> float:
+        if wait is None:
+            wait = getattr(_thread, "wait", None)
+        if wait is None:  # a cell's thread
+            wait = LATE_WAIT_S if self.late else OWNER_WAIT_S
+        if getattr(self._local, "wait", None) != wait:
+            db.execute(f"PRAGMA busy_timeout={int(wait * 1000)}")
+            self._local.wait = wait
+        return wait
+
+    @contextmanager
+    def transaction(self, label: str = "write", wait: float | None = None) -> Iterator[sqlite3.Connection]:
+        """A write transaction (BEGIN IMMEDIATE); CatalogBusy when the lock does not come in
+        time. Fault points: `<label>.begin`, `<label>.commit` (the COMMIT), `<label>.committed`."""
+        if self.closed:
+            raise CatalogBusy("the catalogue is closed")
+        db = self.connection()
+        waited = self._wait(db, wait)
+        try:
+            db.execute("BEGIN IMMEDIATE")
+        except sqlite3.DatabaseError as e:
+            raise self._failed(e, waited) from e
+        held = time.perf_counter()
+        try:
+            fault(f"{label}.begin")
+            if label != "schema":
+                self._began(db)
+            yield db
+            fault(f"{label}.commit", db)
+            db.execute("COMMIT")
+        except BaseException as exc:
+            if db.in_transaction:
+                try:
+                    db.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass  # never hide the error that got us here
+            mapped = self._failed(exc, waited) if isinstance(exc, sqlite3.DatabaseError) else exc
+            if mapped is exc:
+                raise
+            raise mapped from exc
+        if self.holds is not None:  # (benchmarks/bench_catalog.py)
+            self.holds.append((label, time.perf_counter() - held))
+        self._committed()
+        fault(f"{label}.committed")
+
+    def checkpoint(self) -> None:
+        """Copy the WAL into the database, without waiting for any reader or writer (the keeper)."""
+        self.connection().execute("PRAGMA wal_checkpoint(PASSIVE)")
+
+    def locked_elsewhere(self) -> bool:
+        """Whether another process holds the write lock for over OWNER_WAIT_S (tried with an
+        empty write transaction)."""
+        try:
+            with self.transaction("probe", wait=OWNER_WAIT_S):
+                return False
+        except CatalogBusy:
+            return True
+
+    def query(self, sql: str, args: tuple = ()) -> list:
+        """A read (never waits for writers in WAL mode, but for a rare checkpoint)."""
+        if self.closed:
+            return []
+        db = self.connection()
+        waited = self._wait(db, None)
+        try:
+            return db.execute(sql, args).fetchall()
+        except sqlite3.DatabaseError as e:
+            raise self._failed(e, waited) from e
+
+    def _began(self, db: sqlite3.Connection) -> None:
+        """Hook: the first statements of every write transaction (presence.py registers the process)."""
+
+    def _committed(self) -> None:
+        if self.late is not None:
+            self.late = None
+            if self.on_late is not None:
+                self.on_late(None)
+
+    def _failed(self, exc: BaseException, waited: float) -> BaseException:
+        """SQLite's error as what it means here: CatalogBusy, CatalogCorrupt, or itself."""
+        code = (getattr(exc, "sqlite_errorcode", 0) or 0) & 0xFF
+        if code in (_CORRUPT, _NOTADB):
+            return CatalogCorrupt(f"{self.path}: {exc}")
+        if code not in (_BUSY, _LOCKED):
+            return exc
+        busy = CatalogBusy(f"the catalogue {self.path} is locked by another process (waited {waited:.1f} s)")
+        if getattr(_thread, "wait", None) is None and self.late is None:  # a cell's thread: say so once
+            self.late = (f"{busy}: SSD reads and writes wait, RAM and prefill serve meanwhile "
+                         "(a stuck process, or an open `sqlite3 catalog.db` transaction?)")
+            if self.on_late is not None:
+                self.on_late(self.late)
+        return busy
+
+    def _close_connections(self) -> None:
+        with self._conns_lock:
+            conns, self._conns = self._conns, []
+        for c in conns:
+            try:
+                c.close()
+            except sqlite3.Error:
+                pass
+
+    def close(self) -> None:
+        self.closed = True
+        self._close_connections()
