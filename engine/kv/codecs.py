@@ -11,8 +11,8 @@ name stored in the layer (`LayerState.kind`).
 
 A layer's arrays are `Segment`s along the token axis (borrowed.py): one for
 every kind but plain and quantized KV, whose borrowers (`BorrowedKVCache`,
-`BorrowedQuantizedKVCache`) keep the lender's segments and add their own, so a branch of a cached document holds
-the document once. Each segment names the `Buffer` it is a view of: RAM
+`BorrowedQuantizedKVCache`) keep the lender's segments and add their own, so
+a branch of a cached document holds the document once. Each segment names the `Buffer` it is a view of: RAM
 accounting counts a buffer once, however many checkpoints share it.
 
 Immutability: mlx-lm caches update by slice assignment (`keys[..., i, :] =
