@@ -8,6 +8,8 @@ directory, for tests/test_blocks.py.
 Checkpoints are prefixes of one deterministic KV sequence (`kv_prefix`), so
 processes that write overlapping prefixes share blocks, as kernels on one
 machine do for a shared document. Prints one JSON line of counts.
+A write or gc worker runs for SECONDS and until it did enough (WRITES and
+RESTORES, GC_RUNS): counts, not time, however busy the machine.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from mlxcache_kernel.engine.kv.checkpoint import Checkpoint
 IDENTITY = {"artifact": "blocks-test"}
 NS = "ns"
 MAX_TOKENS = 400
+WRITES, RESTORES, GC_RUNS = 10, 3, 6  # at least, per worker
 _BASE = np.random.default_rng(7).standard_normal((2, 1, 2, MAX_TOKENS, 8)).astype(np.float32)
 TOKENS = tuple(int(t) for t in np.random.default_rng(8).integers(3, 1000, MAX_TOKENS))
 
@@ -79,7 +82,7 @@ def main() -> None:
     deadline = time.monotonic() + seconds
     if mode == "gc":
         store, runs, removed = open_store(root), 0, 0
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline or runs < GC_RUNS:
             removed += len(store.gc()["blocks_removed"])
             runs += 1
         print(json.dumps({"gc_runs": runs, "blocks_removed": removed}))
@@ -87,7 +90,7 @@ def main() -> None:
     rng = random.Random(int(sys.argv[4]))
     store = open_store(root, int(sys.argv[5]) if len(sys.argv) > 5 else None)
     counts = {"writes": 0, "restores": 0, "misses": 0, "block_missing": 0, "wrong": 0}
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline or counts["writes"] < WRITES or counts["restores"] < RESTORES:
         n = rng.randrange(1, MAX_TOKENS + 1)
         if rng.random() < 0.6:
             write_one(store, n)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import queue
 import re
 import signal
 import time
@@ -49,6 +50,33 @@ class Kernel:
             result["error"] = (reply["content"].get("ename"), reply["content"].get("evalue"))
         result["text"] = "".join(outs)
         return result
+
+    def interrupt(self, msg_id: str) -> dict:
+        """Interrupt the cell sent as `msg_id`; its reply's content, once the kernel runs requests
+        again. After an error, ipykernel aborts (never runs) the requests that reach it until its
+        "stop aborting" message comes through: one sent right after the reply may be aborted, the
+        busier the machine the likelier. So a no-op is sent until one runs."""
+        self.km.interrupt_kernel()
+        reply = self.kc.get_shell_msg(timeout=60)
+        while reply["parent_header"].get("msg_id") != msg_id:
+            reply = self.kc.get_shell_msg(timeout=60)
+        for _ in range(1000):
+            if self.execute("pass")["status"] != "aborted":
+                return reply["content"]
+        raise AssertionError("the kernel aborted 1000 requests after the interrupt")
+
+    def cell_ended(self, msg_id: str) -> str | None:
+        """None while the cell sent as `msg_id` runs (or the kernel lives); else how it ended.
+        Consumes shell replies: call it only while that cell is the one awaiting a reply."""
+        if not self.km.is_alive():
+            return "the kernel died"
+        try:
+            reply = self.kc.get_shell_msg(timeout=0.01)
+        except queue.Empty:
+            return None
+        if reply["parent_header"].get("msg_id") != msg_id:
+            return None
+        return f"the cell ended: {reply['content']['status']} {reply['content'].get('ename', '')}"
 
     def drain_iopub(self, seconds: float = 1.0) -> list[dict]:
         msgs, deadline = [], time.monotonic() + seconds

@@ -17,13 +17,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from catalog_view import inflight_records
+from holds import wait_ready
 from tiny_archs import ARCHS, build_arch_model
 
 from mlxcache_kernel.engine import Engine, SamplingParams
@@ -178,42 +178,44 @@ def test_ssd_restore_in_a_new_process(arch_model, cold, tmp_path):
 
 
 KILL_SCRIPT = """
-import sys, time
+import sys
 sys.path.insert(0, {tests!r})
+from holds import hold_at_inflight
 from mlxcache_kernel.engine import Engine, SamplingParams
 eng = Engine(cache_dir={cache!r})
 eng.load_model({model!r}, name="m")
-eng.generate_tokens({prompt!r}, SamplingParams(**{params!r}), checkpoint_every=3, on_text=lambda s: time.sleep(0.05))
+hold_at_inflight(eng, {cache!r}, {kill_at!r}, {ready!r})
+eng.generate_tokens({prompt!r}, SamplingParams(**{params!r}), checkpoint_every=3)
 print("finished", flush=True)
 """
+KILL_AT = 9  # emitted tokens the in-flight record holds when the child is killed (checkpoint_every=3)
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_kill9_resume_is_exact(arch_model, tmp_path, mode):
+    """The child holds (tests/holds.py) once a record of KILL_AT tokens is durable; then SIGKILL."""
     arch, path = arch_model
-    params = SamplingParams(**{**MODES[mode].as_dict(), "max_tokens": 64, "stop": ()})  # long enough for several intervals on a busy machine
+    params = SamplingParams(**{**MODES[mode].as_dict(), "max_tokens": 64, "stop": ()})
     with Engine(cache_dir=tmp_path / "ref", ssd=False) as ref:
         ref.load_model(path, name="m")
         expected = ref.generate_tokens(P, params, use_cache=False).tokens
-    cache = tmp_path / "c"
-    script = KILL_SCRIPT.format(tests=TESTS, cache=str(cache), model=str(path), prompt=P, params=params.as_dict())
+    assert len(expected) > KILL_AT, f"{arch} {mode}: the run ends (eos) after {len(expected)} tokens, before the kill"
+    cache, ready = tmp_path / "c", tmp_path / "ready"
+    script = KILL_SCRIPT.format(tests=TESTS, cache=str(cache), model=str(path), prompt=P, params=params.as_dict(),
+                                kill_at=KILL_AT, ready=str(ready))
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
     try:
-        while time.time() < deadline:
-            records = inflight_records(cache)
-            if records and len(records[0]["emitted"]) >= 9:
-                break
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            time.sleep(0.02)
+        held = wait_ready(ready, lambda: None if proc.poll() is None else proc.communicate()[1][-3000:])
         os.kill(proc.pid, signal.SIGKILL)
     finally:
         proc.kill()
         proc.wait()
-    emitted = len(inflight_records(cache)[0]["emitted"])
+    [record] = inflight_records(cache)
+    emitted = len(record["emitted"])
+    assert emitted == held["emitted"] == KILL_AT, arch
     with Engine(cache_dir=cache) as eng:
         eng.load_model(path, name="m")
         r = eng.generate_tokens(P, params, checkpoint_every=3)
-        assert r.stats["resumed_from"] == emitted >= 9, arch
+        assert r.stats["resumed_from"] == emitted, arch
         assert r.tokens == expected, arch
         assert not inflight_records(cache)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 
+from holds import install_code, wait_ready  # noqa: E402
 from kernel_client import Kernel, counts, footer, inflight_progress  # noqa: E402
 
 from mlxcache_kernel.runner import cell_outputs_text, execute_notebook  # noqa: E402
@@ -156,8 +157,9 @@ def test_example_on_smollm2(name, ksm, default_model_dir, tmp_path):
 
 def kill9_and_resume(spec_prefix: Path, model_dir, tmp_path: Path, *, sampling: str, max_tokens: int, every: int,
                      kill_after: int, prompt: str) -> None:
-    """Reference run; then a run killed with SIGKILL once an in-flight checkpoint of at least
-    kill_after tokens is committed; then the identical cell in a fresh kernel must resume and match."""
+    """Reference run; then a run killed with SIGKILL while it holds (tests/holds.py) with an in-flight
+    record of kill_after tokens committed; then the identical cell in a fresh kernel must resume and match.
+    kill_after is a multiple of `every`: no interval is skipped before a hold."""
     cell = (f"%%generate --model m --max-tokens {max_tokens} --checkpoint-every {every}{sampling} --out r\n{prompt}")
     show = "import json; print(json.dumps(r.tokens)); print(r.stats['resumed_from'])"
     base_env = {**os.environ, "MLXCACHE_DEFAULT_MODEL": "none", "MLXCACHE_RAM_BUDGET": "1GiB"}
@@ -174,21 +176,18 @@ def kill9_and_resume(spec_prefix: Path, model_dir, tmp_path: Path, *, sampling: 
         expected = json.loads(ref.execute(show)["stream"].splitlines()[0])
     finally:
         ref.shutdown()
-    assert len(expected) > kill_after + every
+    assert len(expected) > kill_after + every, f"the run ends (eos) after {len(expected)} tokens, before the kill"
 
-    cache = tmp_path / "cache"
+    cache, ready = tmp_path / "cache", tmp_path / "ready"
     victim = start(cache, "victim.log")
     try:
-        victim.kc.execute(cell)
-        deadline = time.monotonic() + 300
-        while inflight_progress(cache) < kill_after and time.monotonic() < deadline:
-            time.sleep(0.02)
-        reached = inflight_progress(cache)
-        assert reached >= kill_after, "no in-flight checkpoint was committed during the generation"
+        assert victim.execute(install_code("hold_at_inflight", cache, kill_after, ready))["status"] == "ok"
+        msg_id = victim.kc.execute(cell)
+        reached = wait_ready(ready, lambda: victim.cell_ended(msg_id))["emitted"]
         victim.kill9()
     finally:
         victim.shutdown()
-    assert reached < len(expected)
+    assert reached == kill_after and inflight_progress(cache) == reached
 
     again = start(cache, "again.log")
     try:
@@ -196,10 +195,10 @@ def kill9_and_resume(spec_prefix: Path, model_dir, tmp_path: Path, *, sampling: 
         assert res["status"] == "ok"
         f = footer(res)
         m = re.search(r"resumed from an in-flight checkpoint at token (\d+)", f)
-        assert m and int(m.group(1)) >= reached, f
+        assert m and int(m.group(1)) == reached, f
         lines = again.execute(show)["stream"].splitlines()
         assert json.loads(lines[0]) == expected
-        assert int(lines[1]) >= reached
+        assert int(lines[1]) == reached
         # the resume point is spent: the same cell again is an ordinary cache hit, not a resume
         res2 = again.execute(cell)
         assert "resumed from" not in footer(res2) and counts(footer(res2))["ram"] > 0

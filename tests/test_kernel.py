@@ -6,10 +6,10 @@ import json
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from holds import install_code, wait_ready
 from kernel_client import Kernel, counts, footer, generated_text, inflight_progress
 
 from mlxcache_kernel import kernelspec
@@ -153,10 +153,11 @@ def test_shutdown_flushes_pending_writes(start_kernel):
     assert c["ram"] + c["ssd"] == c["prompt"] - 1  # read back from SSD (or prefetched into RAM)
 
 
-def test_interrupt_then_resume_exactly(start_kernel, endless_model_dir):
-    """An interrupted --checkpoint-every generation resumes, in the same kernel, to the uninterrupted text."""
+def test_interrupt_then_resume_exactly(start_kernel, endless_model_dir, tmp_path):
+    """An interrupted --checkpoint-every generation resumes, in the same kernel, to the uninterrupted text.
+    The interrupt comes while the generation holds (tests/holds.py) with a record of 64 tokens committed."""
     k = start_kernel()
-    cache = Path(k.env["MLXCACHE_CACHE_DIR"])
+    cache, ready = Path(k.env["MLXCACHE_CACHE_DIR"]), tmp_path / "ready"
     assert k.execute(f"%model load {endless_model_dir} --name endless")["status"] == "ok"
     cell = "%%generate --model endless --max-tokens 300 --checkpoint-every 16 --out r\nA very long story"
     show = "import json; print(json.dumps(r.tokens)); print(r.stats['resumed_from'])"
@@ -164,45 +165,32 @@ def test_interrupt_then_resume_exactly(start_kernel, endless_model_dir):
     expected = json.loads(k.execute(show)["stream"].splitlines()[0])
     assert len(expected) == 300
 
+    assert k.execute(install_code("hold_at_inflight", cache, 64, ready))["status"] == "ok"
     msg_id = k.kc.execute(cell)
-    deadline = time.monotonic() + 120
-    while inflight_progress(cache) < 64 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    reached = inflight_progress(cache)
-    assert reached >= 64
-    k.km.interrupt_kernel()
-    reply = k.kc.get_shell_msg(timeout=60)
-    while reply["parent_header"].get("msg_id") != msg_id:
-        reply = k.kc.get_shell_msg(timeout=60)
-    assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+    reached = wait_ready(ready, lambda: k.cell_ended(msg_id))["emitted"]
+    assert reached == 64 == inflight_progress(cache)
+    reply = k.interrupt(msg_id)
+    assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt"
 
     res = k.execute(cell)
     assert res["status"] == "ok"
-    assert re.search(r"resumed from an in-flight checkpoint at token (\d+)", footer(res)), footer(res)
+    m = re.search(r"resumed from an in-flight checkpoint at token (\d+)", footer(res))
+    assert m and int(m.group(1)) == reached, footer(res)
     lines = k.execute(show)["stream"].splitlines()
-    assert json.loads(lines[0]) == expected and int(lines[1]) >= reached
+    assert json.loads(lines[0]) == expected and int(lines[1]) == reached
     assert k.execute("%cache stats")["status"] == "ok"
 
 
-def test_interrupt_without_checkpoints_keeps_the_prompt(start_kernel, endless_model_dir):
+def test_interrupt_without_checkpoints_keeps_the_prompt(start_kernel, endless_model_dir, tmp_path):
+    """The interrupt comes while the generation holds (tests/holds.py) after 100 characters of text."""
     k = start_kernel()
+    ready = tmp_path / "ready"
     assert k.execute(f"%model load {endless_model_dir} --name endless")["status"] == "ok"
+    assert k.execute(install_code("hold_after_text", 100, ready))["status"] == "ok"
     cell = "%%generate --model endless --max-tokens 3000\nAnother long story"
     msg_id = k.kc.execute(cell)
-    deadline, seen = time.monotonic() + 120, 0
-    while time.monotonic() < deadline and seen < 100:
-        try:
-            m = k.kc.get_iopub_msg(timeout=1)
-        except Exception:
-            continue
-        if m["parent_header"].get("msg_id") == msg_id and m["msg_type"] == "stream":
-            seen += len(m["content"]["text"])
-    assert seen >= 100
-    k.km.interrupt_kernel()
-    reply = k.kc.get_shell_msg(timeout=60)
-    while reply["parent_header"].get("msg_id") != msg_id:
-        reply = k.kc.get_shell_msg(timeout=60)
-    assert reply["content"]["ename"] == "KeyboardInterrupt"
+    assert wait_ready(ready, lambda: k.cell_ended(msg_id))["chars"] >= 100
+    assert k.interrupt(msg_id)["ename"] == "KeyboardInterrupt"
     res = k.execute(cell.replace("3000", "4"))
     assert res["status"] == "ok" and counts(footer(res))["ram"] > 0  # the prompt state was published
 

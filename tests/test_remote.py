@@ -256,25 +256,27 @@ def test_worth_fetching_compares_with_recompute():
 
 
 def test_publisher_reports_failures_never_raises_and_names_what_close_leaves():
-    gate = threading.Event()
+    gate, running = threading.Event(), threading.Event()
 
     def job(bad=False):
-        gate.wait(5)
+        running.set()
+        gate.wait(60)
         if bad:
             raise RuntimeError("boom")
 
     p = Publisher(lambda e: f"{type(e).__name__}: {e}", max_pending=2)
     assert p.submit(job, "a") and p.submit(lambda: job(True), "b")
-    time.sleep(0.05)
+    assert running.wait(60)  # "a" left the queue
     assert p.submit(job, "c") and not p.submit(job, "d")  # one running, two queued: full
     assert any("already queued" in f for f in p.wait(0.05))  # and the timeout says what is pending
     gate.set()
     assert p.wait(5) == ["b: RuntimeError: boom"]
     assert p.close() == [] and not p.submit(job, "e")
-    stuck = threading.Event()
+    stuck, running = threading.Event(), threading.Event()
     q = Publisher(lambda e: str(e))
-    q.submit(lambda: stuck.wait(10), "publish 9 blocks of ns-1")
+    q.submit(lambda: running.set() or stuck.wait(60), "publish 9 blocks of ns-1")
     q.submit(lambda: None, "publish 3 blocks of ns-2")
+    assert running.wait(60)  # the first is being published when close comes
     t0 = time.monotonic()
     left = q.close(0.2)
     assert time.monotonic() - t0 < 5  # bounded, and it says what was not published

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from catalog_view import inflight_records
+from holds import wait_ready
 
 from mlxcache_kernel.engine import Engine
 from mlxcache_kernel.engine.named import CheckpointNameError
@@ -256,35 +257,36 @@ def test_kv_inspect_and_export(tiny_model_dir, tmp_path):
 
 
 RESUME_SCRIPT = """
-import sys, time
+import sys
 sys.path.insert(0, {tests!r})
+from holds import hold_at_inflight
 from mlxcache_kernel.engine import Engine
 eng = Engine(cache_dir={cache!r})
 eng.load_model({model!r}, name="tiny")
-def slow(piece):
-    time.sleep(0.02)
-eng.generate({prompt!r}, max_tokens=120, temperature=0.8, seed=11, checkpoint_every=16, on_text=slow)
+hold_at_inflight(eng, {cache!r}, 32, {ready!r})
+eng.generate({prompt!r}, max_tokens=120, temperature=0.8, seed=11, checkpoint_every=16)
 print("finished", flush=True)
 """
 
 
 def test_kill_during_checkpointed_generation_resumes_exactly(tiny_model_dir, tmp_path):
-    cache = tmp_path / "cache"
+    """The child holds (tests/holds.py) once a record of 32 tokens is durable; then SIGKILL."""
+    cache, ready = tmp_path / "cache", tmp_path / "ready"
     ref = new_engine(tmp_path / "ref", tiny_model_dir, ssd=False)
     expected = ref.generate(PROMPT, max_tokens=120, temperature=0.8, seed=11, use_cache=False).tokens
     ref.close()
-    script = RESUME_SCRIPT.format(tests=str(Path(__file__).parent), cache=str(cache), model=str(tiny_model_dir), prompt=PROMPT)
+    assert len(expected) > 32, f"the run ends (eos) after {len(expected)} tokens, before the kill"
+    script = RESUME_SCRIPT.format(tests=str(Path(__file__).parent), cache=str(cache), model=str(tiny_model_dir),
+                                  prompt=PROMPT, ready=str(ready))
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        records = inflight_records(cache)
-        if records and len(records[0]["emitted"]) >= 32:
-            break
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    try:
+        held = wait_ready(ready, lambda: None if proc.poll() is None else proc.communicate())
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
     [record] = inflight_records(cache)
+    assert len(record["emitted"]) == held["emitted"] == 32
 
     eng = new_engine(cache, tiny_model_dir)
     r = eng.generate(PROMPT, max_tokens=120, temperature=0.8, seed=11, checkpoint_every=16)

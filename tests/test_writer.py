@@ -42,6 +42,14 @@ class HT:  # a HostTensor over a plain numpy array (weakref-able for the release
         return self.array.nbytes
 
 
+def started(w: CheckpointWriter) -> None:
+    """Wait until the writer thread has taken a job (however busy the machine)."""
+    deadline = time.monotonic() + 60
+    while w.in_progress is None:
+        assert time.monotonic() < deadline, "the writer never took the job"
+        time.sleep(0.01)
+
+
 def plain_job(tokens, nbytes_per_tensor=1 << 20, key=None):
     n = len(tokens)
     d = nbytes_per_tensor // (4 * n)
@@ -137,8 +145,9 @@ def test_writer_yields_to_generation(tmp_path):
     w = CheckpointWriter(CheckpointStore(tmp_path), under_pressure=pressure.is_set)
     with w.generating():
         w.submit(plain_job(range(1, 65), nbytes_per_tensor=8 << 20))
+        started(w)
         time.sleep(0.4)
-        assert w.in_progress == (0, 16 << 20)  # paused before its first chunk
+        assert w.in_progress == (0, 16 << 20)  # paused before its first chunk, and stays there
         assert w.pending() == (1, 16 << 20) and not w.wait(0.1)
         urgent = plain_job(range(1, 9))
         urgent.urgent = True  # an in-flight checkpoint: ahead of the rest, and no yielding behind it
@@ -169,9 +178,9 @@ def test_abort_gives_up_a_write_in_progress_at_its_next_pause(tmp_path):
     w = CheckpointWriter(store)
     with w.generating():  # the job starts and pauses at its first pause point
         w.submit(plain_job(range(1, 65), nbytes_per_tensor=8 << 20, key="k"))
-        time.sleep(0.2)
+        started(w)
         assert w.in_progress == (0, 16 << 20)
-        assert w.abort("k", 2.0)  # wakes within the pause's 0.5 s nap, then stops
+        assert w.abort("k", 60.0)  # wakes within the pause's 0.5 s nap, then stops (60: a bound, not a wait)
     [done] = w.poll()
     assert not done.ok and isinstance(done.error, WriteCancelled)
     assert store.stats()["files"] == 0 and not store.catalog.files()  # nothing committed

@@ -227,12 +227,14 @@ class Catalog(Presence):
         return {n for n in names if self.query("SELECT 1 FROM freeing WHERE name=?", (n,))}
 
     def add_blocks(self, sizes: dict[str, int], db: sqlite3.Connection | None = None) -> None:
-        """Record blocks durable on disk (in the caller's transaction when given)."""
+        """Record blocks durable on disk (in the caller's transaction when given), except those
+        another process is unlinking (`freeing`): a row for one would outlive its file."""
         if db is None:
             with self.transaction("record") as db:
                 return self.add_blocks(sizes, db)
         now = time.time()
-        db.executemany("INSERT OR IGNORE INTO blocks VALUES(?,?,?)", [(n, b, now) for n, b in sizes.items()])
+        db.executemany("INSERT OR IGNORE INTO blocks SELECT ?, ?, ? WHERE NOT EXISTS "
+                       "(SELECT 1 FROM freeing WHERE name=?)", [(n, b, now, n) for n, b in sizes.items()])
 
     def claims_held(self, db: sqlite3.Connection, write_id: int, names: Iterable[str]) -> bool:
         """Whether this write still claims every one of `names` and each is recorded on disk:
