@@ -4,7 +4,7 @@ Every number the engine reports is named here once (`SCHEMA`), with what it
 means; `Engine.stats()` returns exactly these keys, and `%cache stats`, the
 dashboard and the benchmarks read them by these names. Bytes are named apart:
 
-- `*ram*_bytes` / `ram_used_bytes`: what RAM entries hold (padded buffers, whole parents of slices);
+- `*ram*_bytes` / `ram_used_bytes`: what RAM entries hold (whole buffers; one several entries share, once);
 - `*kv_bytes`: the KV state itself, cut to its tokens;
 - `ssd_bytes`: unique bytes on disk (each manifest or file once, each shared block once);
   `bytes_written`: what this process wrote; `ssd_bytes_deduplicated`: what it found stored already.
@@ -45,8 +45,8 @@ SCHEMA = {
     "memory_high_water_bytes": "past this working set, entries are let go (a share of what the kernel may use)",
     "memory_low_water_bytes": "reclaim goes down to this working set",
     # RAM tier
-    "ram_used_bytes": "RAM held by cache entries (their buffers as allocated)",
-    "ram_kv_bytes": "KV bytes of the RAM entries, cut to their tokens",
+    "ram_used_bytes": "RAM held by cache entries (their buffers as allocated; a shared one once)",
+    "ram_kv_bytes": "KV bytes of the RAM entries, cut to their tokens (a shared prefix once)",
     "ram_budget_bytes": "RAM budget for cache entries (None: no cap)",
     "ram_entries": "checkpoints resident in RAM",
     "hits": "lookups served from RAM or SSD",

@@ -227,3 +227,25 @@ def test_progress_and_rows_as_they_finish(eng):
     assert ("prefill", len(DOC), len(DOC)) in seen and seen[-1][0] == "decode" and seen[-1][2] == 10
     assert sorted(rows) == [(0, rs[0].tokens), (1, rs[1].tokens)]
     assert len(DOC) >= MIN_SHARED_TOKENS and rs[0].stats["batch_shared_tokens"] == len(DOC)
+
+
+def test_rows_branch_from_a_shared_document_without_copying_it(eng, monkeypatch):
+    from mlxcache_kernel.engine.batch import BatchRun
+
+    doc = ids(1000, 7)
+    prompts = [doc + ids(5, 40 + i) for i in range(3)]
+    own, real = [], BatchRun._prepare
+
+    def prepare(run, row):  # what the row's own caches hold as it joins the batch
+        caches = real(run, row)
+        own.append(sum(int(c.nbytes) for c in caches))
+        return caches
+
+    monkeypatch.setattr(BatchRun, "_prepare", prepare)
+    rs = eng.generate_batch(prompts, max_tokens=4)
+    assert [r.stats["batch_shared_tokens"] for r in rs] == [len(doc)] * 3
+    entry = max(eng.cache.entries(), key=lambda e: len(e.tokens))
+    doc_bytes = entry.checkpoint.kv_bytes * len(doc) // len(entry.tokens)
+    assert len(own) == 3 and max(own) < doc_bytes / 2, (own, doc_bytes)  # a tail of their own, not the document
+    monkeypatch.undo()
+    assert tokens(rs) == tokens(eng.generate_batch(prompts, max_tokens=4, use_cache=False))

@@ -21,11 +21,11 @@ def make_checkpoint(tokens, trimmable=True) -> Checkpoint:
     n = len(tokens)
     if trimmable:
         k = mx.arange(n * 2, dtype=mx.float32).reshape(1, 1, n, 2)
-        layer = LayerState("KVCache", (k, k + 1), {"offset": n})
+        layer = LayerState.whole("KVCache", (k, k + 1), {"offset": n})
     else:  # a wrapped rotating window: serves its exact boundary only
         size = max(1, n - 1)
         k = mx.zeros((1, 1, size, 2))
-        layer = LayerState("RotatingKVCache", (k, k), {"offset": n, "keep": 0, "max_size": size, "idx": size})
+        layer = LayerState.whole("RotatingKVCache", (k, k), {"offset": n, "keep": 0, "max_size": size, "idx": size})
     return Checkpoint(tuple(tokens), (layer,), n * BYTES_PER_TOKEN)
 
 

@@ -6,9 +6,8 @@ verifies into their numpy views, and the owner builds the checkpoint when it
 collects the finished job (`poll`), then adopts it into RAM (tiered.py).
 
 - Buffers are allocated on the owner a window ahead of the reader
-  (`ahead_bytes`, at least one job): an evaluated `mx.empty` of fresh
-  memory costs about 0.4 s per GB here, so a large prefetch never stalls
-  one owner call, and only the window holds files open and leased.
+  (`ahead_bytes`, at least one job), so only the window holds files open
+  and leased (and allocated memory no read has filled yet).
 - The reader yields to a running generation (`GenerationGate`, shared with
   the writer) before each job: BLAS wants the cores. A generation that needs a
   job never waits behind the yield: a job not being read yet is taken over

@@ -91,6 +91,7 @@ class PromptCache:
         self._emit = emit or (lambda *a, **k: None)
         self._entries: dict[tuple, Entry] = {}  # (ns, tokens) -> entry
         self._sessions: dict[tuple, Entry] = {}  # (ns, session) -> latest entry
+        self._held: dict[int, list] = {}  # id(buffer) -> [buffer, entries holding it]: shared buffers count once
         self.used_bytes = 0
         self.counters = {"hits": 0, "misses": 0, "evictions": 0, "supersessions": 0, "oversized": 0, "handovers": 0}
 
@@ -151,7 +152,7 @@ class PromptCache:
         entry.hits += 1
         self.retention.hit(entry)
         if move and self._may_move(entry, n):
-            caches = entry.checkpoint.hand_over(n)
+            caches = entry.checkpoint.hand_over(n, in_place=self._exclusive(entry))
             self._remove(entry)
             self.counters["handovers"] += 1
             self._emit("handover", ns=entry.ns, tokens=len(entry.tokens), used=n)
@@ -178,6 +179,11 @@ class PromptCache:
             return True
         reruns_prompt = entry.prompt_tokens is not None and n >= entry.prompt_tokens - 1
         return (reruns_prompt or entry.restored) and self._tail_expendable(entry)
+
+    def _exclusive(self, entry: Entry) -> bool:
+        """Whether no other entry shares this one's buffers (a borrower taking its place may
+        then append into them in place; MLX would copy a shared one)."""
+        return all(self._held.get(id(b), (b, 0))[1] <= 1 for b in entry.checkpoint.buffers())
 
     def _tail_expendable(self, entry: Entry) -> bool:
         return True  # RAM only: the tail is a cached old answer, nothing else has it either way
@@ -239,7 +245,7 @@ class PromptCache:
 
     def _insert(self, entry: Entry) -> None:
         self._entries[(entry.ns, entry.tokens)] = entry
-        self.used_bytes += entry.nbytes
+        self.used_bytes += self._hold(entry, 1)
         self.retention.inserted(entry)
         for s in entry.sessions:
             self._sessions[(entry.ns, s)] = entry
@@ -247,10 +253,40 @@ class PromptCache:
     def _remove(self, entry: Entry) -> None:
         if self._entries.get((entry.ns, entry.tokens)) is entry:
             del self._entries[(entry.ns, entry.tokens)]
-            self.used_bytes -= entry.nbytes
+            self.used_bytes -= self._hold(entry, -1)
         for s in entry.sessions:
             if self._sessions.get((entry.ns, s)) is entry:
                 del self._sessions[(entry.ns, s)]
+
+    def _hold(self, entry: Entry, step: int) -> int:
+        """Count an entry's buffers in (step 1) or out (-1); the bytes that came or went.
+
+        A buffer several entries share (a document under several questions)
+        comes with the first and goes with the last; what the checkpoint holds
+        outside its layers' buffers (attachments) is its own.
+        """
+        cp = entry.checkpoint
+        buffers = cp.buffers()
+        changed = cp.nbytes - sum(b.nbytes for b in buffers)
+        for b in buffers:
+            rec = self._held.setdefault(id(b), [b, 0])
+            rec[1] += step
+            if rec[1] == 0:
+                del self._held[id(b)]
+            if rec[1] == (1 if step > 0 else 0):
+                changed += b.nbytes
+        return changed
+
+    def kv_bytes(self) -> int:
+        """Bytes of KV the entries hold, shared segments counted once (the longest use of each
+        buffer); `used_bytes` is the memory that takes."""
+        longest, own = {}, 0
+        for e in self._entries.values():
+            uses = e.checkpoint.segment_uses()
+            for b, n in uses:
+                longest[id(b)] = max(longest.get(id(b), 0), n)
+            own += e.checkpoint.kv_bytes - sum(n for _, n in uses)
+        return sum(longest.values()) + own
 
     def remove(self, entry: Entry, reason: str = "removed") -> None:
         self._remove(entry)

@@ -273,7 +273,7 @@ class TieredPromptCache(Loading, Durability):
         failed = [e for e in entries if e.write_state == WriteState.FAILED]
         out = {
             "ram_used_bytes": self.used_bytes,
-            "ram_kv_bytes": sum(e.checkpoint.kv_bytes for e in entries),
+            "ram_kv_bytes": self.kv_bytes(),
             "ram_budget_bytes": self.budget_bytes,
             "ram_entries": len(entries),
             "write_behind": self.write_behind,

@@ -1,11 +1,12 @@
 """The immutable checkpoint: the KV state of one exact token prefix.
 
 A checkpoint holds, per layer, the mlx-lm cache class name, evaluated arrays
-cut to exactly the tokens they encode, and the JSON-able scalars the class
-needs. Borrowers get fresh mlx-lm cache objects over views of these arrays
-(`lend`), so decoding writes into the borrower's own buffers: MLX never
-updates a buffer in place while another array still refers to it, and an
-exact-length view forces the first append to grow into a new buffer.
+cut to exactly the tokens they encode (in segments: codecs.py), and the
+JSON-able scalars the class needs. Borrowers get fresh cache objects over
+views of these arrays (`lend`), so decoding writes into the borrower's own
+buffers: MLX never updates a buffer in place while another array still
+refers to it, and a plain KV borrower appends to a tail of its own
+(kv/borrowed.py), never copying the prefix.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Iterable, Sequence
 import mlx.core as mx
 import numpy as np
 
+from .borrowed import Buffer
 from .codecs import LayerState, capture_layer, codec
 
 
@@ -38,6 +40,18 @@ class HostTensor:
     @property
     def nbytes(self) -> int:
         return int(self.array.nbytes)
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A span tensor held in pieces along axis -2 (a borrower's shared segments and its own):
+    the storage writer cuts blocks from the pieces, never joining them."""
+
+    parts: tuple  # numpy views, in position order
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(p.nbytes) for p in self.parts)
 
 
 # --- the checkpoint ---------------------------------------------------------
@@ -65,32 +79,25 @@ class Checkpoint:
 
         copy=False keeps views of the live buffers: only for caches that will
         not be appended to again (the end of a generation); their whole
-        parent buffers are counted. copy=True packs exact-length copies, so a
-        generation can keep decoding into its own buffers.
+        buffers are counted, and buffers mostly padding are compacted
+        (codecs.COMPACT_RATIO). copy=True packs exact-length copies of what
+        the caches may still write, so a generation can keep decoding into
+        its own buffers (a borrower's shared prefix is never copied).
         """
         caches = list(caches)
-        layers = [capture_layer(c) for c in caches]
-        if copy:  # mx.array copies (mx.contiguous would keep a contiguous view)
-            layers = [LayerState(l.kind, tuple(mx.array(a) for a in l.arrays), l.meta) for l in layers]
+        layers = tuple(capture_layer(c, copy) for c in caches)
         min_reusable_offset = max([min_reusable_offset] + [codec(l.kind).min_reusable_offset(l.meta) for l in layers])
-        arrays = [a for l in layers for a in l.arrays]
         attachments = dict(attachments or {})
-        mx.eval(arrays + list(attachments.values()))
-        if copy:
-            nbytes = sum(l.kv_bytes for l in layers)
-        else:  # a slice keeps its whole parent alive
-            nbytes = sum(int(getattr(c, "nbytes", 0) or 0) for c in caches)
-            nbytes = max(nbytes, sum(l.kv_bytes for l in layers))
-        nbytes += sum(int(a.nbytes) for a in attachments.values())
+        mx.eval([a for l in layers for s in l.all_segments() for a in s.arrays] + list(attachments.values()))
         tokens = tuple(int(t) for t in tokens)
-        cp = cls(tokens, tuple(layers), nbytes, min_reusable_offset, attachments)
+        cp = cls(tokens, layers, _held_bytes(layers, attachments), min_reusable_offset, attachments)
         cp._check_length()
         return cp
 
     def _check_length(self) -> None:
         for layer in self.layers:
             n = layer.meta.get("offset")
-            if n is not None and n != len(self.tokens) and layer.arrays:
+            if n is not None and n != len(self.tokens) and layer.slots():
                 raise ValueError(
                     f"cache holds {n} positions but the checkpoint key has {len(self.tokens)} tokens"
                 )
@@ -104,6 +111,14 @@ class Checkpoint:
     def kv_bytes(self) -> int:
         """Bytes of the state itself (exact lengths); `nbytes` is what it holds in RAM."""
         return sum(l.kv_bytes for l in self.layers) + sum(int(a.nbytes) for a in self.attachments.values())
+
+    def buffers(self) -> list[Buffer]:
+        """The buffers the layers are views of, each once (several checkpoints may share one)."""
+        return _distinct(self.layers)
+
+    def segment_uses(self) -> list[tuple]:
+        """(buffer, bytes of it this checkpoint uses) per segment: what shared KV amounts to."""
+        return [(s.buffer, s.nbytes) for l in self.layers for s in l.all_segments()]
 
     @property
     def trimmable(self) -> bool:
@@ -126,19 +141,19 @@ class Checkpoint:
 
     @property
     def can_hand_over(self) -> bool:
-        """Whether `hand_over` applies: every layer still holds its live buffers."""
+        """Whether `hand_over` applies (plain KV layers, no attachments)."""
         return bool(self.layers) and not self.attachments and all(codec(l.kind).can_hand_over(l) for l in self.layers)
 
-    def hand_over(self, n: int) -> list:
-        """Cache objects over the whole live buffers, at offset n (n <= len).
+    def hand_over(self, n: int, in_place: bool = True) -> list:
+        """Caches for a borrower that takes this checkpoint's place, at offset n (n <= len).
 
-        For a borrower that takes this checkpoint's place: once the caller
-        drops the checkpoint, the buffers have one owner and decoding appends
-        in place; no copy of the prefix on the first step.
+        in_place (nothing else holds this checkpoint's buffers, and the caller
+        drops it): where a layer's last buffer has room, the borrower appends
+        there in place instead of starting a tail of its own.
         """
         if not self.can_hand_over or not 0 < n <= len(self.tokens):
             raise ValueError(f"cannot hand over {n} tokens of this checkpoint")
-        return [codec(l.kind).hand_over(l, n) for l in self.layers]
+        return [codec(l.kind).hand_over(l, n, in_place) for l in self.layers]
 
     def prefix(self, n: int) -> "Checkpoint":
         """A checkpoint of the first n tokens sharing this one's memory."""
@@ -146,32 +161,37 @@ class Checkpoint:
             return self
         if not self.can_serve(n):
             raise ValueError(f"checkpoint of {len(self.tokens)} tokens cannot serve {n}")
-        layers = tuple(capture_layer(c) for c in self.lend(n))
-        # views keep this checkpoint's whole buffers alive: count what they hold
-        return Checkpoint(self.tokens[:n], layers, self.nbytes, self.min_reusable_offset, {})
+        layers = tuple(codec(l.kind).cut(l, n) for l in self.layers)
+        return Checkpoint(self.tokens[:n], layers, _held_bytes(layers, {}), self.min_reusable_offset, {})
 
     # --- host views and reconstruction (storage) ---
 
     def tensor_names(self) -> list[str]:
-        names = [f"layers.{i}.{j}" for i, l in enumerate(self.layers) for j in range(len(l.arrays))]
+        names = [f"layers.{i}.{j}" for i, l in enumerate(self.layers) for j in range(len(l.slots()))]
         return names + [f"attachments.{k}" for k in sorted(self.attachments)]
 
     def arrays(self) -> list:
+        """Every tensor whole (a layer in several segments is joined: a copy once evaluated)."""
         return [a for l in self.layers for a in l.arrays] + [
             self.attachments[k] for k in sorted(self.attachments)
         ]
 
     def host_tensors(self) -> list[HostTensor]:
-        """Zero-copy numpy views of every tensor. Call on the MLX owner thread."""
+        """Zero-copy numpy views of every tensor (`Pieces` for one in several segments).
+        Call on the MLX owner thread."""
         out = []
+        slots = [p for l in self.layers for p in l.slots()] + [[self.attachments[k]] for k in sorted(self.attachments)]
         spans = [f for l in self.layers for f in codec(l.kind).linear_arrays(l)] + [False] * len(self.attachments)
         n = len(self.tokens)
-        for name, a, span in zip(self.tensor_names(), self.arrays(), spans):
+        for name, parts, span in zip(self.tensor_names(), slots, spans):
+            a = parts[0]
             dtype = str(a.dtype).removeprefix("mlx.core.")
-            view = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
-            mx.eval(view)
-            span = span and a.ndim >= 2 and a.shape[-2] == n
-            out.append(HostTensor(name, dtype, tuple(a.shape), np.asarray(view), span))
+            views = [p.view(mx.uint16) if p.dtype == mx.bfloat16 else p for p in parts]
+            mx.eval(views)
+            shape = (*a.shape[:-2], sum(int(p.shape[-2]) for p in parts), a.shape[-1]) if a.ndim >= 2 else tuple(a.shape)
+            span = span and a.ndim >= 2 and shape[-2] == n
+            host = [np.asarray(v) for v in views]
+            out.append(HostTensor(name, dtype, tuple(shape), host[0] if len(host) == 1 else Pieces(tuple(host)), span))
         return out
 
     def layout(self) -> list[dict]:
@@ -195,8 +215,21 @@ class Checkpoint:
         attachments = {
             k.removeprefix("attachments."): v for k, v in tensors.items() if k.startswith("attachments.")
         }
-        nbytes = sum(int(a.nbytes) for a in tensors.values())
-        cp = cls(tuple(int(t) for t in tokens), tuple(layers), nbytes, min_reusable_offset, attachments)
+        layers = tuple(layers)
+        cp = cls(tuple(int(t) for t in tokens), layers, _held_bytes(layers, attachments), min_reusable_offset, attachments)
         cp._check_length()
         return cp
 
+
+
+def _distinct(layers) -> list[Buffer]:
+    seen = {}
+    for l in layers:
+        for s in l.all_segments():
+            seen.setdefault(id(s.buffer), s.buffer)
+    return list(seen.values())
+
+
+def _held_bytes(layers, attachments: dict) -> int:
+    """What a checkpoint keeps alive: every buffer its layers view (once), and its attachments."""
+    return sum(b.nbytes for b in _distinct(layers)) + sum(int(a.nbytes) for a in attachments.values())

@@ -9,6 +9,12 @@ reusable offset), and what its arrays are called. Everything else
 (checkpoint, RAM tier, SSD format, inspection) asks the codec by the class
 name stored in the layer (`LayerState.kind`).
 
+A layer's arrays are `Segment`s along the token axis (borrowed.py): one for
+every kind but plain and quantized KV, whose borrowers (`BorrowedKVCache`,
+`BorrowedQuantizedKVCache`) keep the lender's segments and add their own, so
+a branch of a cached document holds the document once. Each segment names the `Buffer` it is a view of: RAM
+accounting counts a buffer once, however many checkpoints share it.
+
 Immutability: mlx-lm caches update by slice assignment (`keys[..., i, :] =
 ...`), which rebinds the array object it is applied to. Two owners holding
 the same array object would see each other's writes, so capture and lend
@@ -23,6 +29,13 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import cache as lm_cache
 
+from .borrowed import BorrowedKVCache, BorrowedQuantizedKVCache, Buffer, Segment, cut_segments
+
+# A published buffer may exceed the KV it holds by this much; beyond it (mlx-lm
+# grows caches by 256 positions: 5x the KV of a 48-token prompt) it is copied
+# to its exact length when captured.
+COMPACT_RATIO = 1.25
+
 
 class UnsupportedCache(TypeError):
     """A cache class no codec knows: the model generates, uncached."""
@@ -31,16 +44,39 @@ class UnsupportedCache(TypeError):
 @dataclass(frozen=True)
 class LayerState:
     kind: str  # mlx-lm cache class name: the codec's key
-    arrays: tuple  # evaluated mx.arrays
+    segments: tuple  # Segments along the token axis (evaluated arrays); () when empty
     meta: dict  # JSON-able scalars
-    parents: tuple = ()  # KVCache: the whole live buffers the arrays are views of (for hand_over)
+    parts: tuple = ()  # CacheList: the inner layers (no segments of its own)
+
+    @classmethod
+    def whole(cls, kind: str, arrays: tuple, meta: dict) -> "LayerState":
+        """A layer over whole arrays nothing else holds (read back from storage)."""
+        arrays = tuple(arrays)
+        return cls(kind, (Segment(arrays, Buffer(sum(int(a.nbytes) for a in arrays)), arrays),) if arrays else (),
+                   meta)
+
+    def slots(self) -> list[list]:
+        """Per array: its pieces along the token axis, in order."""
+        if self.parts:
+            return [slot for p in self.parts for slot in p.slots()]
+        if not self.segments:
+            return []
+        return [[s.arrays[i] for s in self.segments] for i in range(len(self.segments[0].arrays))]
+
+    @property
+    def arrays(self) -> tuple:
+        """The whole arrays (several segments: joined lazily, a copy only if evaluated)."""
+        return tuple(p[0] if len(p) == 1 else mx.concatenate(p, axis=-2) for p in self.slots())
+
+    def all_segments(self) -> list:
+        return [s for p in self.parts for s in p.all_segments()] if self.parts else list(self.segments)
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, "meta": dict(self.meta), "arrays": len(self.arrays)}
+        return {"kind": self.kind, "meta": dict(self.meta), "arrays": len(self.slots())}
 
     @property
     def kv_bytes(self) -> int:
-        return sum(int(a.nbytes) for a in self.arrays)
+        return sum(s.nbytes for s in self.all_segments())
 
 
 def _seq(a: mx.array, n: int) -> mx.array:
@@ -52,17 +88,16 @@ def _fresh(a: mx.array) -> mx.array:
     return a[...]
 
 
-def _lend_linear(c: Any, layer: LayerState, n: int, per_side: int) -> Any:
-    """Point a fresh linear cache at views of the first n positions.
-
-    per_side: arrays per keys and per values (1 plain, 3 quantized).
-    """
-    if layer.arrays:
-        cut = [_seq(a, n) for a in layer.arrays]
-        keys, values = cut[:per_side], cut[per_side:]
-        c.keys, c.values = (keys[0], values[0]) if per_side == 1 else (tuple(keys), tuple(values))
-    c.offset = n if layer.arrays else 0
-    return c
+def _own(arrays: tuple, parents: tuple, copy: bool) -> tuple:
+    """The segment a live cache's own arrays publish: views of its buffers `parents`,
+    or exact copies when asked for (the cache goes on decoding) or when the buffers
+    hold much more than the arrays (growth padding)."""
+    exact = sum(int(a.nbytes) for a in arrays)
+    whole = sum(int(p.nbytes) for p in parents) or exact
+    if copy or whole > COMPACT_RATIO * exact:
+        arrays = tuple(mx.array(a) for a in arrays)  # mx.array copies (mx.contiguous may keep a view)
+        return (Segment(arrays, Buffer(exact), arrays),)
+    return (Segment(arrays, Buffer(whole), parents),)
 
 
 class Codec:
@@ -70,7 +105,8 @@ class Codec:
     roles: tuple = ()  # names of the arrays, for inspection
     always_cuttable = False  # any live state can be cut back to any shorter prefix
 
-    def capture(self, c: Any) -> LayerState:
+    def capture(self, c: Any, copy: bool = False) -> LayerState:
+        """The state of live cache `c`: views, or (copy) copies of what it may still write."""
         raise NotImplementedError
 
     def lend(self, layer: LayerState, n: int) -> Any:
@@ -90,7 +126,7 @@ class Codec:
 
     def linear_arrays(self, layer: LayerState) -> tuple:
         """Per array: whether it is a token span (see `linear`); inline state otherwise."""
-        return (self.linear(layer.meta),) * len(layer.arrays)
+        return (self.linear(layer.meta),) * len(layer.slots())
 
     def meta_at(self, meta: dict, n: int) -> dict:
         """The scalars of a linear state cut to its first n positions (a remote prefix)."""
@@ -98,31 +134,43 @@ class Codec:
             raise ValueError(f"{self.kind} state is not a token span")
         return dict(meta, offset=n)
 
+    def cut(self, layer: LayerState, n: int) -> LayerState:
+        """The first n positions of a trimmable state, sharing its buffers."""
+        return LayerState(self.kind, cut_segments(layer.segments, n), self.meta_at(layer.meta, n))
+
     def can_hand_over(self, layer: LayerState) -> bool:
         return False
 
     def rebuilt(self, arrays: tuple, meta: dict) -> LayerState:
         """A layer from arrays read back from storage: whole buffers nothing else holds."""
-        return LayerState(self.kind, arrays, meta)
+        return LayerState.whole(self.kind, arrays, meta)
 
-    def hand_over(self, layer: LayerState, n: int) -> Any:
+    def hand_over(self, layer: LayerState, n: int, in_place: bool) -> Any:
         raise ValueError(f"{self.kind} cannot hand over its buffers")
 
 
 class PlainKV(Codec):
-    """`KVCache`: keys/values grow by slice assignment into a padded buffer."""
+    """`KVCache`: keys/values grow by slice assignment into a padded buffer.
+
+    Borrowers get a `BorrowedKVCache` over the layer's segments: their appends
+    never copy the prefix, and their own positions become one more segment.
+    """
 
     kind, roles = "KVCache", ("keys", "values")
     always_cuttable = True
 
-    def capture(self, c):
-        if c.keys is None:
-            return LayerState(self.kind, (), {"offset": 0})
-        n = int(c.offset)
-        return LayerState(self.kind, (_seq(c.keys, n), _seq(c.values, n)), {"offset": n}, (c.keys, c.values))
+    def capture(self, c, copy=False):
+        if isinstance(c, BorrowedKVCache):
+            shared, own, parents = c.shared_segments(), c.own_views(), c.own_buffers()
+        else:
+            shared, own, parents = [], (), ()
+            if c.keys is not None and c.offset:
+                own, parents = (_seq(c.keys, c.offset), _seq(c.values, c.offset)), (c.keys, c.values)
+        segments = tuple(shared) + (_own(own, parents, copy) if own else ())
+        return LayerState(self.kind, segments, {"offset": int(c.offset) if segments else 0})
 
     def lend(self, layer, n):
-        return _lend_linear(lm_cache.KVCache(), layer, n, 1)
+        return BorrowedKVCache(cut_segments(layer.segments, n))
 
     def trimmable(self, meta):
         return True
@@ -131,38 +179,40 @@ class PlainKV(Codec):
         return True
 
     def can_hand_over(self, layer):
-        return len(layer.parents) == 2
+        return True
 
-    def rebuilt(self, arrays, meta):
-        # restored keys and values are whole buffers of their own: a borrower may take them
-        return LayerState(self.kind, arrays, meta, tuple(arrays) if len(arrays) == 2 else ())
-
-    def hand_over(self, layer, n):
-        # The whole live buffers at offset n: once the donor is dropped, the
-        # borrower appends in place (MLX copies on write while a queued SSD
-        # write still refers to them).
-        c = lm_cache.KVCache()
-        c.keys, c.values = layer.parents
-        c.offset = n
-        return c
+    def hand_over(self, layer, n, in_place):
+        """For a borrower that takes this state's place. in_place: it may append into
+        the last segment's whole buffers (nothing else holds them)."""
+        segments = cut_segments(layer.segments, n)
+        last = layer.segments[-1] if layer.segments else None
+        if in_place and segments and segments[-1] is last and last.room:
+            return BorrowedKVCache(segments[:-1], hand_over=last)
+        return BorrowedKVCache(segments)
 
 
 class QuantizedKV(Codec):
-    """`QuantizedKVCache`: (packed, scales, biases) for keys and for values."""
+    """`QuantizedKVCache`: (packed, scales, biases) for keys and for values; borrowers as plain KV's."""
 
     kind, roles = "QuantizedKVCache", ("keys", "keys_scales", "keys_biases", "values", "values_scales", "values_biases")
     always_cuttable = True
 
-    def capture(self, c):
+    def capture(self, c, copy=False):
         n = int(c.offset)
         meta = {"offset": n, "group_size": int(c.group_size), "bits": int(c.bits)}
-        if c.keys is None:
-            return LayerState(self.kind, (), dict(meta, offset=0))
-        return LayerState(self.kind, tuple(_seq(a, n) for a in (*c.keys, *c.values)), meta)
+        if isinstance(c, BorrowedQuantizedKVCache):
+            own = c.own_views()
+            segments = tuple(c.shared_segments()) + (_own(own, c.own_buffers(), copy) if own else ())
+        elif c.keys is None:
+            segments = ()
+        else:
+            whole = (*c.keys, *c.values)
+            segments = _own(tuple(_seq(a, n) for a in whole), whole, copy)
+        return LayerState(self.kind, segments, meta if segments else dict(meta, offset=0))
 
     def lend(self, layer, n):
-        c = lm_cache.QuantizedKVCache(group_size=layer.meta["group_size"], bits=layer.meta["bits"])
-        return _lend_linear(c, layer, n, 3)
+        m = layer.meta
+        return BorrowedQuantizedKVCache(cut_segments(layer.segments, n), group_size=m["group_size"], bits=m["bits"])
 
     def trimmable(self, meta):
         return True
@@ -180,15 +230,16 @@ class RotatingKV(Codec):
 
     kind, roles = "RotatingKVCache", ("keys", "values")
 
-    def capture(self, c):
+    def capture(self, c, copy=False):
         n = int(c.offset)
         meta = {"offset": n, "keep": int(c.keep), "max_size": int(c.max_size), "idx": int(c._idx)}
         if c.keys is None:
             return LayerState(self.kind, (), meta)
+        parents = (c.keys, c.values)
         if n < c.max_size:  # not wrapped: the buffer is linear in time
             meta["idx"] = n
-            return LayerState(self.kind, (_seq(c.keys, n), _seq(c.values, n)), meta)
-        return LayerState(self.kind, (_fresh(c.keys), _fresh(c.values)), meta)
+            return LayerState(self.kind, _own((_seq(c.keys, n), _seq(c.values, n)), parents, copy), meta)
+        return LayerState(self.kind, _own((_fresh(c.keys), _fresh(c.values)), parents, copy), meta)
 
     def lend(self, layer, n):
         m, arrays = layer.meta, layer.arrays
@@ -220,20 +271,21 @@ class ChunkedKV(Codec):
 
     kind, roles = "ChunkedKVCache", ("keys", "values")
 
-    def capture(self, c):
+    def capture(self, c, copy=False):
         n, start = int(c.offset), int(c.start_position)
         meta = {"offset": n, "chunk_size": int(c.chunk_size), "start_position": start}
         if c.keys is None:
             return LayerState(self.kind, (), meta)
-        return LayerState(self.kind, (_seq(c.keys, n - start), _seq(c.values, n - start)), meta)
+        own = (_seq(c.keys, n - start), _seq(c.values, n - start))
+        return LayerState(self.kind, _own(own, (c.keys, c.values), copy), meta)
 
     def lend(self, layer, n):
-        m = layer.meta
+        m, arrays = layer.meta, layer.arrays
         c = lm_cache.ChunkedKVCache(m["chunk_size"])
         c.start_position = m["start_position"]
-        if layer.arrays:
-            c.keys, c.values = _seq(layer.arrays[0], n - c.start_position), _seq(layer.arrays[1], n - c.start_position)
-        c.offset = n if layer.arrays else 0
+        if arrays:
+            c.keys, c.values = _seq(arrays[0], n - c.start_position), _seq(arrays[1], n - c.start_position)
+        c.offset = n if arrays else 0
         return c
 
     def trimmable(self, meta):
@@ -253,10 +305,11 @@ class Recurrent(Codec):
     def __init__(self, kind: str):
         self.kind = kind
 
-    def capture(self, c):
+    def capture(self, c, copy=False):
         present = [i for i, a in enumerate(c.cache) if a is not None]
-        return LayerState(self.kind, tuple(_fresh(c.cache[i]) for i in present),
-                          {"size": len(c.cache), "present": present})
+        arrays = tuple(_fresh(c.cache[i]) for i in present)
+        meta = {"size": len(c.cache), "present": present}
+        return LayerState(self.kind, _own(arrays, (), copy) if arrays else (), meta)
 
     def lend(self, layer, n):
         c = getattr(lm_cache, self.kind)(layer.meta["size"])
@@ -270,30 +323,34 @@ class Composite(Codec):
 
     kind = "CacheList"
 
-    def capture(self, c):
-        parts = [capture_layer(x) for x in c.caches]
+    def capture(self, c, copy=False):
+        parts = tuple(capture_layer(x, copy) for x in c.caches)
         offsets = [p.meta["offset"] for p in parts if "offset" in p.meta]
         meta = {"parts": [p.to_json() for p in parts]}
         if offsets:
             meta["offset"] = max(offsets)
-        return LayerState(self.kind, tuple(a for p in parts for a in p.arrays), meta)
+        return LayerState(self.kind, (), meta, parts)
 
-    def parts(self, layer: LayerState) -> list[LayerState]:
-        out, i = [], 0
-        for spec in layer.meta["parts"]:
+    def rebuilt(self, arrays, meta):
+        parts, i = [], 0
+        for spec in meta["parts"]:
             k = int(spec["arrays"])
-            out.append(LayerState(spec["kind"], layer.arrays[i : i + k], dict(spec["meta"])))
+            parts.append(codec(spec["kind"]).rebuilt(tuple(arrays[i : i + k]), dict(spec["meta"])))
             i += k
-        return out
+        return LayerState(self.kind, (), meta, tuple(parts))
+
+    def cut(self, layer, n):
+        parts = tuple(codec(p.kind).cut(p, n) for p in layer.parts)
+        return LayerState(self.kind, (), self.meta_at(layer.meta, n), parts)
 
     def lend(self, layer, n):
-        return lm_cache.CacheList(*(codec(p.kind).lend(p, n) for p in self.parts(layer)))
+        return lm_cache.CacheList(*(codec(p.kind).lend(p, n) for p in layer.parts))
 
     def trimmable(self, meta):
         return all(codec(p["kind"]).trimmable(p["meta"]) for p in meta["parts"])
 
     def linear_arrays(self, layer):
-        return tuple(flag for p in self.parts(layer) for flag in codec(p.kind).linear_arrays(p))
+        return tuple(flag for p in layer.parts for flag in codec(p.kind).linear_arrays(p))
 
     def linear(self, meta):
         return all(codec(p["kind"]).linear(p["meta"]) for p in meta["parts"])
@@ -311,6 +368,8 @@ CODECS = {
     for c in (PlainKV(), QuantizedKV(), RotatingKV(), ChunkedKV(), Recurrent("ArraysCache"), Recurrent("MambaCache"),
               Composite())
 }
+# a borrower's live caches: captured as the kinds they borrowed from
+CODECS["BorrowedKVCache"], CODECS["BorrowedQuantizedKVCache"] = CODECS["KVCache"], CODECS["QuantizedKVCache"]
 
 
 def codec(kind: str) -> Codec:
@@ -324,9 +383,9 @@ def kind_of(c: Any) -> str:
     return type(c).__name__
 
 
-def capture_layer(c: Any) -> LayerState:
-    """The exact state of one live cache (new array objects, no copy)."""
-    return codec(kind_of(c)).capture(c)
+def capture_layer(c: Any, copy: bool = False) -> LayerState:
+    """The exact state of one live cache (new array objects; copy: of what it may still write)."""
+    return codec(kind_of(c)).capture(c, copy)
 
 
 def layout_at(layout: list[dict], n: int) -> list[dict]:

@@ -1,7 +1,7 @@
 """Verified reads of checkpoints: every tensor into a buffer the caller
 allocates (numpy views of MLX memory on restore), inline tensors from the
-file, span tensors from their blocks, read and hashed on a 2-thread pool.
-Bytes only: no MLX here.
+file, span tensors from their blocks, read and hashed on a pool of READERS
+threads while the disk reads AHEAD blocks in advance. Bytes only: no MLX here.
 """
 
 from __future__ import annotations
@@ -17,14 +17,33 @@ from . import blocks
 from .blocks import BlockRef
 from .format import CorruptCheckpoint, Header, TensorEntry, hasher
 
+# Threads that read, hash and copy blocks: reading a warm block, hashing it and
+# copying it into the tensors cost about the same, so two threads keep both
+# cores busy. Block files asked of the disk ahead of them (POSIX_FADV_WILLNEED)
+# keep reads in flight when the page cache is cold. Both measured in
+# benchmarks/bench_restore.py (docs/benchmarks.md).
+READERS = 2
+AHEAD = 16
 _POOL: ThreadPoolExecutor | None = None
 
 
 def _pool() -> ThreadPoolExecutor:
     global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(2, thread_name_prefix="ckpt-read")
+    if _POOL is None or _POOL._max_workers != READERS:
+        _POOL = ThreadPoolExecutor(READERS, thread_name_prefix="ckpt-read")
     return _POOL
+
+
+def _advise(path: Path) -> None:
+    """Start reading a whole file into the page cache (asynchronously)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # the read itself reports it
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+    finally:
+        os.close(fd)
 
 
 def _pread_exact(fd: int, mv: memoryview, offset: int, name: str) -> None:
@@ -68,7 +87,9 @@ def _load_one(fd: int, t: TensorEntry, mv: memoryview, version: int) -> None:
         raise CorruptCheckpoint(f"tensor {t.name}: {'SHA-256' if version == 1 else 'BLAKE3'} mismatch")
 
 
-def _load_block(root: Path, ref: BlockRef, head: bytes, dst: list) -> None:
+def _load_block(root: Path, ref: BlockRef, head: bytes, dst: list, ahead: BlockRef | None) -> None:
+    if ahead is not None:
+        _advise(blocks.block_path(root, ahead.name))
     try:
         blocks.read_into(blocks.block_path(root, ref.name), ref.name, head, dst)
     except FileNotFoundError:
@@ -99,7 +120,7 @@ def fill(source, header: Header, buffers: dict, blocks_root: Path | None = None)
 
     Inline tensors come from `source` (a path or the open fd the header came
     from: one file, even if it is replaced meanwhile), span tensors from their
-    blocks, every tensor or block on the 2-thread pool, each hashed as it
+    blocks, every tensor or block on the READERS-thread pool, each hashed as it
     lands. Raises CorruptCheckpoint, CorruptBlock (carrying the block) or
     MissingBlock; buffer contents are then undefined.
     """
@@ -119,12 +140,16 @@ def fill(source, header: Header, buffers: dict, blocks_root: Path | None = None)
         if spanned:
             if blocks_root is None:
                 raise ValueError("a format-2 checkpoint needs its blocks directory")
-            arrays = [buffers[t.name] for t in spanned]
+            arrays = _merged([buffers[t.name] for t in spanned])
             specs = [(t.name, t.dtype, t.shape) for t in spanned]
-            for ref in header.blocks:
+            refs = list(header.blocks)
+            for ref in refs[:AHEAD]:
+                _advise(blocks.block_path(blocks_root, ref.name))
+            for i, ref in enumerate(refs):
                 dst = [a[..., ref.start : ref.end, :] for a in arrays]
                 head = blocks.header(ref.start, ref.end, specs)
-                futures.append(pool.submit(_load_block, blocks_root, ref, head, dst))
+                ahead = refs[i + AHEAD] if i + AHEAD < len(refs) else None
+                futures.append(pool.submit(_load_block, blocks_root, ref, head, dst, ahead))
     finally:
         errors = []
         for fut in futures:  # never return (or close fd) while a pool thread uses a buffer
@@ -136,6 +161,32 @@ def fill(source, header: Header, buffers: dict, blocks_root: Path | None = None)
             os.close(fd)
     if errors:
         raise errors[0]
+
+
+def _merged(arrays: list) -> list:
+    """The same memory in fewer arrays: consecutive tensors that are consecutive slices of
+    one allocation (restore.py allocates one per dtype and shape) become one view [k, ...].
+    A block holds its tensors' slices back to back, so each such view takes one copy per
+    block instead of k."""
+    out = []  # [allocation or None, first index, count, array]
+    for a in arrays:
+        base, i = _slot_of(a)
+        last = out[-1] if out else None
+        if last is not None and base is not None and last[0] is base and last[1] + last[2] == i:
+            last[2] += 1
+        else:
+            out.append([base, i, 1, a])
+    return [a[None] if base is None else base[i : i + k] for base, i, k, a in out]
+
+
+def _slot_of(a: np.ndarray) -> tuple:
+    """(b, i) when `a` is b[i] of a contiguous array b, else (None, 0)."""
+    b = a.base
+    if not (isinstance(b, np.ndarray) and b.flags.c_contiguous and b.shape[1:] == a.shape and b.dtype == a.dtype
+            and a.nbytes):
+        return None, 0
+    offset = a.__array_interface__["data"][0] - b.__array_interface__["data"][0]
+    return (b, offset // a.nbytes) if offset % a.nbytes == 0 and 0 <= offset < b.nbytes else (None, 0)
 
 
 def read_tensors(source, header: Header, allocate: Callable, blocks_root: Path | None = None) -> dict:
