@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from . import blas
+from .batch import DEFAULT_BATCH_SIZE, BatchRun, batch_seeds, row_tokens
 from .cache.objects import ObjectCache, is_object_namespace
 from .cache.catalog import CatalogBusy
 from .cache.remote import resolve as resolve_remote
@@ -125,8 +126,10 @@ class Engine(StateMethods):
     # --- models ---
 
     def load_model(self, path_or_id, name: str = "default", *, kv_bits: int | None = None,
-                   kv_group_size: int = 64, image_attention: str | None = None) -> dict:
+                   kv_group_size: int = 64, adapter_path=None, image_attention: str | None = None) -> dict:
         """Load a model; kv_bits (4 or 8) quantizes its KV cache (RAM and SSD hold the quantized bytes).
+        adapter_path: an mlx-lm LoRA adapter directory applied to it; its weights and config are part
+        of the cache namespace (the base model and each adapter keep caches of their own).
 
         A vision-language model (a config with a vision tower) loads through mlx-vlm
         (`pip install 'mlxcache-kernel[vision]'`); image_attention picks how its image
@@ -136,7 +139,7 @@ class Engine(StateMethods):
         background (up to the prefetch budget); "prefetch" in the result says how many.
         """
         loaded = self.models.load(path_or_id, name, kv_bits=kv_bits, kv_group_size=kv_group_size,
-                                  image_attention=image_attention)
+                                  adapter_path=adapter_path, image_attention=image_attention)
         self.cache.register_namespace(loaded.namespace, loaded.identity)
         self.events.emit("model_loaded", name=name, path=str(loaded.path), namespace=loaded.namespace)
         if loaded.cache_notice:
@@ -229,6 +232,42 @@ class Engine(StateMethods):
             self.sessions.get(session).record_turn(prompt, result.text, tokens, result.tokens,
                                                    images=media.images if media else ())
         return result
+
+    def generate_batch(
+        self,
+        prompts: Sequence,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        seed: int | Sequence[int] = 0,
+        model: str | None = None,
+        *,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop: Sequence[str] = (),
+        system: str | None = None,
+        raw: bool = False,
+        use_cache: bool = True,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        on_progress: Callable[[str, int, int], None] | None = None,
+        on_row: Callable[[int, GenerationResult], None] | None = None,
+    ) -> list[GenerationResult]:
+        """One GenerationResult per prompt (a string or token ids), in order: shared prefixes prefilled
+        once, rows decoded together (batch.py). Row i samples with seed + i (or seed[i] from a list).
+        on_progress(phase, done, total): "restore"/"prefill" in tokens, "decode" in tokens generated;
+        on_row(index, result) as each row finishes."""
+        self._check_open()
+        self.poll(prepare=False)
+        m = self.models.get(model)
+        rows = row_tokens(prompts, lambda p: self.encode_prompt(p, model=m.name, system=system, raw=raw),
+                          _vocab_size(m))
+        params = [SamplingParams(max_tokens, float(temperature), float(top_p), int(top_k), s, tuple(stop))
+                  .validate(_vocab_size(m)) for s in batch_seeds(seed, len(rows))]
+        if not rows:
+            return []
+        results = BatchRun(self, m, rows, params, use_cache=use_cache, batch_size=batch_size,
+                           on_progress=on_progress, on_row=on_row).run()
+        self.last_result = results[-1]
+        return results
 
     def generate_tokens(
         self, tokens: Sequence[int], params: SamplingParams, *, model: str | None = None, **options

@@ -67,7 +67,13 @@ def sample(logits: mx.array, params: SamplingParams, step: int) -> mx.array:
     """One token id (shape (1,)) from last-position logits of shape (1, vocab)."""
     if params.temperature == 0:
         return mx.argmax(logits, axis=-1)
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return sample_logprobs(logits - mx.logsumexp(logits, axis=-1, keepdims=True), params, step)
+
+
+def sample_logprobs(logprobs: mx.array, params: SamplingParams, step: int) -> mx.array:
+    """`sample` from normalized log-probabilities (what mlx-lm's batch samplers are given)."""
+    if params.temperature == 0:
+        return mx.argmax(logprobs, axis=-1)
     if 0 < params.top_p < 1:
         logprobs = apply_top_p(logprobs, params.top_p)
     if params.top_k > 0:

@@ -179,13 +179,21 @@ class GenerationMetrics:
                   "decode_tokens"):
             c[k] += stats[k]
         c["prefill_s"] += stats["prefill_s"]
-        prefilled, seconds = stats["prefilled_tokens"], stats["prefill_s"]
+        self._measured(ns, stats["prefilled_tokens"], stats["prefill_s"])
+        if stats["cached_tokens"] and self.prefill_rate.get(ns):
+            c["prefill_s_saved"] += stats["cached_tokens"] / self.prefill_rate[ns]
+
+    def record_prefill(self, ns: str, prefilled: int, seconds: float) -> None:
+        """A prefill that belongs to no one generation (a prefix the rows of a batch share)."""
+        self.counters["prefilled_tokens"] += prefilled
+        self.counters["prefill_s"] += seconds
+        self._measured(ns, prefilled, seconds)
+
+    def _measured(self, ns: str, prefilled: int, seconds: float) -> None:
         if prefilled >= 16 and seconds > 0:  # a real prefill: update this model's measured rate
             rate = prefilled / seconds
             old = self.prefill_rate.get(ns)
             self.prefill_rate[ns] = rate if old is None else 0.7 * old + 0.3 * rate
-        if stats["cached_tokens"] and self.prefill_rate.get(ns):
-            c["prefill_s_saved"] += stats["cached_tokens"] / self.prefill_rate[ns]
 
     def as_stats(self) -> dict:
         return {f"engine_{k}": v for k, v in self.counters.items()}

@@ -206,21 +206,52 @@ def check_kv_scheme(kv_bits, kv_group_size) -> None:
         raise ModelError(f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {kv_group_size!r}")
 
 
+ADAPTER_FILES = ("adapter_config.json", "adapters.safetensors")  # mlx-lm's LoRA adapter format
+
+
+def resolve_adapter_path(adapter_path) -> Path:
+    """A local mlx-lm adapter directory (adapter_config.json + adapters.safetensors)."""
+    path = Path(str(adapter_path)).expanduser()
+    if not path.is_dir():
+        raise ModelError(f"adapter path is not a directory: {path}")
+    missing = [f for f in ADAPTER_FILES if not (path / f).is_file()]
+    if missing:
+        raise ModelError(f"not an mlx-lm adapter directory (no {' or '.join(missing)}): {path}")
+    try:
+        config = json.loads((path / "adapter_config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelError(f"adapter config {path / 'adapter_config.json'} is not readable JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ModelError(f"adapter config {path / 'adapter_config.json'} is not a JSON object")
+    return path.resolve()
+
+
+def adapter_identity(path: Path, memo: IdentityMemo) -> dict:
+    """The adapter's weights and whole configuration: KV computed under it is its own namespace."""
+    config = json.loads((path / "adapter_config.json").read_text())
+    return {"weights": memo.digest(path / "adapters.safetensors"), "config": _fingerprint_json(config)}
+
+
 def load_model(path_or_id, name: str, memo: IdentityMemo, kv_bits: int | None = None,
-               kv_group_size: int = 64, image_attention: str | None = None) -> LoadedModel:
-    """image_attention: how a vision-language model's image tokens attend (vlm.py); None: its default."""
+               kv_group_size: int = 64, adapter_path=None, image_attention: str | None = None) -> LoadedModel:
+    """adapter_path: an mlx-lm LoRA adapter directory (text models); image_attention: how a
+    vision-language model's image tokens attend (vlm.py); None: its default."""
     import mlx.core as mx
     import mlx_lm
     from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_adapters
 
     from .vlm import VisionUnavailable, is_vlm_config, load_vlm
 
     check_kv_scheme(kv_bits, kv_group_size)
     path = resolve_model_path(path_or_id)
+    adapter = resolve_adapter_path(adapter_path) if adapter_path is not None else None
     config = json.loads((path / "config.json").read_text())
     vision, extras = None, {}
     if not is_vlm_config(config) and image_attention is not None:
         raise ModelError("image_attention applies to vision-language models only")
+    if is_vlm_config(config) and adapter is not None:
+        raise ModelError("adapters in mlx-lm's format apply to text models, not to vision-language models")
     try:
         if is_vlm_config(config):  # mlx-vlm: the model's own processor and chat template
             model, tokenizer, vision, extras = load_vlm(path, config, image_attention)
@@ -230,15 +261,24 @@ def load_model(path_or_id, name: str, memo: IdentityMemo, kv_bits: int | None = 
         raise ModelError(str(e)) from None
     except Exception as e:
         raise ModelError(f"could not load a model from {path}: {type(e).__name__}: {e}") from None
+    if adapter is not None:
+        try:
+            load_adapters(model, str(adapter))  # safetensors and JSON only
+            model.eval()
+        except Exception as e:
+            raise ModelError(f"could not apply the adapter {adapter} to {path}: {type(e).__name__}: {e}") from None
     dtype = str(model.parameters_dtype()) if hasattr(model, "parameters_dtype") else _weight_dtype(model)
     caches = new_caches(model, kv_bits, kv_group_size)
     scheme = kv_scheme(caches, dtype.removeprefix("mlx.core."), kv_bits, kv_group_size)
     identity = {**model_identity(path, memo, scheme), **extras}
+    if adapter is not None:  # base models keep the identity (and the cache) they had
+        identity["adapter"] = adapter_identity(adapter, memo)
     unknown = unsupported(caches)
     notice = (f"the prompt cache does not support {', '.join(unknown)}: this model generates uncached"
               if unknown else None)
     info = {
         "path": str(path),
+        "adapter": str(adapter) if adapter is not None else None,
         "layers": len(caches),
         "kv_scheme": scheme,
         "parameters_bytes": sum(int(v.nbytes) for _, v in tree_flatten(model.parameters())),

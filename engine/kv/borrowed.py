@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.models import base as lm_base
-from mlx_lm.models.cache import _BaseCache, create_attention_mask
+from mlx_lm.models.cache import BatchKVCache, _BaseCache, create_attention_mask
 
 STEP = 256  # tail growth, as mlx-lm's KVCache
 MERGE_TOKENS = 256  # trailing segments this short are copied into a new tail rather than kept apart
@@ -266,6 +266,12 @@ class BorrowedKVCache(_BaseCache):
 
     def make_mask(self, *args, **kwargs):
         return create_attention_mask(*args, offset=self.offset, **kwargs)
+
+    @classmethod
+    def merge(cls, caches):
+        """Rows joining a batch (engine/batch.py): into mlx-lm's batch cache, as its `KVCache` merges
+        (one left-padded copy of every row: mlx-lm's batch decoding needs it)."""
+        return BatchKVCache.merge(caches)
 
     def empty(self):
         return self.offset == 0

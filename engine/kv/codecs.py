@@ -430,6 +430,21 @@ def new_caches(model, kv_bits: int | None = None, kv_group_size: int = 64) -> li
             for c in caches]
 
 
+def not_batchable(caches: list) -> list[str]:
+    """Cache classes (nested ones included) that mlx-lm's BatchGenerator cannot merge into
+    batch caches: quantized KV, chunked attention, a window that keeps a prefix (keep > 0)."""
+    out = []
+    for c in caches:
+        kind, keep = kind_of(c), getattr(c, "keep", 0)
+        if kind == "CacheList":
+            out += not_batchable(list(c.caches))
+        elif keep:
+            out.append(f"{kind}(keep={keep})")
+        elif kind not in ("KVCache", "RotatingKVCache", "ArraysCache"):
+            out.append(kind)
+    return sorted(set(out))
+
+
 def kv_scheme(caches: list, dtype: str, kv_bits: int | None = None, kv_group_size: int = 64) -> str:
     """What the model's KV state is made of: cache classes, weight dtype, quantization."""
     scheme = "+".join(sorted({kind_of(c) for c in caches})) + ":" + dtype

@@ -80,3 +80,19 @@ class _Top:
 
 
 _TOP = _Top()
+
+
+def branch_points(sequences, min_len: int = 1) -> list[tuple]:
+    """The prefixes at which token sequences branch, shortest first.
+
+    Each is the longest common prefix of two neighbours in sorted order (a
+    sequence repeated, or a prefix of another, is one too): together they are
+    the branching nodes of the sequences' trie. Shorter than `min_len`: left out.
+    """
+    ordered = sorted(tuple(s) for s in sequences)
+    points = set()
+    for a, b in zip(ordered, ordered[1:]):
+        n = common_prefix_len(as_token_array(a), as_token_array(b))
+        if n >= max(1, min_len):
+            points.add(a[:n])
+    return sorted(points, key=len)

@@ -55,6 +55,8 @@ class AdminMagics(EngineMagics):
               help="load: quantize the KV cache to 4 or 8 bits (RAM and SSD hold the quantized bytes)")
     @argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
               help="load: values per quantization group (default 64)")
+    @argument("--adapter", default=None, help="load: an mlx-lm LoRA adapter directory applied to the model "
+                                              "(its cache is its own: the base model's is never used for it)")
     @argument("--image-attention", choices=["bidirectional", "causal"], default=None,
               help="load, a vision-language model: how image tokens attend (default: the model's own)")
     @line_magic
@@ -65,6 +67,7 @@ class AdminMagics(EngineMagics):
         %model load [PATH] [--name N] load a model directory or hub id ('smollm2' = the bundled
                                       SmolLM2-135M-Instruct; no PATH = the configured default model)
                  [--kv-bits 8]        quantized KV cache (4 or 8 bits; --kv-group-size 32|64|128)
+                 [--adapter DIR]      with an mlx-lm LoRA adapter (adapters.safetensors + adapter_config.json)
         %model list                   resident models (* marks the default)
         %model use N                  make N the default for %%generate
         %model unload N               drop a model from memory
@@ -72,15 +75,15 @@ class AdminMagics(EngineMagics):
         """
         args = parse_args(self.model, line)
         eng = self.engine
-        if (args.name or args.kv_bits) and args.action != "load":
-            raise UsageError(f"--name and --kv-bits only apply to %model load, not %model {args.action}")
+        if (args.name or args.kv_bits or args.adapter) and args.action != "load":
+            raise UsageError(f"--name, --kv-bits and --adapter only apply to %model load, not %model {args.action}")
         if args.action == "list":
             no_target(args.target, "model list")
             self._model_list()
         elif args.action == "load":
             extra = {"image_attention": args.image_attention} if args.image_attention else {}
             self._model_load(args.target, args.name or "default", kv_bits=args.kv_bits,
-                             kv_group_size=args.kv_group_size, **extra)
+                             kv_group_size=args.kv_group_size, adapter_path=args.adapter, **extra)
         elif args.action == "info":
             for k, v in eng.model_info(args.target).items():
                 if isinstance(v, dict):
@@ -108,11 +111,12 @@ class AdminMagics(EngineMagics):
                 "name": name,
                 "layers": info.get("layers"),
                 "kv": info.get("kv_scheme"),
+                "adapter": info.get("adapter") or "-",
                 "weights": format_bytes(info.get("parameters_bytes")),
                 "namespace": info.get("namespace"),
                 "path": info.get("path"),
             })
-        show_table(rows, ["", "name", "layers", "kv", "weights", "namespace", "path"],
+        show_table(rows, ["", "name", "layers", "kv", "adapter", "weights", "namespace", "path"],
                    empty="no models loaded (use %model load PATH)")
 
     def _model_load(self, target: str | None, name: str, **kv) -> None:
@@ -122,7 +126,8 @@ class AdminMagics(EngineMagics):
                              "(no default model is configured: MLXCACHE_DEFAULT_MODEL=none)")
         info = self._load(target, name, **kv)
         star = " (default)" if self.engine.models.default == name else ""
-        print(f"loaded {name!r}{star}: {info.get('path')} · {info.get('layers')} layers · "
+        adapter = f" + adapter {info['adapter']}" if info.get("adapter") else ""
+        print(f"loaded {name!r}{star}: {info.get('path')}{adapter} · {info.get('layers')} layers · "
               f"{info.get('kv_scheme')} · {format_bytes(info.get('parameters_bytes'))} in {fmt_s(info['load_s'])}")
         if info.get("cache_notice"):
             print(f"note: {info['cache_notice']}")

@@ -19,6 +19,7 @@ widget cannot be shown); the generated text streams to stdout.
 from __future__ import annotations
 
 import inspect
+import keyword
 import re
 import sys
 import time
@@ -200,6 +201,11 @@ class GenerateMagics(EngineMagics):
                    "holding a path, a PIL image or an array")
     @argument("--no-cache", action="store_true", help="neither look up nor publish prompt caches")
     @argument("--literal", action="store_true", help="no {name} interpolation")
+    @argument("--batch", default=None, metavar="VAR",
+              help="the cell is a template over the items of VAR (a list, Series or DataFrame: {item}, "
+                   "{column}); the rows decode together and the result is a table")
+    @argument("--n", type=int, default=None, dest="samples", metavar="K",
+              help="K samples of the prompt (seeds s..s+K-1) from one prefill; with --batch, K per item")
     @no_var_expand  # _expand_line: as IPython expands, but --image {var} keeps the object
     @cell_magic
     @usage_errors
@@ -211,13 +217,17 @@ class GenerateMagics(EngineMagics):
         writes a literal {name}). The footer tells how many prompt tokens came
         from RAM, from SSD or were prefilled, the time to first token and the
         decode speed. Returns (and with --out stores) the result: .text,
-        .tokens, .stats.
+        .tokens, .stats. With --batch VAR or --n K, many prompts run as one batch (batch.py).
         """
         line, held = self._expand_line(line)
         args = parse_args(self.generate, line)
         args.image = [held.get(spec, spec) for spec in args.image]
-        if args.out is not None and not args.out.isidentifier():
+        if args.out is not None and (not args.out.isidentifier() or keyword.iskeyword(args.out)):
             raise UsageError(f"--out needs a variable name, got {args.out!r}")
+        if args.batch is not None or args.samples is not None:
+            from .batch import run_batch
+
+            return run_batch(self, args, cell, in_kernel=_in_kernel(self.shell))
         if args.checkpoint_every is not None and args.checkpoint_every < 1:
             raise UsageError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
         if args.checkpoint_every is not None and args.no_cache:

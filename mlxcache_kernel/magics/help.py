@@ -29,12 +29,17 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%%generate --image cat.png", "a vision-language model sees the image (repeatable: -i a.png -i b.png)"),
         ("%%generate --image {picture}", "a variable holding a path, a PIL image or an array"),
         ("%%generate --literal", "no {name} interpolation (or write {{name}} for one literal {name})"),
+        ("%%generate --batch questions", "the cell is a template: one row per item ({item}); a table of results"),
+        ("%%generate --batch df --out answers", "{question} names a column of DataFrame df; answers keeps the table"),
+        ("%%generate --n 4 --temperature 0.8", "4 samples of one prompt (seeds 0..3) from one prefill"),
     ],
     "model": [
         ("%model load", "the configured default model (SmolLM2-135M-Instruct unless set)"),
         ("%model load ~/models/qwen --name small", "a model directory or hub id, under a name"),
         ("%model load --kv-bits 8", "quantize the KV cache to 8 (or 4) bits"),
         ("%model load --kv-bits 4 --kv-group-size 32", "values per quantization group: 32, 64 or 128"),
+        ("%model load ~/models/qwen --adapter ~/adapters/legal --name legal",
+         "with an mlx-lm LoRA adapter; its cache is its own (never the base model's)"),
         ("%model load ~/models/gemma-3-4b-it", "a vision-language model loads through mlx-vlm ([vision] extra)"),
         ("%model load ~/models/gemma-3-4b-it --image-attention causal",
          "image tokens attend causally (as mlx-vlm generates), not bidirectionally"),
@@ -99,12 +104,14 @@ def examples(magic: str) -> str:
 CHEAT_SHEET = """\
 mlxcache: a resident model and a RAM/SSD prompt cache. Add ? to any magic for every option.
 
-  %model load [PATH] [--name N] [--kv-bits 8]   load a model (no PATH: the default, SmolLM2)
+  %model load [PATH] [--name N] [--kv-bits 8] [--adapter DIR]   load a model (no PATH: SmolLM2)
   %model list | use N | unload N | info [N]
 
   %%generate [-n 64] [-t 0.8 --seed 7] [--out r]   the cell is the prompt; {name} -> value of name
       --session ID  --system TEXT  --raw  --stop S  --no-cache  --checkpoint-every N
       {{name}} writes a literal {name}; --literal turns interpolation off
+      --batch VAR: the cell is a template over a list/Series/DataFrame ({item}, {col}) -> a table
+      --n K: K samples of the prompt from one prefill (seeds s..s+K-1)
       the footer: prompt tokens from RAM / SSD / prefilled, TTFT, tok/s
 
   %session new|list|show|switch|reset|close ID    multi-turn chats (%%generate --session ID)
