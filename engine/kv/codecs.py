@@ -431,8 +431,7 @@ def new_caches(model, kv_bits: int | None = None, kv_group_size: int = 64) -> li
 
 
 def not_batchable(caches: list) -> list[str]:
-    """Cache classes (nested ones included) that mlx-lm's BatchGenerator cannot merge into
-    batch caches: quantized KV, chunked attention, a window that keeps a prefix (keep > 0)."""
+    """Cache classes (nested too) mlx-lm's BatchGenerator cannot merge: quantized, chunked, keep > 0."""
     out = []
     for c in caches:
         kind, keep = kind_of(c), getattr(c, "keep", 0)
