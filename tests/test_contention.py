@@ -246,3 +246,22 @@ def test_a_lookup_falls_back_to_a_shorter_checkpoint_when_a_block_is_lost(tiny_m
     assert r.stats["cache_source"] == "ssd" and r.stats["cached_tokens"] == 70 and r.tokens == cold
     assert eng.stats()["ssd_dropped_missing_blocks"] == 1
     eng.close()
+
+
+def test_a_kernel_starting_while_another_creates_the_catalogue_waits_for_it(tmp_path):
+    """Two processes start on a new directory at once: the second waits for the first's schema
+    (longer than a cell's wait on a busy machine) instead of running RAM-only."""
+    root = tmp_path / "new" / "c"
+    creating = Paused(root, "write", "schema.commit")  # holds the write lock, schema not committed
+    started = time.monotonic()
+    second = subprocess.Popen([sys.executable, WORKER, str(root), "write", str(tmp_path / "second.log")], env=ENV,
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    while time.monotonic() < started + 2.5 and second.poll() is None:  # past a cell's 1 s: it must still wait
+        time.sleep(0.05)
+    assert second.poll() is None, second.communicate()[1][-3000:]
+    assert creating.resume() == [{"ack": "write"}]
+    assert second.wait(120) == 0, second.communicate()[1][-3000:]
+    assert [json.loads(x) for x in (tmp_path / "second.log").read_text().splitlines()] == [{"ack": "write"}]
+    s = open_store(root)
+    assert read_digest(s, s.index.entries[(NS, token_key(tokens("E")))].path) == expected_digest("E")
+    s.close()

@@ -297,9 +297,10 @@ def test_processes_share_objects_through_the_directory(cache_dir, tmp_path):
     for p in procs:
         out, _ = p.communicate(timeout=300)
         assert p.returncode == 0 and json.loads(out.splitlines()[-1])["ok"]
-    out = subprocess.run([sys.executable, str(worker), "get", str(cache_dir)], capture_output=True, text=True,
-                         env=env, timeout=300, check=True).stdout
-    got = json.loads(out.splitlines()[-1])
+    got = subprocess.run([sys.executable, str(worker), "get", str(cache_dir)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert got.returncode == 0, got.stderr
+    got = json.loads(got.stdout.splitlines()[-1])
     assert got == {"shared": fingerprint(every_kind()), "a": [5.0, 5.0], "bb": [6.0, 6.0], "ssd_hits": 3}
 
 

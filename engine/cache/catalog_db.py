@@ -35,6 +35,7 @@ SCHEMA_VERSION = 3
 OWNER_WAIT_S = 1.0
 LATE_WAIT_S = 0.05  # a cell's wait while the lock is known to be held elsewhere: a short transaction's length
 KEEPER_WAIT_S = 0.5
+OPEN_WAIT_S = 10.0  # opening a catalogue another process is creating (or migrating): a moment, longer when busy
 BACKGROUND_WAIT_S = 60.0
 _BUSY, _LOCKED, _CORRUPT, _NOTADB = 5, 6, 11, 26
 _thread = threading.local()
@@ -149,6 +150,7 @@ class Database:
     def _prepare(self) -> None:
         try:
             db = self.connection()
+            self._wait(db, OPEN_WAIT_S)  # journal mode and schema take the lock only on a new or older catalogue
             os.chmod(self.path, 0o600)
             self._inode = os.stat(self.path).st_ino
             db.execute("PRAGMA journal_mode=WAL")
@@ -159,9 +161,9 @@ class Database:
             except (sqlite3.OperationalError, TypeError):
                 version = 0
         except sqlite3.DatabaseError as e:
-            raise self._failed(e, OWNER_WAIT_S) from e
+            raise self._failed(e, OPEN_WAIT_S) from e
         if version < SCHEMA_VERSION:
-            with self.transaction("schema") as db:
+            with self.transaction("schema", wait=OPEN_WAIT_S) as db:
                 for statement in _statements(_MIGRATE + ";" + _SCHEMA):
                     db.execute(statement)
                 have = {r[1] for r in db.execute("PRAGMA table_info(files)")}
