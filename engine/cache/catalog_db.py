@@ -141,16 +141,29 @@ class Database:
     # --- opening, setting aside ---
 
     def _open(self) -> None:
-        try:
-            self._prepare()
-        except CatalogCorrupt:
-            self._set_aside()
-            self._prepare()
+        """Open (creating or migrating) the database. Busy means another process is creating or
+        migrating it (SQLite does not always call the busy handler for the journal-mode switch):
+        tried again until OPEN_WAIT_S, however loaded the machine."""
+        started = time.monotonic()
+        while True:
+            try:
+                try:
+                    self._prepare(started)
+                except CatalogCorrupt:
+                    self._set_aside()
+                    self._prepare(started)
+                self.late = None  # a busy try on the way is no news once open
+                return
+            except CatalogBusy:
+                if time.monotonic() - started >= OPEN_WAIT_S:
+                    raise
+                time.sleep(0.05)
 
-    def _prepare(self) -> None:
+    def _prepare(self, started: float) -> None:
+        left = max(0.05, OPEN_WAIT_S - (time.monotonic() - started))
         try:
             db = self.connection()
-            self._wait(db, OPEN_WAIT_S)  # journal mode and schema take the lock only on a new or older catalogue
+            self._wait(db, left)  # journal mode and schema take the lock only on a new or older catalogue
             os.chmod(self.path, 0o600)
             self._inode = os.stat(self.path).st_ino
             db.execute("PRAGMA journal_mode=WAL")
@@ -161,9 +174,9 @@ class Database:
             except (sqlite3.OperationalError, TypeError):
                 version = 0
         except sqlite3.DatabaseError as e:
-            raise self._failed(e, OPEN_WAIT_S) from e
+            raise self._failed(e, time.monotonic() - started) from e
         if version < SCHEMA_VERSION:
-            with self.transaction("schema", wait=OPEN_WAIT_S) as db:
+            with self.transaction("schema", wait=left) as db:
                 for statement in _statements(_MIGRATE + ";" + _SCHEMA):
                     db.execute(statement)
                 have = {r[1] for r in db.execute("PRAGMA table_info(files)")}
