@@ -1,7 +1,7 @@
 """Per cache kind (issue "Every cache kind exact"), JSON on stdout.
 
 For a tiny random-weight model of each mlx-lm architecture in
-tests/tiny_archs.py (plain, rotating, chunked, recurrent and CacheList
+tests/support/tiny_archs.py (plain, rotating, chunked, recurrent and CacheList
 caches): the TTFT of a RAM hit on a rerun of a 2k-token prompt in decode
 steps (target <= 1.5), and the KV bytes per cached token in RAM (as held and
 as state) and on SSD.
@@ -24,7 +24,7 @@ from common import emit, median
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 from tiny_archs import ARCHS, build_arch_model  # noqa: E402
 
 from mlxcache_kernel.engine import Engine, SamplingParams  # noqa: E402

@@ -35,7 +35,7 @@ from common import emit
 
 import numpy as np
 
-from mlxcache_kernel.engine.cache.catalog import FileRow
+from mlxcache_kernel.engine.cache.catalog.tables import FileRow
 from mlxcache_kernel.engine.cache.ssd import blocks
 from mlxcache_kernel.engine.cache.ssd import format as fmt
 from mlxcache_kernel.engine.cache.ssd.persist import persist

@@ -38,7 +38,7 @@ import numpy as np
 
 from mlxcache_kernel import memo
 from mlxcache_kernel.engine import Engine
-from mlxcache_kernel.engine.cache import objects as objects_mod
+from mlxcache_kernel.engine.cache.objects import cache as objects_mod
 
 ROWS, DIM, OUT = 8192, 1024, 3072
 

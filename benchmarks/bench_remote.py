@@ -11,7 +11,7 @@
   record key, and a block read when one sits at a block key: bounded reads
   make them cost what a miss costs (single server only).
 
-Starts its own redis-server processes (tests/redis_servers.py) on loopback.
+Starts its own redis-server processes (tests/support/redis_servers.py) on loopback.
 
     python benchmarks/bench_remote.py [--total-mib 256] [--repeats 3] [--no-cluster]
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from common import emit
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 from redis_servers import RedisClusterNodes, RedisServer, missing  # noqa: E402
 
 from mlxcache_kernel.engine.cache.remote import RemoteMiss, RemoteTier, Value, block_name  # noqa: E402

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 from common import default_model, emit, median, prompt_tokens
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 from redis_servers import RedisServer, missing  # noqa: E402
 
 SECRET = "bench-team-secret-0123456789"

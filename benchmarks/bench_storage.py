@@ -123,7 +123,7 @@ def _child(kind: str, d: Path, dropped: bool, readers: int, with_model: bool) ->
         mx.eval(model.parameters())
         out["rss_before"] = _rss_bytes()
     if kind == "ours":
-        from mlxcache_kernel.engine.cache.ssd import reader
+        from mlxcache_kernel.engine.cache.ssd import tensor_read as reader
         from mlxcache_kernel.engine.cache.ssd.restore import restore
         from mlxcache_kernel.engine.cache.ssd.store import CheckpointStore
 

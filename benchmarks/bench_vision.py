@@ -1,5 +1,5 @@
 """Follow-up questions about a cached image against the same request cold, on
-the tiny random-weight VLMs of tests/tiny_vlm.py (Qwen2-VL, Gemma 3).
+the tiny random-weight VLMs of tests/support/tiny_vlm.py (Qwen2-VL, Gemma 3).
 TTFT here is the wall time of the whole `generate` call for one token: image
 loading, the processor, identities and the lookup included.
 
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from common import emit, median  # noqa: E402

@@ -1,7 +1,7 @@
 """mlxcache_kernel.engine: models, the tiered prompt cache, storage, generation.
 
 No Jupyter imports here: the engine works from a plain script too. A prompt
-travels: `engine.py` (the facade) -> `run.py` (one generation) ->
+travels: `engine.py` (the facade) -> `generation.py` (one generation) ->
 `cache/tiered.py` (RAM over SSD) -> `cache/ram.py` and `cache/ssd/`
 (`writer.py` -> `format.py` on disk, `restore.py` back into MLX), with the
 KV state itself in `kv/` (`codecs.py` per mlx-lm cache class, `checkpoint.py`).
@@ -14,10 +14,10 @@ import importlib
 _EXPORTS = {
     "Checkpoint": ".kv.checkpoint",
     "Engine": ".engine",
-    "GenerationError": ".generation",
-    "GenerationResult": ".run",
+    "GenerationError": ".sampling",
+    "GenerationResult": ".generation",
     "ModelError": ".models",
-    "SamplingParams": ".generation",
+    "SamplingParams": ".sampling",
     "SessionError": ".sessions",
     "default_cache_dir": ".engine",
     "default_ram_budget": ".engine",

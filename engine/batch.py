@@ -26,22 +26,20 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import mlx.core as mx
 
-from .generation import GenerationError, SamplingParams, prefill, sample_logprobs
+from .sampling import GenerationError, SamplingParams, sample_logprobs
+from .decoding import prefill
 from .kv.checkpoint import Checkpoint
-from .kv.codecs import not_batchable
+from .kv.caches import not_batchable
 from .kv.tokens import branch_points
 from .memory import DECODE_CHECK_EVERY
 from .metrics import generation_stats
 from .models import LoadedModel
-from .run import Generation, GenerationResult, Request
-
-if TYPE_CHECKING:
-    from .cache.ram import Lease
-    from .engine import Engine
+from .cache.ram import Loan
+from .generation import Generation, GenerationResult, Request, Services
 
 MIN_SHARED_TOKENS = 16  # a shorter shared prefix is prefilled by each row: a published entry would cost more
 DEFAULT_BATCH_SIZE = 32  # rows decoding at once (mlx-lm's own completion batch size)
@@ -95,7 +93,7 @@ class Branch:
 class Row:
     index: int
     gen: Generation  # its text stream, decoded tokens, times and publication
-    lease: "Lease | None" = None
+    loan: "Loan | None" = None
     cached: int = 0  # prompt tokens the cache held before the batch
     source: str | None = None
     shared: int = 0  # prompt tokens prefilled once in this batch, shared with other rows
@@ -112,18 +110,18 @@ class Row:
 class BatchRun:
     """One `generate_batch` call; `run()` once."""
 
-    def __init__(self, engine: "Engine", model: LoadedModel, prompts: list, params: list, *, use_cache: bool,
+    def __init__(self, services: Services, model: LoadedModel, prompts: list, params: list, *, use_cache: bool,
                  batch_size: int = DEFAULT_BATCH_SIZE, on_progress: Callable[[str, int, int], None] | None = None,
                  on_row: Callable[[int, GenerationResult], None] | None = None):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise GenerationError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        self.engine, self.model, self.cache, self.ns = engine, model, engine.cache, model.namespace
+        self.services, self.model, self.cache, self.ns = services, model, services.cache, model.namespace
         self.use_cache = use_cache and model.cache_notice is None  # an unknown cache class: uncached, never wrong
-        self.rows = [Row(i, Generation(engine, Request(model, t, p, use_cache=self.use_cache)))
+        self.rows = [Row(i, Generation(services, Request(model, t, p, use_cache=self.use_cache)))
                      for i, (t, p) in enumerate(zip(prompts, params))]
         self.batch_size, self.on_progress, self.on_row = batch_size, on_progress, on_row
         self.branches: list[Branch] = []
-        self.leases: list = []  # held until the run ends: nothing hands their buffers to another borrower meanwhile
+        self.loans: list = []  # held until the run ends: nothing hands their buffers to another borrower meanwhile
         unbatchable = (["a vision-language model's"] if getattr(model, "vision", None) is not None
                        else not_batchable(model.new_caches()))
         self.notice = (f"mlx-lm cannot batch {', '.join(unbatchable)} caches: the {len(self.rows)} rows run one "
@@ -135,7 +133,7 @@ class BatchRun:
         if hasattr(mx, "reset_peak_memory"):
             mx.reset_peak_memory()
         if self.notice:
-            self.engine.events.emit("notice", model=self.model.name, message=self.notice)
+            self.services.events.emit("notice", model=self.model.name, message=self.notice)
         try:
             with self.cache.generating():
                 if self.model.cache_notice is None:  # shared prefixes live in checkpoints: known cache classes only
@@ -143,8 +141,8 @@ class BatchRun:
                     self._share()
                 self._serial() if self.notice else self._batched()
         finally:
-            for lease in self.leases:
-                lease.release()
+            for loan in self.loans:
+                loan.release()
             if self.use_cache:
                 self.cache.queue_dirty()  # shared prefixes and prompt snapshots no final checkpoint covers
         self.cache.prepare_reads()
@@ -157,16 +155,16 @@ class BatchRun:
             return
         for row in self.rows:
             t = time.perf_counter()
-            row.lease = self._take(row.tokens)
-            if row.lease is not None:
-                row.cached, row.source = min(row.lease.length, len(row.tokens)), row.lease.source
+            row.loan = self._take(row.tokens)
+            if row.loan is not None:
+                row.cached, row.source = min(row.loan.length, len(row.tokens)), row.loan.source
             row.lookup_s = time.perf_counter() - t
 
     def _take(self, tokens):
-        lease = self.cache.take(tokens, self.ns, progress=self.on_progress)
-        if lease is not None:
-            self.leases.append(lease)
-        return lease
+        loan = self.cache.take(tokens, self.ns, progress=self.on_progress)
+        if loan is not None:
+            self.loans.append(loan)
+        return loan
 
     def _share(self) -> None:
         """Prefill once every prefix that two or more rows need beyond what the cache held."""
@@ -181,16 +179,16 @@ class BatchRun:
     def _prefill_branch(self, point: tuple) -> Branch:
         parent = self._branch_for(point, len(point) - 1)
         start, cached, source = (len(parent.tokens), parent.cached, parent.source) if parent else (0, 0, None)
-        lease = self._take(point + (-1,)) if self.use_cache else None  # the sentinel: at most the point itself
-        if lease is not None and lease.length > start:
-            caches, start, cached, source = lease.caches, lease.length, lease.length, lease.source
+        loan = self._take(point + (-1,)) if self.use_cache else None  # the sentinel: at most the point itself
+        if loan is not None and loan.length > start:
+            caches, start, cached, source = loan.caches, loan.length, loan.length, loan.source
         else:
             caches = parent.checkpoint.lend(start) if parent else self.model.new_caches()
         t = time.perf_counter()
         self._prefill(caches, point[start:])
         cp = Checkpoint.capture(point, caches)
         if start < len(point):
-            self.engine.metrics.record_prefill(self.ns, len(point) - start, time.perf_counter() - t)
+            self.services.metrics.record_prefill(self.ns, len(point) - start, time.perf_counter() - t)
             if self.use_cache:  # written after the batch unless a row's final state covers it
                 self.cache.put(cp, self.ns, defer_write=True)
         return Branch(point, cp, cached, source)
@@ -201,7 +199,7 @@ class BatchRun:
         return max(found, key=lambda b: len(b.tokens), default=None)
 
     def _prepare(self, row: Row) -> list:
-        """The row's caches holding its prompt but the last token: its lease or a branch, then its own prefill."""
+        """The row's caches holding its prompt but the last token: its loan or a branch, then its own prefill."""
         body = tuple(row.tokens[:-1])
         branch = self._branch_for(body, len(body))
         if branch is not None and len(branch.tokens) > row.cached:
@@ -210,20 +208,20 @@ class BatchRun:
             row.cached, row.source, row.shared = branch.cached, branch.source, start - branch.cached
         else:
             start = row.cached
-            caches = row.lease.caches if row.lease is not None else self.model.new_caches()
+            caches = row.loan.caches if row.loan is not None else self.model.new_caches()
         t = time.perf_counter()
         self._prefill(caches, row.tokens[start:-1])
         row.prefill_s = time.perf_counter() - t
         row.prefilled = len(row.tokens) - start  # the last prompt token goes in with the first decode step
-        self.engine.memory.check("prefill")
+        self.services.memory.check("prefill")
         if self.use_cache:
-            row.gen._snapshot_prompt(caches)
+            row.gen.snapshot_prompt(caches)
         return caches
 
     def _prefill(self, caches: list, tokens: Sequence[int]) -> None:
         if tokens:
             progress = self.on_progress
-            prefill(self.model.model, caches, list(tokens), chunk=self.engine.prefill_chunk,
+            prefill(self.model.model, caches, list(tokens), chunk=self.services.prefill_chunk,
                     progress=(lambda done, total: progress("prefill", done, total)) if progress else None)
 
     # --- decoding ---
@@ -234,7 +232,7 @@ class BatchRun:
         size = min(self.batch_size, len(self.rows))
         gen = BatchGenerator(self.model.model, stop_tokens=[[t] for t in sorted(self.model.eos_token_ids)],
                              prefill_batch_size=size, completion_batch_size=size,
-                             prefill_step_size=self.engine.prefill_chunk)
+                             prefill_step_size=self.services.prefill_chunk)
         pending, active, finished = deque(self.rows), {}, []
         total = sum(r.gen.req.params.max_tokens for r in self.rows)
         generated = 0
@@ -254,8 +252,8 @@ class BatchRun:
                 if not responses:
                     raise RuntimeError("mlx-lm's BatchGenerator stopped before every row finished")
                 for row in joined:  # merged into the batch caches (a copy): the row's own caches can go
-                    if row.lease is not None:
-                        row.lease.release()
+                    if row.loan is not None:
+                        row.loan.release()
                 now = time.perf_counter()
                 for r in responses:
                     generated += 1
@@ -268,7 +266,7 @@ class BatchRun:
                 while finished:  # the others' states are kept even if a callback raises
                     self._finish(*finished.pop(0))
                 if step and step % DECODE_CHECK_EVERY == 0:
-                    self.engine.memory.check("decode")
+                    self.services.memory.check("decode")
                 if self.on_progress is not None:
                     self.on_progress("decode", generated, total)
         except BaseException:
@@ -302,10 +300,10 @@ class BatchRun:
         g.stream.finish()
         g.decode_ran, g.decoded.forwarded = True, len(g.decoded.tokens)  # a batch forwards every emitted token
         if self.use_cache:
-            if list(known) == g._known_tokens():
-                g._publish_final(caches)
+            if list(known) == g.known_tokens():
+                g.publish_final(caches)
             else:  # never publish a state under tokens it may not hold
-                self.engine.events.emit("publish_skipped", ns=self.ns, row=row.index, reason="token mismatch")
+                self.services.events.emit("publish_skipped", ns=self.ns, row=row.index, reason="token mismatch")
 
     def _keep_unfinished(self, gen, active: dict, finished: list) -> None:
         """An interrupted batch publishes the rows mlx-lm finished, and what its unfinished rows
@@ -321,7 +319,7 @@ class BatchRun:
             return
         for uid, (caches, known) in extracted.items():
             try:
-                active[uid].gen._publish_interrupted(list(known), caches)
+                active[uid].gen.publish_interrupted(list(known), caches)
             except Exception:
                 pass  # never mask the interrupt
 
@@ -335,18 +333,18 @@ class BatchRun:
                 g.req.on_text = lambda _piece, g=g, before=before: self.on_progress("decode", before + len(g.times),
                                                                                       total)
             try:
-                g._decode(caches)
+                g.decode_tokens(caches)
             except BaseException:
                 if self.use_cache:
                     try:
-                        g._publish_interrupted(g._known_tokens(), caches)
+                        g.publish_interrupted(g.known_tokens(), caches)
                     except Exception:
                         pass
                 raise
             if self.use_cache:
-                g._publish_final(caches)
-            if row.lease is not None:
-                row.lease.release()
+                g.publish_final(caches)
+            if row.loan is not None:
+                row.loan.release()
             before += len(g.times)
             self._result(row)
 
@@ -360,9 +358,9 @@ class BatchRun:
         )
         stats.update(batch_index=row.index, batch_rows=len(self.rows), batch_shared_tokens=row.shared,
                      batch_mode="serial" if self.notice else "batched")
-        self.engine.metrics.record(self.ns, stats)
+        self.services.metrics.record(self.ns, stats)
         row.result = GenerationResult(g.stream.text, list(g.decoded.tokens), stats, list(row.tokens))
-        self.engine.events.emit("generation", **{k: v for k, v in stats.items() if not isinstance(v, (list, dict))})
+        self.services.events.emit("generation", **{k: v for k, v in stats.items() if not isinstance(v, (list, dict))})
         if self.on_row is not None:
             self.on_row(row.index, row.result)
 

@@ -15,28 +15,30 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from . import blas
+from .kv import borrowed
 from .batch import DEFAULT_BATCH_SIZE, BatchRun, batch_seeds, row_tokens
-from .cache.objects import ObjectCache, is_object_namespace
-from .cache.catalog import CatalogBusy
-from .cache.remote import resolve as resolve_remote
-from .cache.remote_link import attach as attach_remote, close as close_remote, flush as flush_remote
+from .cache.objects.cache import ObjectCache, is_object_namespace
+from .cache.catalog.database import CatalogBusy
+from .cache.remote import RemoteConfigError, resolve as resolve_remote
+from .config import EngineConfig
+from .cache.remote.link import attach as attach_remote, close as close_remote, flush as flush_remote
 from .cache.tiered import TieredPromptCache
 from .events import EventBus
-from .generation import GenerationError, SamplingParams
-from .kv.codecs import always_cuttable
+from .sampling import GenerationError, SamplingParams
+from .kv.caches import always_cuttable
 from .inflight import InflightRecords
 from .media import new_counters as new_vision_counters, prompt_for as media_prompt
 from .cache.retention import make_policy
 from .memory import PressureGuard
 from .metrics import AccessTrace, GenerationMetrics
 from .models import IdentityMemo, LoadedModel, ModelRegistry
-from .named import NamedCheckpoints
-from .run import Generation, GenerationResult, Request
+from .named_checkpoints import NamedCheckpoints
+from .generation import Generation, GenerationResult, Request, Services
 from .sessions import Sessions
-from .states import StateMethods
+from .user_states import UserStates
 from .system import make_private_dir, physical_memory
 
-DEFAULT_PREFILL_CHUNK = 512
+_UNSET = object()  # a keyword not given: the environment's value, else the default
 REMOTE_CLOSE_S = 5.0  # close() waits this long for remote publications, then says what was not published
 
 
@@ -51,59 +53,48 @@ def default_ram_budget() -> int:
     return int(mem * 0.25) if mem else 4 << 30
 
 
-class Engine(StateMethods):
-    def __init__(
-        self,
-        cache_dir: str | os.PathLike | None = None,
-        ram_budget_bytes: int | None = None,
-        ssd_budget_bytes: int | None = None,
-        *,
-        ssd: bool = True,
-        write_behind: bool = True,
-        idle_demote_s: float | None = None,
-        prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-        memory_high_water: float = 0.85,
-        memory_low_water: float = 0.75,
-        retention: str = "lru",
-        trace_path: str | os.PathLike | None = None,
-        prefetch_budget_bytes: int | None = None,
-        remote_url: str | None = None,
-        remote_secret: str | bytes | None = None,
-        remote_publish: str = "all",
-        remote_insecure: bool = False,
-        remote_password: str | None = None,
-        remote_tls: dict | None = None,
-    ):
-        """prefetch_budget_bytes: how much of the SSD tier's most recently used state each
-        `load_model` brings back into RAM in the background (None: a quarter of the RAM
-        budget, or with the adaptive budget of the memory the kernel may use; 0: off).
-
-        remote_url (or $MLXCACHE_REMOTE_URL): a shared Redis / Valkey tier. It needs
-        remote_secret (or $MLXCACHE_REMOTE_SECRET[_FILE]), a team secret of 16+ bytes (a
-        list, or several lines: the first seals, the others are still read while rotating),
-        unless remote_insecure=True (or $MLXCACHE_REMOTE_INSECURE=1) opts out by name.
-        remote_password: the server's, if not in the URL ($MLXCACHE_REMOTE_PASSWORD[_FILE]);
-        remote_tls: {"ca_file", "cert_file", "key_file"} for rediss:// ($MLXCACHE_REMOTE_TLS_*)."""
-        remote = resolve_remote(remote_url, secret=remote_secret, password=remote_password,
-                                insecure=remote_insecure, tls=remote_tls)  # refused before anything starts
-        self.cache_dir = Path(cache_dir or default_cache_dir()).expanduser()
+class Engine:
+    def __init__(self, cache_dir: str | os.PathLike | None = _UNSET, ram_budget_bytes: int | None = _UNSET,
+                 ssd_budget_bytes: int | None = _UNSET, *, config: EngineConfig | None = None, **options):
+        """Options (config.py, `EngineConfig`): each keyword, else its environment variable, else
+        its default; `config` instead of the environment. E.g. ram_budget_bytes (None: adapt to the
+        machine's memory), ssd=False, prefill_chunk, prefetch_budget_bytes (0: no prefetch after a
+        model load), retention ("lru" | "cost"), remote_url with remote_secret (a team secret of 16+
+        bytes, or several: the first seals) unless remote_insecure=True; remote_tls={"ca_file",
+        "cert_file", "key_file"} for rediss://."""
+        for name, value in (("cache_dir", cache_dir), ("ram_budget_bytes", ram_budget_bytes),
+                            ("ssd_budget_bytes", ssd_budget_bytes)):
+            if value is not _UNSET:
+                options[name] = None if value is None else (str(value) if name == "cache_dir" else value)
+        tls = options.pop("remote_tls", None)
+        if tls is not None:
+            unknown = set(tls) - {"ca_file", "cert_file", "key_file"}
+            if unknown:
+                raise RemoteConfigError(f"remote TLS settings: unknown {sorted(unknown)}; use ca_file, cert_file, "
+                                        "key_file")
+            options.update({f"remote_tls_{k}": v for k, v in tls.items()})
+        config = (config.replace(**options) if config is not None else EngineConfig.from_env(**options)).check()
+        self.config = config
+        remote = resolve_remote(config.remote_url, secret=config.remote_secret, password=config.remote_password,
+                                insecure=config.remote_insecure, tls=config.remote_tls,
+                                env={})  # refused before anything starts; the environment was read above
+        self.cache_dir = Path(config.cache_dir or default_cache_dir()).expanduser()
         self.events = EventBus()
         self.sessions = Sessions()
-        self.prefill_chunk = int(prefill_chunk)
         self.ssd_disabled_reason: str | None = None  # why a requested SSD tier is off
-        budget = None if ram_budget_bytes is None else int(ram_budget_bytes)  # None: the memory guard adapts
-        kw = dict(ssd_budget_bytes=ssd_budget_bytes, write_behind=write_behind, idle_demote_s=idle_demote_s,
-                  emit=self.events.emit, retention=make_policy(retention),
-                  prefetch_budget_bytes=None if prefetch_budget_bytes is None else int(prefetch_budget_bytes))
+        budget = config.ram_budget_bytes  # None: the memory guard adapts
+        kw = dict(ssd_budget_bytes=config.ssd_budget_bytes, write_behind=config.write_behind,
+                  idle_demote_s=config.idle_demote_s, emit=self.events.emit, retention=make_policy(config.retention),
+                  prefetch_budget_bytes=config.prefetch_budget_bytes)
         try:
             make_private_dir(self.cache_dir)
-            self.cache = TieredPromptCache(ram_budget_bytes=budget, ssd_dir=self.cache_dir / "checkpoints" if ssd
-                                           else None, **kw)
+            self.cache = TieredPromptCache(ram_budget_bytes=budget, ssd_dir=self.cache_dir / "checkpoints"
+                                           if config.ssd else None, **kw)
         except (OSError, sqlite3.Error, CatalogBusy) as e:  # read-only, full, another user's, network, locked
             self.ssd_disabled_reason = f"cache directory {self.cache_dir} is not usable ({e}): running RAM-only"
             warnings.warn(f"mlxcache: {self.ssd_disabled_reason}", stacklevel=2)
             self.cache = TieredPromptCache(ram_budget_bytes=budget, ssd_dir=None, **kw)
-        self.memory = PressureGuard(self.cache.reclaim, high=memory_high_water, low=memory_low_water,
+        self.memory = PressureGuard(self.cache.reclaim, high=config.memory_high_water, low=config.memory_low_water,
                                     emit=self.events.emit)
         self.cache.pressure = self.memory
         self.objects = ObjectCache(self.cache, self._check_open)  # exact-key tensor objects on the same tiers
@@ -111,17 +102,30 @@ class Engine(StateMethods):
         usable = self.ssd_disabled_reason is None
         self.models = ModelRegistry(IdentityMemo(self.cache_dir / "identities.json" if usable else None))
         self.metrics = GenerationMetrics()
-        self.trace = AccessTrace(trace_path or os.environ.get("MLXCACHE_TRACE"))
+        self.trace = AccessTrace(config.trace_path)
         self.last_result: GenerationResult | None = None
         self.last_key: tuple | None = None  # (namespace, tokens) of the last generation's checkpoint
         self.names = NamedCheckpoints(self.cache_dir / "names" if usable else None)
         self.inflight = InflightRecords(self.cache.catalog, legacy_dir=self.cache_dir / "inflight")
+        self.states = UserStates(cache=self.cache, names=self.names, sessions=self.sessions, models=self.models,
+                                 events=self.events, poll=self.poll, last_key=lambda: self.last_key)
+        self.services = Services(self.cache, self.inflight, self.memory, self.metrics, self.events, self.trace,
+                                 config.prefill_chunk, on_published=self._published)
         self.cache.pins_source = lambda: {r["name"]: (r["namespace"], tuple(r["tokens"])) for r in self.names.list()}
         self.cache.sync_pins()
         if remote is not None:  # a shared tier below SSD (Redis / Valkey)
-            attach_remote(self.cache, remote, publish=remote_publish, prefill_rate=self.metrics.prefill_rate.get,
+            attach_remote(self.cache, remote, publish=config.remote_publish, prefill_rate=self.metrics.prefill_rate.get,
                           exact=self._may_be_exact)
+        self._routes = 0  # borrowed.route() calls to undo at close
         self._closed = False
+
+    @property
+    def prefill_chunk(self) -> int:
+        return self.services.prefill_chunk
+
+    @prefill_chunk.setter
+    def prefill_chunk(self, tokens: int) -> None:
+        self.services.prefill_chunk = int(tokens)
 
     # --- models ---
 
@@ -140,6 +144,8 @@ class Engine(StateMethods):
         """
         loaded = self.models.load(path_or_id, name, kv_bits=kv_bits, kv_group_size=kv_group_size,
                                   adapter_path=adapter_path, image_attention=image_attention)
+        borrowed.route()  # borrowed caches attend piecewise in the modules of the models this engine serves
+        self._routes += 1
         self.cache.register_namespace(loaded.namespace, loaded.identity)
         self.events.emit("model_loaded", name=name, path=str(loaded.path), namespace=loaded.namespace)
         if loaded.cache_notice:
@@ -264,7 +270,7 @@ class Engine(StateMethods):
                   .validate(_vocab_size(m)) for s in batch_seeds(seed, len(rows))]
         if not rows:
             return []
-        results = BatchRun(self, m, rows, params, use_cache=use_cache, batch_size=batch_size,
+        results = BatchRun(self.services, m, rows, params, use_cache=use_cache, batch_size=batch_size,
                            on_progress=on_progress, on_row=on_row).run()
         self.last_result = results[-1]
         return results
@@ -289,7 +295,7 @@ class Engine(StateMethods):
             raise GenerationError(f"checkpoint_every must be an integer >= 1, got {every!r}")
         if every is not None and not self.cache.has_ssd:
             raise GenerationError("checkpoint_every needs the SSD tier (the engine was started with ssd=False)")
-        self.last_result = Generation(self, req).run()
+        self.last_result = Generation(self.services, req).run()
         self.cache.prepare_reads()  # prefetching goes on after the generation (it yielded meanwhile)
         stats = self.last_result.stats
         self.events.emit("generation", **{k: v for k, v in stats.items() if not isinstance(v, (list, dict))})
@@ -406,8 +412,45 @@ class Engine(StateMethods):
             warnings.warn(f"mlxcache: remote tier: {len(report['remote_failed'])} publication(s) failed or not "
                           f"finished at close: {'; '.join(report['remote_failed'][:3])}", stacklevel=2)
         self.cache.close()
+        for _ in range(self._routes):
+            borrowed.unroute()
         self._closed = True
         return report
+
+    def _published(self, key: tuple) -> None:
+        self.last_key = key
+
+    # --- states a user names (user_states.py) ---
+
+    def checkpoint_save(self, name: str, *, session: str | None = None, model: str | None = None) -> dict:
+        """Pin the session's latest (or the last generation's) checkpoint under a name, durably."""
+        return self.states.checkpoint_save(name, session=session, model=model)
+
+    def checkpoint_restore(self, name: str) -> dict:
+        """Make a named checkpoint resident again (in the background from SSD) and its chat history."""
+        return self.states.checkpoint_restore(name)
+
+    def checkpoint_remove(self, name: str) -> dict:
+        return self.states.checkpoint_remove(name)
+
+    def checkpoint_list(self) -> list[dict]:
+        return self.states.checkpoint_list()
+
+    def session_switch(self, session_id: str, *, model: str | None = None) -> dict:
+        """Bring a chat session's latest state back into RAM (in the background from SSD)."""
+        return self.states.session_switch(session_id, model=model)
+
+    def close_session(self, session_id: str) -> None:
+        """Forget a chat session and its cache references; the cached state stays."""
+        self.states.close_session(session_id)
+
+    def kv_info(self, *, session=None, checkpoint=None, last=False, layer=None) -> list[dict]:
+        """Per-layer, per-array shapes, dtype, bytes, offset, hash prefix and value statistics."""
+        return self.states.kv_info(session=session, checkpoint=checkpoint, last=last, layer=layer)
+
+    def kv_export(self, *, session=None, checkpoint=None, last=False, layer=None) -> dict:
+        """The KV tensors as numpy copies ('layer{i}.keys' ...); bfloat16 becomes float32."""
+        return self.states.kv_export(session=session, checkpoint=checkpoint, last=last, layer=layer)
 
     def _may_be_exact(self, ns: str) -> bool:
         """Whether a namespace's states may be exact only at their length (remote exact records)."""

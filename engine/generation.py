@@ -1,222 +1,285 @@
-"""Prefill, seeded decode, streaming text and stop conditions.
+"""One generation, start to finish: resume or look up, prefill, decode, publish.
 
-The sampler's state is (seed, step): the key for step i depends only on the
-seed and i, so a generation restored at step k continues exactly as the
-uninterrupted run would have.
+1. An identical request that was interrupted (same namespace, prompt and
+   sampling) resumes at its newest in-flight boundary (`inflight.py`);
+   otherwise the tiered cache lends the longest usable prefix.
+2. The rest of the prompt but its last token is prefilled in chunks.
+3. Decoding streams text; every `checkpoint_every` tokens the state at a
+   boundary is queued for SSD, so a killed run resumes exactly.
+4. The final state is published (RAM, then SSD in the background). An
+   interrupted run publishes what it computed, so a rerun continues there.
+
+All of it runs on the owner (MLX) thread.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import mlx.core as mx
 
-from mlx_lm.sample_utils import apply_top_k, apply_top_p
-
-
-class GenerationError(ValueError):
-    """Bad generation input, with a message naming the problem."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    stop: tuple = ()
-
-    def validate(self, vocab_size: int | None = None) -> "SamplingParams":
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise GenerationError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise GenerationError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise GenerationError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise GenerationError(f"top_k must be an integer >= 0, got {self.top_k!r}")
-        if vocab_size is not None and self.top_k >= vocab_size:
-            raise GenerationError(f"top_k must be below the vocabulary size {vocab_size}, got {self.top_k}")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise GenerationError(f"seed must be an integer >= 0, got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise GenerationError("stop strings must be non-empty strings")
-        return self
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["stop"] = list(self.stop)
-        return d
-
-
-def _mix64(x: int) -> int:
-    """SplitMix64 finalizer: decorrelates (seed, step) pairs."""
-    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return x ^ (x >> 31)
-
-
-def step_key(seed: int, step: int) -> mx.array:
-    return mx.random.key(_mix64(_mix64(seed) ^ step) & 0x7FFFFFFFFFFFFFFF)
-
-
-def sample(logits: mx.array, params: SamplingParams, step: int) -> mx.array:
-    """One token id (shape (1,)) from last-position logits of shape (1, vocab)."""
-    if params.temperature == 0:
-        return mx.argmax(logits, axis=-1)
-    return sample_logprobs(logits - mx.logsumexp(logits, axis=-1, keepdims=True), params, step)
-
-
-def sample_logprobs(logprobs: mx.array, params: SamplingParams, step: int) -> mx.array:
-    """`sample` from normalized log-probabilities (what mlx-lm's batch samplers are given)."""
-    if params.temperature == 0:
-        return mx.argmax(logprobs, axis=-1)
-    if 0 < params.top_p < 1:
-        logprobs = apply_top_p(logprobs, params.top_p)
-    if params.top_k > 0:
-        logprobs = apply_top_k(logprobs, params.top_k)
-    return mx.random.categorical(logprobs * (1 / params.temperature), key=step_key(params.seed, step))
-
-
-def prefill(
-    model,
-    caches: list,
-    tokens: Sequence[int],
-    *,
-    chunk: int,
-    progress: Callable[[int, int], None] | None = None,
-) -> None:
-    """Forward `tokens` into `caches` in chunks (no logits are kept)."""
-    total = len(tokens)
-    for start in range(0, total, chunk):
-        model(mx.array(tokens[start : start + chunk])[None], cache=caches)
-        mx.eval([c.state for c in caches])
-        if progress is not None:
-            progress(min(start + chunk, total), total)
+from .cache.tiered import TieredPromptCache
+from .decoding import DecodeResult, TextStream, decode, prefill
+from .events import EventBus
+from .inflight import InflightRecords, request_id
+from .kv.caches import always_cuttable
+from .kv.checkpoint import Checkpoint
+from .kv.tokens import token_key
+from .memory import DECODE_CHECK_EVERY, PressureGuard
+from .metrics import AccessTrace, GenerationMetrics, generation_stats
+from .models import LoadedModel
+from .sampling import SamplingParams
 
 
 @dataclass
-class DecodeResult:
-    tokens: list = field(default_factory=list)  # emitted token ids
-    forwarded: int = 0  # how many emitted tokens the caches hold
-    finish_reason: str = "length"  # length | eos | stop | interrupted
+class Services:
+    """What a generation (and a batch) needs of the engine, and nothing else of it."""
+
+    cache: TieredPromptCache
+    inflight: InflightRecords
+    memory: PressureGuard
+    metrics: GenerationMetrics
+    events: EventBus
+    trace: AccessTrace
+    prefill_chunk: int
+    on_published: Callable[[tuple], None]  # (namespace, tokens) of a generation's final checkpoint
 
 
-def decode(
-    model,
-    caches: list,
-    pending: Sequence[int],
-    params: SamplingParams,
-    *,
-    eos_ids: set,
-    first_step: int = 0,
-    on_token: Callable[[int, int], bool] | None = None,
-    into: DecodeResult | None = None,
-    sync_at: Callable[[int], bool] | None = None,
-) -> DecodeResult:
-    """Forward `pending` (the tokens not yet in the caches) and sample until done.
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list
+    stats: dict
+    prompt_tokens: list = field(default_factory=list, repr=False)
 
-    Pipelined like mlx-lm: step i+1 is queued before token i is read, so the
-    caches may hold one emitted token more than a plain loop would;
-    `forwarded` says exactly how many. `on_token(token, step)` returns True to
-    stop. Step numbers start at `first_step` (resume). Results accumulate in
-    `into` when given, so a caller still sees them after an interrupt.
-    At steps where `sync_at(step)` is true nothing is queued ahead: during
-    that step's `on_token` the caches hold exactly the tokens before it (a
-    boundary any cache kind can capture without cutting).
-    """
-
-    def forward(inputs: mx.array, step: int) -> mx.array:
-        logits = model(inputs, cache=caches)[:, -1, :]
-        return sample(logits, params, step)
-
-    result = into if into is not None else DecodeResult()
-    remaining = params.max_tokens - first_step
-    y = forward(mx.array(list(pending))[None], first_step)
-    mx.eval(y)
-    step = first_step
-    try:
-        while True:
-            last = len(result.tokens) + 1 >= remaining
-            next_y = None
-            # From the second token on, step i+1 is queued before token i is
-            # read (as mlx-lm does). Not for the first token: on the CPU,
-            # queueing a step costs most of a step, and TTFT would pay it.
-            if result.tokens and not last and not (sync_at is not None and sync_at(step)):
-                next_y = forward(y[:, None], step + 1)
-                mx.async_eval(next_y)
-                result.forwarded += 1
-            token = y.item()
-            result.tokens.append(token)
-            if token in eos_ids:
-                result.finish_reason = "eos"
-                break
-            if on_token is not None and on_token(token, step):
-                result.finish_reason = "stop"
-                break
-            if last:
-                result.finish_reason = "length"
-                break
-            if next_y is None:
-                next_y = forward(y[:, None], step + 1)
-                mx.async_eval(next_y)
-                result.forwarded += 1
-            y = next_y
-            step += 1
-    except KeyboardInterrupt:
-        result.finish_reason = "interrupted"
-        raise
-    finally:
-        mx.eval([c.state for c in caches])
-    return result
+    def __str__(self) -> str:
+        return self.text
 
 
-class TextStream:
-    """Incremental detokenization with stop strings.
-
-    `add(token)` returns the newly visible text (held back while it could be
-    the start of a stop string) and sets `stopped` when a stop string appears.
-    """
-
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
-        self.detok = tokenizer.detokenizer
-        self.detok.reset()
-        self.stop = tuple(stop)
-        self.emitted = ""
-        self.stopped = False
-
-    def _full(self) -> str:
-        return self.detok.text
-
-    def add(self, token: int) -> str:
-        self.detok.add_token(token)
-        return self._advance(self._full())
-
-    def finish(self) -> str:
-        self.detok.finalize()
-        return self._advance(self._full(), final=True)
-
-    def _advance(self, text: str, final: bool = False) -> str:
-        if self.stopped:
-            return ""
-        for s in self.stop:
-            i = text.find(s)
-            if i >= 0:
-                text, self.stopped = text[:i], True
-        visible = text
-        if not self.stopped and not final:  # hold back a possible stop-string start
-            hold = max(
-                (k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])),
-                default=0,
-            )
-            visible = text[: len(text) - hold]
-        new = visible[len(self.emitted) :] if visible.startswith(self.emitted) else ""
-        self.emitted = visible if visible.startswith(self.emitted) else self.emitted
-        return new
+@dataclass
+class Request:
+    model: LoadedModel
+    tokens: list
+    params: SamplingParams
+    session: str | None = None
+    use_cache: bool = True
+    on_text: Callable[[str], None] | None = None
+    on_progress: Callable[[str, int, int], None] | None = None
+    checkpoint_every: int | None = None
+    media: Any = None  # a MediaPrompt (media.py) when the prompt holds images for a VLM
 
     @property
-    def text(self) -> str:
-        return self.emitted
+    def ns(self) -> str:
+        return self.model.namespace
+
+
+class Generation:
+    """The state of one generation; `run()` once."""
+
+    def __init__(self, services: Services, req: Request):
+        self.services, self.req = services, req
+        self.cache = services.cache
+        self.rid = request_id(req.ns, req.tokens, req.params.as_dict())
+        self.emitted: list[int] = []  # tokens a resumed run had already emitted
+        self.decoded = DecodeResult()  # what this run decodes (after `emitted`)
+        self.decode_ran = False  # a resumed run whose record already held every token decodes nothing
+        self.times: list[float] = []  # when each token was emitted
+        self.stream = TextStream(req.model.tokenizer, req.params.stop)
+
+    def run(self) -> GenerationResult:
+        req, cache = self.req, self.cache
+        if hasattr(mx, "reset_peak_memory"):
+            mx.reset_peak_memory()
+        t0 = time.perf_counter()
+        self.services.inflight.start(self.rid)
+        loan = self._resume() if req.use_cache else None
+        if loan is None and req.use_cache:
+            # move=True: an entry this generation will supersede hands over its buffers
+            loan = cache.take(req.tokens, req.ns, session=req.session, progress=req.on_progress, move=True)
+        caches = loan.caches if loan else req.model.new_caches()
+        cached = min(loan.length, len(req.tokens)) if loan else 0
+        t_lookup = time.perf_counter() - t0
+        suffix = [] if self.emitted else req.tokens[cached:-1]
+        try:
+            with cache.generating():
+                t1 = time.perf_counter()
+                if suffix:
+                    progress = req.on_progress
+                    report = (lambda done, total: progress("prefill", done, total)) if progress else None
+                    if req.media is not None:  # image features merged in; no image split across chunks
+                        req.media.prefill(caches, cached, len(req.tokens) - 1, chunk=self.services.prefill_chunk,
+                                          progress=report)
+                    else:
+                        prefill(req.model.model, caches, suffix, chunk=self.services.prefill_chunk, progress=report)
+                prefill_s = time.perf_counter() - t1
+                self.services.memory.check("prefill")
+                if req.use_cache and not self.emitted:
+                    self.snapshot_prompt(caches)
+                self.decode_tokens(caches)
+        except BaseException:
+            # Keep what was computed (a rerun continues from there), also the
+            # state a moved entry handed over. The in-flight record stays.
+            if req.use_cache:
+                try:
+                    self.publish_interrupted(req.tokens + self.emitted + self.decoded.tokens, caches)
+                except Exception:
+                    pass  # never mask the original error
+            raise
+        finally:
+            if loan:
+                loan.release()
+        self.services.inflight.finish(self.rid)  # completion invalidates the resume point
+        if req.use_cache:
+            self.publish_final(caches)
+        del caches
+        stats = generation_stats(
+            prompt_tokens=len(req.tokens), cached=cached, source=loan.source if loan else None,
+            # the last prompt token goes in with the first decode step
+            prefilled=len(suffix) + (0 if self.emitted else 1), lookup_s=t_lookup, prefill_s=prefill_s,
+            t0=t0, token_times=self.times, decode_tokens=len(self.emitted) + len(self.decoded.tokens),
+            finish_reason=self.decoded.finish_reason,
+            peak_memory=int(mx.get_peak_memory()) if hasattr(mx, "get_peak_memory") else None,
+        )
+        stats["resumed_from"] = len(self.emitted) or None
+        if req.media is not None:
+            stats.update(req.media.stats(cached, loan.source if loan else None))
+        self.services.metrics.record(req.ns, stats)
+        return GenerationResult(self.stream.text, self.emitted + self.decoded.tokens, stats, list(req.tokens))
+
+    # --- steps ---
+
+    def _resume(self):
+        """A loan at the in-flight boundary of an interrupted identical request, or None."""
+        record = self.services.inflight.load(self.rid)
+        if record is None:
+            return None
+        emitted = record["emitted"]
+        boundary = tuple(self.req.tokens) + tuple(emitted[:-1])
+        entry, source = self.cache.restore_exact(boundary, self.req.ns)
+        if entry is None:
+            self.services.events.emit("resume_failed", request=self.rid, reason="boundary checkpoint not found")
+            return None
+        self.services.events.emit("resume", request=self.rid, emitted=len(emitted), source=source)
+        self.emitted = list(emitted)
+        return self.cache.lend(entry, len(boundary), source)
+
+    def decode_tokens(self, caches: list) -> None:
+        req, emitted = self.req, self.emitted
+        for token in emitted:  # a resumed generation shows what it had already said
+            self._show(self.stream.add(token))
+        every = req.checkpoint_every
+        seen = list(emitted)  # every emitted token so far, resumed ones included
+
+        decided: dict = {}
+
+        def boundary_due(step: int) -> bool:
+            """Capture after this step's token (len(seen) == step + 1)? Decided once per step:
+            decode() skips queueing ahead exactly where on_token captures. No new copy while
+            the previous interval is still being written."""
+            if step not in decided:
+                decided.clear()
+                decided[step] = (bool(every) and (step + 1) % every == 0 and step + 1 < req.params.max_tokens
+                                 and not self.cache.inflight_busy(self.rid))
+            return decided[step]
+
+        def on_token(token: int, step: int) -> bool:
+            self.times.append(time.perf_counter())
+            if step and step % DECODE_CHECK_EVERY == 0:
+                self.services.memory.check("decode")
+            self._show(self.stream.add(token))
+            seen.append(token)
+            if boundary_due(step) and not self.stream.stopped:
+                self._queue_inflight(caches, seen)
+            return self.stream.stopped
+
+        if len(emitted) >= req.params.max_tokens:  # the killed run had emitted everything
+            self.decoded.finish_reason = "length"
+            self._show(self.stream.finish())
+            return
+        pending = emitted[-1:] if emitted else req.tokens[-1:]
+        self.decode_ran = True
+        model = req.media.forward if req.media is not None else req.model.model
+        decode(model, caches, pending, req.params, eos_ids=req.model.eos_token_ids,
+               first_step=len(emitted), on_token=on_token, into=self.decoded, sync_at=boundary_due)
+        if len(self.times) < len(self.decoded.tokens):  # the eos token is not passed to on_token
+            self.times.append(time.perf_counter())
+        self._show(self.stream.finish())
+
+    def snapshot_prompt(self, caches: list) -> None:
+        """Publish the state before the prompt's last token, where a plain cut can't recover it.
+
+        Caches that can always be cut back make the final (or interrupted)
+        checkpoint serve the prompt too. A sliding window that may wrap, or
+        recurrent state, serves exact boundaries only; prefill stopped just
+        before the last prompt token, which is exactly what a rerun of this
+        cell, or a prompt extending it, needs. A copy: decoding goes on in
+        this generation's own buffers. Written only if no later checkpoint
+        covers it (`queue_dirty` after the final put).
+        """
+        boundary = self.req.tokens[:-1]
+        if not boundary or always_cuttable(caches) or self.cache.get_exact(boundary, self.req.ns) is not None:
+            return
+        self.cache.put(Checkpoint.capture(boundary, caches, copy=True), self.req.ns, defer_write=True)
+
+    def _show(self, piece: str) -> None:
+        if piece and self.req.on_text:
+            self.req.on_text(piece)
+
+    def _queue_inflight(self, caches: list, seen: list) -> None:
+        """Queue the state at the boundary where seen[-1] is still pending, for exact resume.
+
+        decode() queued nothing ahead at this step (`sync_at`), so the caches
+        hold exactly that boundary: every cache kind captures it as it is.
+        """
+        self.cache.drain_completions()  # the intervals already written free their copies first
+        boundary = self.req.tokens + seen[:-1]
+        cp = Checkpoint.capture(boundary, caches, copy=True)
+        record = {
+            "namespace": self.req.ns,
+            "prompt_tokens": len(self.req.tokens),
+            "emitted": list(seen),
+            "boundary_key": token_key(boundary),
+        }
+        inflight, rid = self.services.inflight, self.rid
+        self.cache.queue_inflight(cp, self.req.ns, rid, on_commit=lambda info: inflight.write(rid, record))
+
+    def known_tokens(self) -> list:
+        """The tokens the caches hold, as far as this run knows them (an interrupt may
+        leave fewer: `publish_interrupted` cuts back to the shortest layer)."""
+        if not self.decode_ran:  # a finished resume: the caches hold the boundary it restored
+            return self.req.tokens + self.emitted[:-1]
+        # a fresh run forwarded its last prompt token, a resumed one its pending token, at step 0
+        return self.req.tokens + self.emitted + self.decoded.tokens[: self.decoded.forwarded]
+
+    def publish_final(self, caches: list) -> None:
+        req = self.req
+        final = self.known_tokens()
+        entry = self.cache.put(Checkpoint.capture(final, caches), req.ns, session=req.session,
+                               prompt_tokens=len(req.tokens))
+        if entry is not None:
+            self.services.on_published((req.ns, tuple(final)))
+            self.services.trace.record(req.ns, req.tokens, len(final), entry.checkpoint.kv_bytes / len(final),
+                                     self.services.metrics.prefill_rate.get(req.ns))
+        self.cache.queue_dirty()  # the prompt snapshot too, unless the final one superseded it
+
+    def publish_interrupted(self, known: list, caches: list) -> None:
+        """Publish the state an interrupted generation reached (prefill or decode).
+
+        An interrupt can land between layers, so the caches are cut back to
+        the shortest layer and to the tokens known to be in them. Only for
+        caches that can always be cut.
+        """
+        if not always_cuttable(caches):
+            return
+        n = min(min(c.offset for c in caches), len(known))
+        if self.req.media is not None:
+            n = self.req.media.cut(n)  # never a state that ends inside an image
+        if n < 1:
+            return
+        for c in caches:
+            c.trim(c.offset - n)
+        self.cache.put(Checkpoint.capture(known[:n], caches), self.req.ns, session=self.req.session)
+        self.cache.queue_dirty()
+        self.services.events.emit("interrupted", ns=self.req.ns, tokens=n)

@@ -19,7 +19,8 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
-from .cache.catalog import Catalog, CatalogBusy
+from .cache.catalog.tables import Catalog
+from .cache.catalog.database import CatalogBusy
 
 
 def request_id(namespace: str, tokens: Sequence[int], params: dict) -> str:

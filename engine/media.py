@@ -36,7 +36,7 @@ import blake3
 import mlx.core as mx
 import numpy as np
 
-from .generation import GenerationError
+from .sampling import GenerationError
 from .vlm import MEDIA_REVISION, digest
 
 ENCODER_LABEL = "vision encoder"

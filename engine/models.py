@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .kv.codecs import kv_scheme, new_caches, unsupported
-from .naming import check_user_name
+from .kv.caches import kv_scheme, new_caches, unsupported
+from .user_names import check_user_name
 from .system import make_private_dir, write_json_atomic
 
 WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .naming import check_user_name
+from .user_names import check_user_name
 
 
 class SessionError(ValueError):

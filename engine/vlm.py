@@ -34,6 +34,8 @@ import blake3
 import mlx.core as mx
 import numpy as np
 
+from .kv.caches import mlx_lm_caches
+
 MEDIA_REVISION = 1  # of the encoder-output objects and media prefix keys; a change is a miss
 SUPPORTED = {"qwen2_vl": "QwenVL", "qwen2_5_vl": "QwenVL", "gemma3": "Gemma3"}
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json", "chat_template.jinja")
@@ -111,20 +113,7 @@ class TextModel:
         return self.vlm.parameters()
 
     def make_cache(self) -> list:
-        from mlx_lm.models import cache as lm_cache
-
-        if not hasattr(self.lm, "make_cache"):
-            return [lm_cache.KVCache() for _ in self.layers]
-        out = []
-        for c in self.lm.make_cache():
-            kind = type(c).__name__
-            if kind == "KVCache":
-                out.append(lm_cache.KVCache())
-            elif kind == "RotatingKVCache":
-                out.append(lm_cache.RotatingKVCache(max_size=c.max_size, keep=c.keep))
-            else:  # a kind the codecs do not know: the model runs uncached (cache_notice)
-                out.append(c)
-        return out
+        return mlx_lm_caches(self.lm.make_cache() if hasattr(self.lm, "make_cache") else None, len(self.layers))
 
 
 class Family:

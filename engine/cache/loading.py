@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 from ..kv.checkpoint import Checkpoint
 from ..kv.tokens import as_token_array, common_prefix_len
-from .prefetch import Reader, ReadJob, choose
+from .prefetch import BackgroundReader, ReadJob, choose
 from .ram import Entry
 from .ssd.index import IndexEntry
 from .ssd.restore import Restore
@@ -42,7 +42,7 @@ WAIT_READ_S = 30.0  # a lookup waits this long at most for a read in progress (t
 class Loading:
     """Mixed into TieredPromptCache (which provides the RAM tier, `store` and `pressure`)."""
 
-    reader: Reader | None = None
+    reader: BackgroundReader | None = None
 
     def _init_loading(self, prefetch_budget_bytes: int | None) -> None:
         self.prefetch_budget_bytes = prefetch_budget_bytes
@@ -52,7 +52,7 @@ class Loading:
         ), 0))
         self.counters["prefetch_wait_seconds"] = 0.0
         if self.store is not None:
-            self.reader = Reader(self._open_job, gate=self.gate)
+            self.reader = BackgroundReader(self._open_job, gate=self.gate)
 
     # --- what to read ---
 

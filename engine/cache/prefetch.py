@@ -53,7 +53,7 @@ class ReadJob:
         return self.handle.raw_bytes
 
 
-class Reader:
+class BackgroundReader:
     """The reader thread and its queue. Every method but the thread's own is for the owner."""
 
     def __init__(self, open_job: Callable[[ReadJob], None], *, ahead_bytes: int = AHEAD_BYTES,

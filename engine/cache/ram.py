@@ -65,7 +65,7 @@ class Entry:
         self.last_used_time = time.time()
 
 
-class Lease:
+class Loan:
     """A borrower's share of an entry: fresh cache objects over views."""
 
     def __init__(
@@ -127,11 +127,11 @@ class PromptCache:
                 best, best_n = e, n
         return best, best_n
 
-    def take(self, prompt: Sequence[int], ns: str, session: str | None = None, move: bool = False) -> Lease | None:
+    def take(self, prompt: Sequence[int], ns: str, session: str | None = None, move: bool = False) -> Loan | None:
         entry, n = self.best(prompt, ns, session)
         return self._serve(entry, n, prompt, ns, move)
 
-    def _serve(self, entry: Entry | None, n: int, prompt: Sequence[int], ns: str, move: bool) -> Lease | None:
+    def _serve(self, entry: Entry | None, n: int, prompt: Sequence[int], ns: str, move: bool) -> Loan | None:
         """Count a RAM hit or a miss; lend on a hit."""
         if entry is None:
             self.counters["misses"] += 1
@@ -141,7 +141,7 @@ class PromptCache:
         self._emit("hit", ns=ns, source="ram", tokens=n, prompt_tokens=len(prompt))
         return self.lend(entry, n, "ram", move)
 
-    def lend(self, entry: Entry, n: int, source: str, move: bool = False) -> Lease:
+    def lend(self, entry: Entry, n: int, source: str, move: bool = False) -> Loan:
         """Views for the borrower; with move=True, the entry's own buffers when it may give them up.
 
         A moved entry leaves the cache (the borrower's generation publishes
@@ -157,9 +157,9 @@ class PromptCache:
             self.counters["handovers"] += 1
             self._emit("handover", ns=entry.ns, tokens=len(entry.tokens), used=n)
             stub = Entry(entry.ns, Checkpoint(entry.tokens, (), 0), entry.token_array, sessions=set(entry.sessions))
-            return Lease(stub, n, source, self._return, caches=caches)
+            return Loan(stub, n, source, self._return, caches=caches)
         entry.borrowers += 1
-        return Lease(entry, n, source, self._return)
+        return Loan(entry, n, source, self._return)
 
     def _may_move(self, entry: Entry, n: int) -> bool:
         """Whether an entry hands its buffers to this borrower (nobody else holds them).

@@ -27,11 +27,11 @@ from ..kv.tokens import as_token_array, common_prefix_len
 from .durability import Durability, WriteState
 from .gate import GenerationGate
 from .loading import MIN_RESTORE_TOKENS, Loading
-from .ram import Entry, Lease, usable_length
+from .ram import Entry, Loan, usable_length
 from .ssd.store import CheckpointStore
 from .ssd.writer import CheckpointWriter
 from .remote.tier import RemoteMiss
-from .remote_link import RemoteLink, remote_stats
+from .remote.link import RemoteLink, remote_stats
 
 ABORT_WAIT_S = 0.05  # a rerun waits this long at most for the write it stops to reach a pause point
 
@@ -97,7 +97,7 @@ class TieredPromptCache(Loading, Durability):
         session: str | None = None,
         progress: Callable[[str, int, int], None] | None = None,
         move: bool = False,
-    ) -> Lease | None:
+    ) -> Loan | None:
         self.poll()
         if self.pressure is not None:
             self.pressure.check("lookup")
@@ -113,7 +113,7 @@ class TieredPromptCache(Loading, Durability):
                 return fetched
         return self._serve(entry, n_ram, prompt, ns, move)
 
-    def _fetch_remote(self, prompt, ns, n_ram) -> Lease | None:
+    def _fetch_remote(self, prompt, ns, n_ram) -> Loan | None:
         t0 = time.perf_counter()
         try:
             cp = self.remote.lookup(prompt, ns, n_ram)
@@ -127,11 +127,11 @@ class TieredPromptCache(Loading, Durability):
             self.queue_dirty()
         self._emit("hit", ns=ns, source="remote", tokens=len(cp), prompt_tokens=len(prompt), nbytes=cp.nbytes,
                    seconds=time.perf_counter() - t0)
-        lease = self.lend(entry, len(cp), "remote")
+        loan = self.lend(entry, len(cp), "remote")
         self.enforce_budget()
-        return lease
+        return loan
 
-    def _restore_longer(self, prompt, ns, n_ram, progress, move) -> Lease | None:
+    def _restore_longer(self, prompt, ns, n_ram, progress, move) -> Loan | None:
         prompt_array = as_token_array(prompt)
         for _ in range(3):  # a file found to have lost a block left the index: the next longest one
             handle = self.store.find(prompt, ns, min_len=max(MIN_RESTORE_TOKENS, n_ram + 1))
@@ -165,9 +165,9 @@ class TieredPromptCache(Loading, Durability):
             "hit", ns=ns, source="ssd", tokens=n, prompt_tokens=len(prompt),
             nbytes=cp.nbytes, seconds=time.perf_counter() - t0,
         )
-        lease = self.lend(entry, n, "ssd", move)
+        loan = self.lend(entry, n, "ssd", move)
         self.enforce_budget()
-        return lease
+        return loan
 
     def publish_remote(self, tokens: Sequence[int], ns: str) -> None:
         """Publish a committed checkpoint now: it was just named (remote_publish=named)."""

@@ -18,8 +18,8 @@ itself, bit for bit a plain `KVCache`.
 Quantized KV (`BorrowedQuantizedKVCache`) splits mlx-lm's quantized
 attention the same way. mlx-lm models call
 `mlx_lm.models.base.scaled_dot_product_attention(q, k, v, ...)` with the
-arrays `update_and_fetch` returned; `install()` wraps that
-function so that, given exactly the (lazy, never evaluated) arrays a borrowed
+arrays `update_and_fetch` returned; `route()` (called by the engine for the
+models it loads, undone when it closes) wraps that function so that, given exactly the (lazy, never evaluated) arrays a borrowed
 cache returned, it attends piecewise. A model that attends some other way
 gets those lazy arrays: the whole keys, correct, and the cache collapses into
 one buffer at its next update (one copy, as before).
@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import sys
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.models import base as lm_base
-from mlx_lm.models.cache import BatchKVCache, _BaseCache, create_attention_mask
 
 STEP = 256  # tail growth, as mlx-lm's KVCache
 MERGE_TOKENS = 256  # trailing segments this short are copied into a new tail rather than kept apart
@@ -115,7 +115,7 @@ def to_merge(segments, tail: int = 0) -> int:
 _FETCHED: "weakref.WeakValueDictionary[int, BorrowedKVCache]" = weakref.WeakValueDictionary()
 
 
-class BorrowedKVCache(_BaseCache):
+class BorrowedKVCache:
     """Like mlx-lm's `KVCache`, over `prefix` segments it never writes.
 
     The tail is a tuple of arrays along the token axis: (keys, values) here,
@@ -126,7 +126,9 @@ class BorrowedKVCache(_BaseCache):
 
     step = STEP
 
-    def __init__(self, prefix=(), hand_over: Segment | None = None):
+    def __init__(self, prefix=(), hand_over: Segment | None = None, merge=None):
+        """merge: how rows of this cache join mlx-lm's batch decoding (given by the codec)."""
+        self._merge = merge
         self.prefix = list(prefix)  # shared: never written
         self._seed: list = []  # trailing segments the first growth copies into the tail
         self.tail: tuple = ()  # this cache's own buffers
@@ -264,14 +266,22 @@ class BorrowedKVCache(_BaseCache):
         self.offset = keep
         return n
 
-    def make_mask(self, *args, **kwargs):
-        return create_attention_mask(*args, offset=self.offset, **kwargs)
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        """As mlx-lm's KVCache makes its mask (models call it through create_attention_mask)."""
+        if window_size is not None or (N > 1 and return_array):
+            return lm_base.create_causal_mask(N, self.offset, window_size=window_size)
+        return None if N == 1 else "causal"
 
-    @classmethod
-    def merge(cls, caches):
+    def merge(self, caches):
         """Rows joining a batch (engine/batch.py): into mlx-lm's batch cache, as its `KVCache` merges
         (one left-padded copy of every row: mlx-lm's batch decoding needs it)."""
-        return BatchKVCache.merge(caches)
+        if self._merge is None:
+            raise TypeError("this borrowed cache cannot join a batch")
+        return self._merge(caches)
+
+    @property
+    def meta_state(self):
+        return ""
 
     def empty(self):
         return self.offset == 0
@@ -289,7 +299,7 @@ class BorrowedQuantizedKVCache(BorrowedKVCache):
 
     def __init__(self, prefix=(), *, group_size: int, bits: int):
         self.group_size, self.bits = group_size, bits
-        super().__init__(prefix)
+        super().__init__(prefix)  # (quantized rows do not batch)
 
     def _encode(self, keys, values):
         return (*mx.quantize(keys, group_size=self.group_size, bits=self.bits),
@@ -387,13 +397,36 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
     return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
-def install() -> None:
-    """Route mlx-lm's attention through `scaled_dot_product_attention` (idempotent): its
-    base module (models imported later bind it from there) and every model module
-    already imported."""
+_routed = 0  # engines that asked for the routing (route / unroute)
+
+
+def _swap(old, new) -> None:
     for name, module in list(sys.modules.items()):
-        if name.startswith("mlx_lm.models") and getattr(module, "scaled_dot_product_attention", None) is _ORIGINAL:
-            module.scaled_dot_product_attention = scaled_dot_product_attention
+        if name.startswith("mlx_lm.models") and getattr(module, "scaled_dot_product_attention", None) is old:
+            module.scaled_dot_product_attention = new
 
 
-install()
+def route() -> None:
+    """Route mlx-lm's attention through `scaled_dot_product_attention`: its base module (models
+    imported later bind it from there) and every model module imported so far. The engine calls
+    this for the models it loads, and `unroute` when it closes; the last close undoes it."""
+    global _routed
+    _routed += 1
+    _swap(_ORIGINAL, scaled_dot_product_attention)
+
+
+def unroute() -> None:
+    global _routed
+    _routed = max(0, _routed - 1)
+    if not _routed:
+        _swap(scaled_dot_product_attention, _ORIGINAL)
+
+
+@contextmanager
+def routed():
+    """`with routed():` borrowed caches attend piecewise (tests, benchmarks without an engine)."""
+    route()
+    try:
+        yield
+    finally:
+        unroute()

@@ -148,6 +148,25 @@ class Codec:
     def hand_over(self, layer: LayerState, n: int, in_place: bool) -> Any:
         raise ValueError(f"{self.kind} cannot hand over its buffers")
 
+    # --- questions about live caches (kv/caches.py asks them for a model's list) ---
+
+    def inner(self, c: Any) -> list:
+        """The live caches nested in `c` (a CacheList's parts)."""
+        return []
+
+    def batch_blockers(self, c: Any) -> list[str]:
+        """Why mlx-lm's BatchGenerator cannot merge `c` ([] when it can)."""
+        return [self.kind]
+
+    def quantized(self, c: Any, bits: int, group_size: int) -> Any:
+        """`c` as an empty cache whose KV is quantized from the first token (or `c` itself)."""
+        return c
+
+    def empty_like(self, c: Any) -> Any:
+        """An empty mlx-lm cache configured as `c` (which may be another package's class of the
+        same name, as mlx-vlm's), or `c` itself where there is none to make."""
+        return c
+
 
 class PlainKV(Codec):
     """`KVCache`: keys/values grow by slice assignment into a padded buffer.
@@ -170,7 +189,7 @@ class PlainKV(Codec):
         return LayerState(self.kind, segments, {"offset": int(c.offset) if segments else 0})
 
     def lend(self, layer, n):
-        return BorrowedKVCache(cut_segments(layer.segments, n))
+        return BorrowedKVCache(cut_segments(layer.segments, n), merge=lm_cache.BatchKVCache.merge)
 
     def trimmable(self, meta):
         return True
@@ -181,14 +200,24 @@ class PlainKV(Codec):
     def can_hand_over(self, layer):
         return True
 
+    def batch_blockers(self, c):
+        return []
+
+    def quantized(self, c, bits, group_size):
+        return lm_cache.QuantizedKVCache(group_size=group_size, bits=bits)
+
+    def empty_like(self, c):
+        return lm_cache.KVCache()
+
     def hand_over(self, layer, n, in_place):
         """For a borrower that takes this state's place. in_place: it may append into
         the last segment's whole buffers (nothing else holds them)."""
         segments = cut_segments(layer.segments, n)
         last = layer.segments[-1] if layer.segments else None
+        merge = lm_cache.BatchKVCache.merge
         if in_place and segments and segments[-1] is last and last.room:
-            return BorrowedKVCache(segments[:-1], hand_over=last)
-        return BorrowedKVCache(segments)
+            return BorrowedKVCache(segments[:-1], hand_over=last, merge=merge)
+        return BorrowedKVCache(segments, merge=merge)
 
 
 class QuantizedKV(Codec):
@@ -255,6 +284,12 @@ class RotatingKV(Codec):
     def trimmable(self, meta):
         return meta.get("offset", 0) < meta.get("max_size", 0)
 
+    def batch_blockers(self, c):
+        return [f"{self.kind}(keep={c.keep})"] if c.keep else []
+
+    def empty_like(self, c):
+        return lm_cache.RotatingKVCache(max_size=c.max_size, keep=c.keep)
+
     def linear(self, meta):  # until the ring wraps
         return self.trimmable(meta)
 
@@ -302,8 +337,11 @@ class Recurrent(Codec):
     them, so sharing them between owners is safe.
     """
 
-    def __init__(self, kind: str):
-        self.kind = kind
+    def __init__(self, kind: str, batchable: bool = False):
+        self.kind, self.batchable = kind, batchable
+
+    def batch_blockers(self, c):
+        return [] if self.batchable else [self.kind]
 
     def capture(self, c, copy=False):
         present = [i for i, a in enumerate(c.cache) if a is not None]
@@ -330,6 +368,13 @@ class Composite(Codec):
         if offsets:
             meta["offset"] = max(offsets)
         return LayerState(self.kind, (), meta, parts)
+
+    def inner(self, c):
+        return list(c.caches)
+
+    def batch_blockers(self, c):
+        return [b for x in c.caches for b in (CODECS[kind_of(x)].batch_blockers(x) if kind_of(x) in CODECS
+                                              else [kind_of(x)])]
 
     def rebuilt(self, arrays, meta):
         parts, i = [], 0
@@ -365,7 +410,7 @@ class Composite(Codec):
 
 CODECS = {
     c.kind: c
-    for c in (PlainKV(), QuantizedKV(), RotatingKV(), ChunkedKV(), Recurrent("ArraysCache"), Recurrent("MambaCache"),
+    for c in (PlainKV(), QuantizedKV(), RotatingKV(), ChunkedKV(), Recurrent("ArraysCache", batchable=True), Recurrent("MambaCache"),
               Composite())
 }
 # a borrower's live caches: captured as the kinds they borrowed from
@@ -393,58 +438,11 @@ def layout_at(layout: list[dict], n: int) -> list[dict]:
     return [dict(spec, meta=codec(spec["kind"]).meta_at(spec["meta"], n)) for spec in layout]
 
 
-def unsupported(caches: list) -> list[str]:
-    """Names of cache classes (nested ones included) that no codec knows."""
-    out = []
-    for c in caches:
-        kind = kind_of(c)
-        if kind not in CODECS:
-            out.append(kind)
-        elif kind == "CacheList":
-            out += unsupported(list(c.caches))
-    return sorted(set(out))
+def make_caches(model) -> list:
+    """Empty live caches for a model, as mlx-lm makes them."""
+    return lm_cache.make_prompt_cache(model)
 
 
-def always_cuttable(caches: list) -> bool:
-    """Whether every live cache can be cut back to any prefix, whatever happens next.
-
-    Then a generation's final (or interrupted) state also serves its prompt;
-    otherwise (a window that may wrap, recurrent state) the prompt boundary
-    needs a snapshot of its own.
-    """
-    return bool(caches) and all(kind_of(c) in CODECS and CODECS[kind_of(c)].always_cuttable for c in caches)
-
-
-def array_names(kind: str, count: int) -> list[str]:
-    roles = CODECS[kind].roles if kind in CODECS else ()
-    return [roles[i] if i < len(roles) else f"state{i}" for i in range(count)]
-
-
-def new_caches(model, kv_bits: int | None = None, kv_group_size: int = 64) -> list:
-    """Empty live caches for a model, as mlx-lm makes them; with kv_bits, its
-    plain KV layers quantized from the first token (other kinds stay as they are)."""
-    caches = lm_cache.make_prompt_cache(model)
-    if kv_bits is None:
-        return caches
-    return [lm_cache.QuantizedKVCache(group_size=kv_group_size, bits=kv_bits) if kind_of(c) == "KVCache" else c
-            for c in caches]
-
-
-def not_batchable(caches: list) -> list[str]:
-    """Cache classes (nested too) mlx-lm's BatchGenerator cannot merge: quantized, chunked, keep > 0."""
-    out = []
-    for c in caches:
-        kind, keep = kind_of(c), getattr(c, "keep", 0)
-        if kind == "CacheList":
-            out += not_batchable(list(c.caches))
-        elif keep:
-            out.append(f"{kind}(keep={keep})")
-        elif kind not in ("KVCache", "RotatingKVCache", "ArraysCache"):
-            out.append(kind)
-    return sorted(set(out))
-
-
-def kv_scheme(caches: list, dtype: str, kv_bits: int | None = None, kv_group_size: int = 64) -> str:
-    """What the model's KV state is made of: cache classes, weight dtype, quantization."""
-    scheme = "+".join(sorted({kind_of(c) for c in caches})) + ":" + dtype
-    return scheme if kv_bits is None else f"{scheme}:q{kv_bits}g{kv_group_size}"
+def plain_caches(n: int) -> list:
+    """n empty plain KV caches (a model without a cache maker of its own)."""
+    return [lm_cache.KVCache() for _ in range(n)]

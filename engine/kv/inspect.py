@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 from .checkpoint import Checkpoint
-from .codecs import array_names
+from .caches import array_names
 
 
 def _layers(cp: Checkpoint, layer: int | None) -> list[int]:

@@ -5,7 +5,8 @@
 ``%%generate?`` shows the help. Every bad option, unknown name, missing
 model or empty cell ends in one UsageError line; the engine keeps working.
 
-``generate.py`` owns ``%%generate`` (interpolation, streaming), ``footer.py``
+``generate.py`` owns ``%%generate``, ``batch.py`` its ``--batch``/``--n`` rows, ``prompt.py``
+the interpolation both use, ``output.py`` their streaming and progress, ``footer.py``
 its result and footer (words and bar), ``admin.py`` the other magics,
 ``memo.py`` ``%memo`` (the results of ``@memo``), ``help.py`` their examples
 and the cheat sheet, ``tables.py`` how they show rows, ``base.py`` the Engine they share. ``MLXCacheMagics`` is all of them on one Engine.
@@ -15,11 +16,13 @@ from __future__ import annotations
 
 from .admin import AdminMagics
 from .base import combined_magics
-from .generate import Generation, GenerateMagics, interpolate
+from .footer import CellResult
+from .generate import GenerateMagics
+from .prompt import interpolate
 from .help import HelpMagics
 from .memo import MemoMagics
 
-__all__ = ["MLXCacheMagics", "Generation", "interpolate"]
+__all__ = ["MLXCacheMagics", "CellResult", "interpolate"]
 
 
 @combined_magics

@@ -92,12 +92,12 @@ class EngineMagics(Magics):
     def engine(self):
         if self._engine is None:
             try:
-                kwargs = self.settings.engine_kwargs()
+                config = self.settings.engine_config()
             except ValueError as e:
                 raise UsageError(f"bad mlxcache setting: {e}") from None
             from mlxcache_kernel.engine import Engine
 
-            self._engine = Engine(**kwargs)
+            self._engine = Engine(config=config)
         return self._engine
 
     def _ensure_model(self, name: str | None) -> None:

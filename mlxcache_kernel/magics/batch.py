@@ -20,7 +20,8 @@ from IPython.core.error import UsageError
 from IPython.display import display
 
 from .footer import footer_spans
-from .generate import DisplayLine, interpolate
+from .output import DisplayLine
+from .prompt import interpolate
 from .tables import fmt_s
 
 __all__ = ["BatchTable", "run_batch", "template_rows"]

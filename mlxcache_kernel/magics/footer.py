@@ -1,4 +1,4 @@
-"""What ``%%generate`` returns and how it shows: ``Generation``, its footer in
+"""What ``%%generate`` returns and how it shows: ``CellResult``, its footer in
 words (text/plain, the same in a terminal, a saved notebook or a headless run)
 and as a picture (text/html: one thin bar split into the prompt tokens that
 came from RAM, SSD, the remote tier or were prefilled, with the TTFT and the
@@ -11,7 +11,7 @@ import html
 
 from .tables import fmt_s
 
-__all__ = ["Generation", "SPANS", "footer_spans", "footer_html"]
+__all__ = ["CellResult", "SPANS", "footer_spans", "footer_html"]
 
 # (key, label, colour) in the order the prompt is laid out: cached first, then prefilled
 SPANS = (("ram", "RAM", "#2e7d32"), ("ssd", "SSD", "#1565c0"), ("remote", "remote", "#8e24aa"),
@@ -68,7 +68,7 @@ def images_phrase(sources: list) -> str:
     return f"{len(sources)} image{'' if len(sources) == 1 else 's'}: " + ", ".join(words)
 
 
-class Generation:
+class CellResult:
     """What ``%%generate`` returns (and stores in ``--out``).
 
     ``.text``, ``.tokens`` (generated ids), ``.stats`` (dict), ``.prompt`` (the

@@ -22,150 +22,20 @@ import inspect
 import keyword
 import re
 import sys
-import time
-import types
 
 from IPython.core.error import UsageError
 from IPython.core.magic import cell_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, kwds, magic_arguments
-from IPython.display import display
-
-from mlxcache_kernel.widgets.progress import GenerationProgress, TextProgress
 
 from .base import EngineMagics, parse_args, usage_errors
-from .footer import Generation
+from .footer import CellResult
 from .help import examples
+from .output import Progress, Stream
+from .prompt import interpolate, warn_undefined
 
-__all__ = ["Generation", "GenerateMagics", "interpolate"]
+__all__ = ["GenerateMagics"]
 
-_FIELD = re.compile(r"\{\{([A-Za-z_][A-Za-z0-9_]*)\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _IMAGE_VAR = re.compile(r"((?:^|\s)(?:--image|-i)(?:\s+|=))\{([A-Za-z_][A-Za-z0-9_]*)\}")
-_NOT_VALUES = (types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, type)
-
-
-def interpolate(text: str, namespace: dict, hidden: set | frozenset = frozenset(),
-                undefined: list | None = None) -> str:
-    """Substitute ``{name}`` for values bound in ``namespace``; ``{{name}}`` -> ``{name}``.
-
-    Names left as written because nothing binds them are appended to ``undefined``.
-    """
-
-    def sub(m: re.Match) -> str:
-        if m.group(1) is not None:
-            return "{" + m.group(1) + "}"
-        name = m.group(2)
-        if name.startswith("_") or name in hidden or name not in namespace:
-            if undefined is not None and name not in namespace and name not in undefined:
-                undefined.append(name)
-            return m.group(0)
-        value = namespace[name]
-        if isinstance(value, _NOT_VALUES):
-            return m.group(0)
-        return str(value)
-
-    return _FIELD.sub(sub, text)
-
-
-class DisplayLine:
-    """A text stream for ``TextProgress`` that shows its current line in one
-    output, updated in place (a carriage return starts the line over)."""
-
-    def __init__(self):
-        self.handle = display({"text/plain": ""}, raw=True, display_id=True)
-
-    def write(self, text: str) -> None:
-        self.handle.update({"text/plain": text.rsplit("\r", 1)[-1].rstrip()}, raw=True)
-
-    def flush(self) -> None:
-        pass
-
-
-class Progress:
-    """The engine's ``on_progress`` for one cell: a display created on the first
-    unfinished update (the widget, or a TextProgress line where the widget
-    cannot be shown), replaced by nothing at ``close()``.
-
-    Only in a kernel (a front end that can update displays in place); a
-    terminal IPython gets no progress display.
-    """
-
-    TEXT_THROTTLE_S = 0.25
-
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
-        self.view = None  # GenerationProgress or TextProgress
-        self.handle = None  # the display holding it
-
-    def __call__(self, phase: str, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        if self.view is None:
-            if done >= total:  # already finished (a short prompt): nothing to watch
-                return
-            self._open()
-        self.view.update(phase, done, total)
-
-    def _open(self) -> None:
-        try:
-            self.view = GenerationProgress()
-            self.handle = display(self.view, display_id=True)
-        except Exception:
-            line = DisplayLine()
-            self.view, self.handle = TextProgress(line, throttle_s=self.TEXT_THROTTLE_S), line.handle
-
-    def close(self) -> None:
-        if self.view is not None:
-            try:
-                self.view.finish()
-                if isinstance(self.view, GenerationProgress):
-                    self.view.close()
-            except Exception:
-                pass
-            self.view = None
-        if self.handle is not None:
-            # Replace the output in place, so a saved notebook holds no dead widget view.
-            self.handle.update({"text/plain": ""}, raw=True)
-            self.handle = None
-
-
-class Stream:
-    """Writes generated text to the cell output as it arrives (main thread)."""
-
-    def __init__(self):
-        self.chars = 0
-        self.last_char = "\n"
-        self.last_flush = time.monotonic()
-
-    def __call__(self, piece: str) -> None:
-        if not piece:
-            return
-        out = sys.stdout
-        out.write(piece)
-        self.chars += len(piece)
-        self.last_char = piece[-1]
-        now = time.monotonic()
-        if now - self.last_flush > 0.1:
-            self.last_flush = now
-            try:
-                out.flush()
-            except Exception:
-                pass
-
-    def end(self) -> None:
-        if self.chars and self.last_char != "\n":
-            sys.stdout.write("\n")
-        try:
-            sys.stdout.flush()
-        except Exception:
-            pass
-
-
-def warn_undefined(names: list[str]) -> None:
-    """One stderr line: these ``{name}`` fields were sent as written."""
-    fields = ", ".join("{" + n + "}" for n in names)
-    verb = "is" if len(names) == 1 else "are"
-    print(f"[mlxcache] warning: {fields} {verb} not defined and sent as written; define the variable, or write "
-          f"{{{{{names[0]}}}}} for a literal {{{names[0]}}} (--literal: no interpolation)", file=sys.stderr)
 
 
 def _in_kernel(shell) -> bool:
@@ -178,7 +48,7 @@ class GenerateMagics(EngineMagics):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.last: Generation | None = None
+        self.last: CellResult | None = None
 
     @magic_arguments()
     @kwds(epilog=examples("generate"))
@@ -257,7 +127,7 @@ class GenerateMagics(EngineMagics):
                 raise UsageError("this engine does not support --checkpoint-every yet")
             kwargs["checkpoint_every"] = args.checkpoint_every
         result = self._run(prompt, kwargs, resumable=args.checkpoint_every is not None)
-        gen = Generation(result, prompt=prompt, model=model_name, session=args.session, use_cache=not args.no_cache)
+        gen = CellResult(result, prompt=prompt, model=model_name, session=args.session, use_cache=not args.no_cache)
         self.last = gen
         if args.out:
             self.shell.user_ns[args.out] = gen

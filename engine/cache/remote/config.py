@@ -18,15 +18,14 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import quote, unquote
 
+from ...config import RemoteConfigError
+
 DEFAULT_PORT = 6379
 SCHEMES = {"redis": (False, False), "rediss": (True, False),
            "redis+cluster": (False, True), "rediss+cluster": (True, True)}  # scheme -> (tls, cluster)
 _HOST_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
 _IPV6_RE = re.compile(r"\[([0-9A-Fa-f:.]{2,45})\]")
 
-
-class RemoteConfigError(ValueError):
-    """A remote URL that cannot be used; the message shows it redacted."""
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from ...kv.tokens import SortedSequences, as_token_array, common_prefix_len
-from ..catalog import FileRow
+from ..catalog.tables import FileRow
 
 
 @dataclass(eq=False)

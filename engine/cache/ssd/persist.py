@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 
 from ...system import fsync_dir
-from ..catalog import CatalogBusy
+from ..catalog.database import CatalogBusy
 from ..faults import fault
 from . import blocks
 from . import format as fmt

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 from ...system import fsync_dir, unlink_quietly
-from ..catalog import CatalogBusy
+from ..catalog.database import CatalogBusy
 from ..faults import fault
 from . import blocks
 

@@ -1,11 +1,4 @@
-"""The SSD tier: checkpoint files under one root, indexed by the shared catalogue.
-
-    root/catalog.db                                  the catalogue (../catalog.py)
-    root/.heartbeats/<owner>                         each open catalogue's heartbeat (../liveness.py)
-    root/<namespace>/<key>.<tag>.ckpt                committed checkpoints (manifests): each write a new tag
-    root/<namespace>/.<name>.<process tag>.<n>.tmp   writes in progress (ignored)
-    root/blocks/<BLAKE3>.blk                         KV token spans, shared (blocks.py)
-    root/quarantine/                                 files found bad, kept as evidence
+"""The SSD tier: checkpoint files under one root (layout.py), indexed by the shared catalogue.
 
 Every process sharing the root sees the same files: its in-memory index is a
 copy of the catalogue's rows, brought up to date from the change log before
@@ -40,14 +33,16 @@ from typing import Any, Callable, Sequence
 
 from ...kv.tokens import token_key
 from ...system import fsync_dir, make_private_dir, network_filesystem, unlink_quietly
-from ..catalog import Catalog, CatalogBusy, CatalogCorrupt, FileRow
+from ..catalog.tables import Catalog, FileRow
+from ..catalog.database import CatalogBusy, CatalogCorrupt
 from ..faults import fault
 from . import format as fmt
 from .format import CorruptCheckpoint, FileInfo, Header, NewerFormat
 from .index import FileIndex, IndexEntry
-from .pending import CheckpointUnavailable, PendingRead
+from .pending_read import CheckpointUnavailable, PendingRead
 from .removal import AfterCommit, changing
-from .upkeep import BLOCKS, HEARTBEATS, NAMESPACE_RE, QUARANTINE, SUFFIX, Upkeep
+from .layout import BLOCKS, HEARTBEATS, NAMESPACE_RE, QUARANTINE, SUFFIX
+from .upkeep import Upkeep
 
 __all__ = ["CheckpointStore", "CheckpointUnavailable", "LostClaims", "PendingRead", "validate_namespace"]
 

@@ -22,22 +22,17 @@ import numpy as np
 
 from ...kv.tokens import legacy_token_key, token_key
 from ...system import fsync_dir
-from ..catalog import CatalogBusy
-from ..liveness import pid_alive
+from ..catalog.database import CatalogBusy
+from ..catalog.liveness import pid_alive
 from . import blocks
 from . import format as fmt
 from .blocks import CorruptBlock
 from .format import CorruptCheckpoint, NewerFormat
-from .reader import MissingBlock, read_tensors
+from .tensor_read import MissingBlock, read_tensors
+from .layout import BLOCKS, MANIFEST_NAME_RE, NAMESPACE_RE, QUARANTINE, SUFFIX
 from .removal import AfterCommit, changing
 
-NAMESPACE_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_NAME_RE = re.compile(r"([0-9a-f]{64})(?:\.[0-9a-f]{8})?\.ckpt")  # <key>[.<tag>].ckpt
 STALE_TEMP_S = 3600.0  # temp files of older builds (named by pid) are stale after this
-SUFFIX = ".ckpt"
-QUARANTINE = "quarantine"
-BLOCKS = "blocks"
-HEARTBEATS = ".heartbeats"
 CHUNK = 64  # files or blocks decided per transaction: the write lock is held briefly
 
 
@@ -88,7 +83,7 @@ class Upkeep:
         one is quarantined, an unreadable or newer one left alone (None)."""
         try:
             h = fmt.read_header(path)
-            m = _NAME_RE.fullmatch(path.name)
+            m = MANIFEST_NAME_RE.fullmatch(path.name)
             names = (token_key(h.tokens),) + ((legacy_token_key(h.tokens),) if h.version == 1 else ())
             if h.namespace != namespace or m is None or m.group(1) not in names:
                 raise CorruptCheckpoint("file name or directory does not match its header")

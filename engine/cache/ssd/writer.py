@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..catalog import background_thread
+from ..catalog.database import background_thread
 from ..gate import GenerationGate
 from . import format as fmt
 from .persist import persist

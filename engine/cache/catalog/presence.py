@@ -1,0 +1,152 @@
+"""This process's presence in a catalogue: its `procs` row, its heartbeat, and the
+keeper thread that does the catalogue writes a cell's thread must not wait for.
+
+- Registration: every write transaction inserts our row until one committed
+  (a catalogue locked at start registers us when it frees); a row a peer
+  swept (taking us for dead) comes back at the keeper's next turn.
+- `later(fn)`: deferred work (a pin, a lease's end, a resume record's
+  deletion, the start's reconciliation) run by the keeper until the lock
+  comes. The keeper also records this process's pending writes, its uses
+  of files (`apply_touches`, in catalog.py) and, every SWEEP_S, copies the
+  WAL into the database (no COMMIT does it) and runs the owner's
+  maintenance (the store's: sweep the dead, free what they held).
+- `processes()`: the live processes on the directory, judged by liveness.py.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sqlite3
+import time
+from pathlib import Path
+from typing import Callable
+
+from ...system import process_tag
+from .database import CatalogBusy, Database
+from .liveness import HEARTBEAT_S, Heart, Identity, Keeper, Peers
+
+SWEEP_S = 5.0  # how often the keeper looks for dead processes
+_PROC_COLUMNS = ("owner", "tag", "pid", "host", "boot", "pidns", "start", "started", "pending_writes", "pending_bytes")
+
+
+class Presence(Database):
+    def __init__(self, path: Path, *, clock: Callable[[], float] = time.monotonic, identity: Identity | None = None):
+        self.owner = os.urandom(8).hex()  # this open catalogue: its claims, leases and heartbeat
+        self.tag = process_tag()  # this process: its temp files
+        self.identity = identity or Identity.current()
+        self.root = Path(path).parent
+        self.beats = self.root / ".heartbeats"
+        self.peers = Peers(self.identity, self.owner, self.beats, clock)
+        self.pending = (0, 0)  # (writes, bytes) this process has queued: the keeper records it
+        self.maintain: Callable[[], object] = lambda: None  # the owner's periodic upkeep (keeper thread)
+        self._registered = False
+        self._later: collections.deque = collections.deque()
+        self._next_sweep = 0.0
+        self.heart = Heart(self.beats, self.owner)
+        try:
+            super().__init__(path)
+        except BaseException:
+            self.heart.stop()
+            raise
+        self.keeper = Keeper(self._keep)
+
+    def _began(self, db: sqlite3.Connection) -> None:
+        if not self._registered:
+            me = self.identity
+            db.execute("INSERT OR IGNORE INTO procs VALUES(?,?,?,?,?,?,?,?,0,0)",
+                       (self.owner, self.tag, me.pid, me.host, me.boot, me.pidns, me.start, time.time()))
+            self._local.registering = True
+
+    def _committed(self) -> None:
+        if getattr(self._local, "registering", False):
+            self._registered, self._local.registering = True, False
+        super()._committed()
+
+    def reopen(self) -> None:
+        super().reopen()
+        self._registered = False  # a new database: we are not in it yet
+
+    def later(self, fn: Callable[[], object]) -> None:
+        """Run `fn` on the keeper thread (which may wait for the lock) until it does not raise CatalogBusy."""
+        self._later.append(fn)
+
+    def apply_touches(self, db: sqlite3.Connection) -> bool:
+        """Hook (catalog.py): record pending uses of files inside `db`'s transaction; True if any."""
+        return False
+
+    def _keep(self) -> None:
+        """The keeper's turn: our row and pending counts, deferred work, now and then the sweep."""
+        row = self.query("SELECT pending_writes, pending_bytes FROM procs WHERE owner=?", (self.owner,))
+        if not row:
+            self._registered = False  # (a peer swept us: register again)
+        if self.late or not self._registered or tuple(row[0]) != tuple(self.pending) or self.touched():
+            try:
+                with self.transaction("keep") as db:
+                    db.execute("UPDATE procs SET pending_writes=?, pending_bytes=? WHERE owner=?",
+                               (*self.pending, self.owner))
+                    self.apply_touches(db)
+            except CatalogBusy:
+                return
+        while self._later:
+            fn = self._later.popleft()
+            try:
+                fn()
+            except CatalogBusy:
+                self._later.appendleft(fn)
+                return
+        if time.monotonic() >= self._next_sweep:
+            self._next_sweep = time.monotonic() + SWEEP_S
+            self.checkpoint()
+            self.maintain()
+
+    def touched(self) -> bool:
+        """Hook (catalog.py): whether uses of files wait to be recorded."""
+        return False
+
+    def _procs(self) -> list[dict]:
+        return [dict(zip(_PROC_COLUMNS, r)) for r in self.query(f"SELECT {', '.join(_PROC_COLUMNS)} FROM procs")]
+
+    def processes(self) -> list[dict]:
+        """The live processes on this directory (this one included); a read."""
+        return [r for r in self._procs() if self.peers.alive(r)]
+
+    def live_tags(self) -> set:
+        """Process tags of live processes: their temp files are in use."""
+        return {r["tag"] for r in self.processes()} | {self.tag}
+
+    def dead_owners(self) -> tuple[list[str], list[str]]:
+        """(owners of rows found dead, owners without a row: of claims, leases or freeing marks,
+        or of a heartbeat that stopped before they registered)."""
+        procs = self._procs()
+        dead = [r["owner"] for r in procs if not self.peers.alive(r)]
+        owned = "SELECT owner FROM claims UNION SELECT owner FROM leases UNION SELECT owner FROM freeing"
+        orphans = [r[0] for r in self.query(f"SELECT owner FROM ({owned}) WHERE owner NOT IN (SELECT owner FROM procs)")]
+        try:
+            unregistered = set(os.listdir(self.beats)) - {r["owner"] for r in procs} - {self.owner} - set(orphans)
+        except OSError:
+            unregistered = set()
+        return dead, orphans + sorted(o for o in unregistered if not self.peers.beating(o))
+
+    def forget_owners(self, owners: list[str]) -> None:
+        """Dead owners are swept: their heartbeat files go, and what we saw of them."""
+        for owner in owners:
+            self.peers.forget(owner)
+            try:
+                os.unlink(self.beats / owner)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Leave: our row, leases and claims go (blocks only they kept are the next sweep's or gc's)."""
+        if self.closed:
+            return
+        self.keeper.stop()
+        self.heart.stop()  # first: killed before the row goes, we are found dead by pid or by heartbeat
+        try:
+            with self.transaction("close", wait=HEARTBEAT_S) as db:
+                for table in ("procs", "leases", "claims"):
+                    db.execute(f"DELETE FROM {table} WHERE owner=?", (self.owner,))
+        except Exception:  # busy, a full or failing disk: our rows stay, peers find us dead and sweep them
+            pass
+        super().close()

@@ -1,0 +1,244 @@
+"""The remote tier as the tiered cache sees it: a lookup that returns a
+Checkpoint, and publication of what the SSD tier committed.
+
+Lookup order is RAM, SSD, remote (tiered.py). A remote prefix is either the
+run of leading full blocks the remote holds chain records for (token
+spans: plain, quantized, unwrapped sliding-window and unchunked layers), or
+an exact checkpoint (recurrent state, a wrapped ring) whose tokens are a
+prefix of the prompt (remote/records.py). It is fetched only when it is
+longer than what the local tiers serve and the measured remote bandwidth
+beats prefilling those tokens; then every value is read with its size
+bounded, verified by BLAKE3, and rebuilt in MLX buffers (remote_state.py),
+and the checkpoint is adopted in RAM and written through to the local SSD
+tier by the caller.
+
+A lookup has a deadline derived from the prefill it would replace (the
+candidate tokens at the measured prefill rate, over the margin a fetch must
+win by, at least MIN_DEADLINE_S): past it the remote is abandoned. Any
+failure is a miss (RemoteMiss or None), never a failed generation.
+
+Publication runs after a local commit (the writer thread calls
+`published`): it queues a job on the remote publisher, which reads the
+block files (and, for an exact state, the manifest) and uploads only what
+the remote lacks. Owner thread for `lookup`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from typing import Callable, Sequence
+
+from ...kv.checkpoint import Checkpoint
+from ..objects import remote as object_remote
+from ..objects.cache import REVISION as OBJECT_REVISION, is_object_namespace
+from .credentials import RemoteSettings
+from .publish import Value
+from .tier import Found, RemoteMiss, RemoteTier
+from .rebuild import Manifest, build_spans, parse_layout
+from ..ssd import blocks
+from ..ssd import format as fmt
+
+PUBLISH_MODES = ("all", "named", "none")
+DEFAULT_PREFILL_TOKENS_PER_S = 100.0  # until this namespace's prefill rate is measured
+MIN_DEADLINE_S = 0.5  # a lookup may always take this long (a loaded machine, a far server)
+log = logging.getLogger(__name__)
+_warned: set = set()  # URLs already warned about being unauthenticated (once per process)
+
+
+class RemoteLink:
+    def __init__(self, tier: RemoteTier, *, publish: str = "all",
+                 prefill_rate: Callable[[str], float | None] = lambda ns: None,
+                 is_named: Callable[[str, tuple], bool] = lambda ns, tokens: False,
+                 exact: Callable[[str], bool] = lambda ns: False):
+        """exact(ns): whether that namespace's states may be exact-only (recurrent, ring layers):
+        then lookups also read exact records."""
+        if publish not in PUBLISH_MODES:
+            raise ValueError(f"remote publish must be one of {', '.join(PUBLISH_MODES)}, not {publish!r}")
+        self.tier, self.publish_mode = tier, publish
+        self.prefill_rate, self.is_named, self.exact = prefill_rate, is_named, exact
+        self.counters = {f"remote_{k}": 0 for k in link_counter_names()}
+        self.counters["remote_fetch_seconds"] = 0.0
+
+    # --- lookup (owner thread) ---
+
+    def lookup(self, prompt: Sequence[int], ns: str, have: int) -> Checkpoint | None:
+        """A checkpoint of the longest remote prefix of `prompt` (at most len-1 tokens)
+        if it is longer than `have` and worth fetching; None otherwise, RemoteMiss on a failed read."""
+        bt, cap = blocks.BLOCK_TOKENS, len(prompt) - 1
+        candidate = cap // bt * bt - have
+        if candidate < self.tier.min_fetch_tokens:  # too short to beat a prefill: no round trip
+            return None
+        rate = self.prefill_rate(ns) or DEFAULT_PREFILL_TOKENS_PER_S
+        deadline = time.monotonic() + max(MIN_DEADLINE_S, candidate / rate / self.tier.margin)
+        t0 = time.perf_counter()
+        try:
+            found = self.tier.probe(ns, prompt[:cap], bt, deadline=deadline, exact=self.exact(ns))
+            x = found.exact if found.exact is not None and found.exact.length(bt) > have else None
+            n_plain = len(found.records) * bt
+            if x is not None and x.length(bt) > n_plain:
+                cp = self._fetch_exact(prompt, ns, have, found, rate, deadline)
+            elif n_plain > have:
+                cp = self._fetch_spans(prompt, ns, have, found, rate, deadline)
+            else:
+                return None
+        except RemoteMiss:
+            self.counters["remote_misses"] += 1
+            raise
+        except Exception as e:  # noqa: BLE001 - the remote tier never fails a generation
+            log.warning("remote lookup failed", exc_info=True)
+            self.counters["remote_misses"] += 1
+            raise RemoteMiss(f"remote lookup failed: {type(e).__name__}: {str(e)[:200]}") from None
+        if cp is not None:
+            self.counters["remote_hits"] += 1
+            self.counters["remote_tokens"] += len(cp)
+            self.counters["remote_fetch_seconds"] += time.perf_counter() - t0
+        return cp
+
+    def _fetch_spans(self, prompt, ns, have, found: Found, rate, deadline) -> Checkpoint | None:
+        bt, records = blocks.BLOCK_TOKENS, found.records
+        layout = parse_layout(records[-1].layout, bt)
+        if layout is None:
+            self.tier.count(malformed=1)
+            raise RemoteMiss("a remote record has a layout this build cannot use")
+        if not self.tier.worth_fetching(records[-1].end - have, layout.data_bytes / bt, rate, block_size=bt):
+            self.counters["remote_skipped"] += 1
+            return None
+        names = [r.block for r in records]
+        try:
+            values = self.tier.get_blocks([(r.block, layout.block_bytes(r.index)) for r in records],
+                                          key_id=found.key_id, deadline=deadline)
+        except RemoteMiss as e:  # a shorter run of verified blocks may still be worth it
+            values = e.blocks
+            self.counters["remote_misses"] += 1
+        n = len(values) * bt
+        layers = layout.layers_at(n) if n > have else None
+        if layers is None:
+            if n > have:
+                self.tier.count(malformed=1)
+                raise RemoteMiss("the remote layout's layers cannot be cut to its blocks")
+            return None
+        try:
+            cp = build_spans(prompt[:n], layout, layers, values, names)
+        except Exception as e:  # noqa: BLE001 - layers from another build: whatever the codecs raise is a miss
+            self.tier.count(malformed=1)
+            raise RemoteMiss(f"remote blocks do not rebuild a checkpoint: {type(e).__name__}: {e}") from None
+        self.tier.touch(found.key_id, found.chain[:len(values)], None, names[:len(values)])
+        return cp
+
+    def _fetch_exact(self, prompt, ns, have, found: Found, rate, deadline) -> Checkpoint | None:
+        bt, x = blocks.BLOCK_TOKENS, found.exact
+        n = x.length(bt)
+        if not self.tier.worth_fetching(n - have, x.nbytes / n, rate, block_size=bt):
+            self.counters["remote_skipped"] += 1
+            return None
+        value, = self.tier.get_blocks([(x.manifest, x.size)], key_id=found.key_id, deadline=deadline)
+        try:
+            manifest = Manifest(value, ns, prompt[:n])
+        except ValueError as e:
+            self.tier.count(malformed=1)
+            raise RemoteMiss(f"remote state of {n} tokens: {e}") from None
+        try:
+            items = manifest.block_items()
+            if x.size + sum(s for _, s in items) != x.nbytes:
+                self.tier.count(malformed=1)
+                raise RemoteMiss("a remote exact record and its manifest disagree on its size")
+            values = self.tier.get_blocks(items, key_id=found.key_id, deadline=deadline)
+            try:
+                cp = manifest.build(values)
+            except Exception as e:  # noqa: BLE001 - layers from another build: whatever the codecs raise is a miss
+                self.tier.count(malformed=1)
+                raise RemoteMiss(f"remote state does not rebuild a checkpoint: {type(e).__name__}: {e}") from None
+        finally:
+            manifest.close()
+        self.tier.touch(found.key_id, found.chain[:x.index + 1], found.chain[x.index], [x.manifest] + [
+            name for name, _ in items])
+        return cp
+
+    # --- publication (writer thread) ---
+
+    def published(self, info: fmt.FileInfo, blocks_root) -> None:
+        """After a local commit: queue the checkpoint for the remote (its full blocks, or the exact state)."""
+        h = info.header
+        if self.publish_mode == "none" or (self.publish_mode == "named" and not self.is_named(h.namespace, h.tokens)):
+            return
+        if is_object_namespace(h.namespace):  # an exact tensor object (Engine.objects): object_remote.py
+            if object_remote.publish(self.tier, info, OBJECT_REVISION):
+                self.counters["remote_published"] += 1
+            return
+        bt = blocks.BLOCK_TOKENS
+
+        def value(b):
+            return Value(b.name, b.nbytes, lambda p=blocks.block_path(blocks_root, b.name): p.read_bytes())
+
+        if not h.inline and h.blocks and h.trimmable and not h.min_reusable_offset:  # token spans: any prefix serves
+            full = [b for b in h.blocks if b.end - b.start == bt and b.start % bt == 0]
+            if not full or full[0].start != 0:
+                return
+            layout = {"tensors": [[t.name, t.dtype, list(t.shape[:-2]) + [bt, t.shape[-1]]] for t in h.span_tensors],
+                      "layers": h.layout}
+            queued = self.tier.publish(h.namespace, h.tokens, bt, [value(b) for b in full], layout)
+        elif h.version == fmt.FORMAT_VERSION and len(h.tokens) >= bt:  # exact at its own length only
+            queued = self.tier.publish_exact(h.namespace, h.tokens, bt, [value(b) for b in h.blocks],
+                                             lambda p=info.path: p.read_bytes())
+        else:
+            return
+        if queued:
+            self.counters["remote_published"] += 1
+
+
+def attach(cache, settings: RemoteSettings, *, publish: str = "all",
+           prefill_rate: Callable[[str], float | None] = lambda ns: None,
+           exact: Callable[[str], bool] = lambda ns: False) -> RemoteLink:
+    """Connect `cache` (a TieredPromptCache) to a remote tier: lookups fall back to it,
+    committed checkpoints are published to it. A bad URL raises ValueError (redacted)."""
+    tier = RemoteTier(settings.url, secret=settings.secret, insecure=settings.insecure, password=settings.password,
+                      tls=settings.tls)
+    link = RemoteLink(tier, publish=publish, prefill_rate=prefill_rate, exact=exact,
+                      is_named=lambda ns, tokens: cache.store is not None and cache.store.is_pinned(ns, tokens))
+    if not tier.authenticated and tier.url not in _warned:
+        _warned.add(tier.url)
+        warnings.warn(f"mlxcache: the remote tier {tier.url} is UNAUTHENTICATED (remote_insecure): anyone who can "
+                      "write to that server can plant KV your prompts will load. Set a team secret "
+                      "(MLXCACHE_REMOTE_SECRET_FILE) to authenticate it.", stacklevel=3)
+    cache.remote = link
+    if cache.writer is not None:
+        cache.writer.on_committed = lambda info: link.published(info, cache.store.blocks_root)
+    return link
+
+
+def flush(link: RemoteLink | None, timeout: float | None) -> list[str]:
+    """Wait for queued publications; their failures (credentials removed)."""
+    return [] if link is None else link.tier.wait(timeout)
+
+
+def close(link: RemoteLink | None, timeout: float) -> list[str]:
+    """Wait at most `timeout` for queued publications, then stop: failures, and what was not published."""
+    return [] if link is None else link.tier.close(timeout)
+
+
+_TIER_KEYS = ("publish_pending", "publish_failed", "blocks_uploaded", "blocks_skipped", "bytes_read", "bytes_written",
+              "mac_rejected", "malformed", "stale", "wrong_size", "bad_blocks", "deadline_missed", "errors",
+              "get_bandwidth_bytes_per_s")
+
+
+def remote_stats(link: RemoteLink | None) -> dict:
+    """The remote_* keys of Engine.stats() (metrics.SCHEMA): zeros and None while the tier is off."""
+    if link is None:
+        out = {f"remote_{k}": 0 for k in (*link_counter_names(), *_TIER_KEYS)}
+        out.update(remote_url=None, remote_publish=None, remote_state=None, remote_last_error=None,
+                   remote_get_bandwidth_bytes_per_s=None, remote_fetch_seconds=0.0, remote_auth=None)
+        return out
+    t = link.tier.stats()
+    out = dict(link.counters)
+    out.update({f"remote_{k}": t.get(k) for k in _TIER_KEYS})
+    auth = (f"keyed (key id {t['key_id']})" if t["authenticated"]
+            else "UNAUTHENTICATED (remote_insecure): anyone who can write to the server can plant KV")
+    out.update(remote_url=t["url"], remote_publish=link.publish_mode, remote_state=t["breaker"],
+               remote_last_error=t["last_error"], remote_auth=auth)
+    return out
+
+
+def link_counter_names() -> tuple:
+    return ("hits", "tokens", "misses", "skipped", "published")

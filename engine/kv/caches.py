@@ -1,0 +1,62 @@
+"""Questions about a model's list of live caches, answered by each layer's codec (codecs.py).
+
+Whether every layer is known, can always be cut back, can join mlx-lm's batch
+decoding; what the KV scheme is called; a fresh list (quantized on request).
+"""
+
+from __future__ import annotations
+
+from .codecs import CODECS, codec, kind_of, make_caches, plain_caches
+
+
+def unsupported(caches: list) -> list[str]:
+    """Names of cache classes (nested ones included) that no codec knows."""
+    out = []
+    for c in caches:
+        kind = kind_of(c)
+        out += [kind] if kind not in CODECS else unsupported(CODECS[kind].inner(c))
+    return sorted(set(out))
+
+
+def always_cuttable(caches: list) -> bool:
+    """Whether every live cache can be cut back to any prefix, whatever happens next.
+
+    Then a generation's final (or interrupted) state also serves its prompt;
+    otherwise (a window that may wrap, recurrent state) the prompt boundary
+    needs a snapshot of its own.
+    """
+    return bool(caches) and all(kind_of(c) in CODECS and CODECS[kind_of(c)].always_cuttable for c in caches)
+
+
+def array_names(kind: str, count: int) -> list[str]:
+    roles = CODECS[kind].roles if kind in CODECS else ()
+    return [roles[i] if i < len(roles) else f"state{i}" for i in range(count)]
+
+
+def new_caches(model, kv_bits: int | None = None, kv_group_size: int = 64) -> list:
+    """Empty live caches for a model, as mlx-lm makes them; with kv_bits, its
+    plain KV layers quantized from the first token (other kinds stay as they are)."""
+    caches = make_caches(model)
+    if kv_bits is None:
+        return caches
+    return [codec(kind_of(c)).quantized(c, kv_bits, kv_group_size) if kind_of(c) in CODECS else c for c in caches]
+
+
+def not_batchable(caches: list) -> list[str]:
+    """Cache classes (nested too) mlx-lm's BatchGenerator cannot merge: quantized, chunked, keep > 0."""
+    return sorted({b for c in caches for b in (codec(kind_of(c)).batch_blockers(c) if kind_of(c) in CODECS
+                                                 else [kind_of(c)])})
+
+
+def kv_scheme(caches: list, dtype: str, kv_bits: int | None = None, kv_group_size: int = 64) -> str:
+    """What the model's KV state is made of: cache classes, weight dtype, quantization."""
+    scheme = "+".join(sorted({kind_of(c) for c in caches})) + ":" + dtype
+    return scheme if kv_bits is None else f"{scheme}:q{kv_bits}g{kv_group_size}"
+
+
+def mlx_lm_caches(caches: list | None, layers: int) -> list:
+    """Another package's fresh caches (mlx-vlm's) as mlx-lm's classes of the same names and settings;
+    None: plain KV for each of `layers`. A kind no codec knows stays (the model then runs uncached)."""
+    if caches is None:
+        return plain_caches(layers)
+    return [CODECS[kind_of(c)].empty_like(c) if kind_of(c) in CODECS else c for c in caches]
