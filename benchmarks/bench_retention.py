@@ -5,7 +5,7 @@ notebooks with MLXCACHE_TRACE set, see docs/benchmarks.md) and a synthetic
 notebook day: a long document asked many questions, several chats growing
 turn by turn, reruns of earlier cells, in a seeded random order.
 
-Each trace is replayed through the real RAM tier (`PromptCache`, array-less
+Each trace is replayed through the real RAM tier (`RamTier`, array-less
 checkpoints of the recorded sizes) under a budget of a third of the trace's
 distinct KV bytes, once per policy, with an SSD tier below that holds every
 checkpoint ever published. Per policy: RAM misses (requests RAM served less
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from common import emit
 
-from mlxcache_kernel.engine.cache.ram import PromptCache
+from mlxcache_kernel.engine.cache.ram import RamTier
 from mlxcache_kernel.engine.cache.retention import POLICIES, make_policy, prefill_cost
 from mlxcache_kernel.engine.kv.checkpoint import Checkpoint
 
@@ -55,7 +55,7 @@ def synthetic_day(seed: int = 0) -> list[dict]:
 
 
 def replay(trace: list[dict], policy: str, budget: int) -> dict:
-    cache = PromptCache(budget, retention=make_policy(policy))
+    cache = RamTier(budget, retention=make_policy(policy))
     on_ssd: dict = {}  # (ns, tokens) -> Checkpoint: every state ever published
     out = {"requests": len(trace), "ram_misses": 0, "avoided_prefill_s": 0.0, "reload_bytes": 0, "peak_bytes": 0}
     for r in trace:

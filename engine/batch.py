@@ -38,7 +38,7 @@ from .kv.tokens import branch_points
 from .memory import DECODE_CHECK_EVERY
 from .metrics import generation_stats
 from .models import LoadedModel
-from .cache.ram import Loan
+from .cache.entry import Loan
 from .generation import Generation, GenerationResult, Request, Services
 
 MIN_SHARED_TOKENS = 16  # a shorter shared prefix is prefilled by each row: a published entry would cost more
@@ -145,7 +145,7 @@ class BatchRun:
                 loan.release()
             if self.use_cache:
                 self.cache.queue_dirty()  # shared prefixes and prompt snapshots no final checkpoint covers
-        self.cache.prepare_reads()
+        self.cache.loading.prepare_reads()
         return [row.result for row in self.rows]
 
     # --- prompts ---

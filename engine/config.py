@@ -277,12 +277,13 @@ def options() -> dict[str, Option]:
     return {f.name: _option(f.name, f.metadata["option"]) for f in dataclasses.fields(EngineConfig)}
 
 
-def option_table(extra: dict[str, Option] | None = None) -> str:
-    """The Markdown table of every option (the README's): variable, kernel setting, default, meaning."""
-    rows = ["| environment variable | kernel setting (`%config MLXCache.…`) | default | meaning |",
-            "|---|---|---|---|"]
-    for name, opt in {**options(), **(extra or {})}.items():
+def option_table(kernel_only: dict[str, Option] | None = None) -> str:
+    """The Markdown table of every option (the README's): keyword, variable, kernel setting, default, meaning."""
+    rows = ["| `Engine(...)` keyword | environment variable | kernel setting | default | meaning |",
+            "|---|---|---|---|---|"]
+    every = [(f"`{name}`", opt) for name, opt in options().items()]
+    every += [("(kernel only)", opt) for opt in (kernel_only or {}).values()]
+    for keyword, opt in every:
         env = f"`{opt.env}`" + (f" (or `{opt.env}_FILE`)" if opt.kind == "secret" else "")
-        rows.append(f"| {env} | `{opt.setting}` | {opt.default_text or '—'} | {opt.help} |")
+        rows.append(f"| {keyword} | {env} | `{opt.setting}` | {opt.default_text or '—'} | {opt.help} |")
     return "\n".join(rows)
-

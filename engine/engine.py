@@ -17,7 +17,8 @@ from typing import Callable, Sequence
 from . import blas
 from .kv import borrowed
 from .batch import DEFAULT_BATCH_SIZE, BatchRun, batch_seeds, row_tokens
-from .cache.objects.cache import ObjectCache, is_object_namespace
+from . import cache_admin
+from .cache.objects.cache import ObjectCache
 from .cache.catalog.database import CatalogBusy
 from .cache.remote import RemoteConfigError, resolve as resolve_remote
 from .config import EngineConfig
@@ -33,6 +34,7 @@ from .memory import PressureGuard
 from .metrics import AccessTrace, GenerationMetrics
 from .models import IdentityMemo, LoadedModel, ModelRegistry
 from .named_checkpoints import NamedCheckpoints
+from .prompts import encode_prompt
 from .generation import Generation, GenerationResult, Request, Services
 from .sessions import Sessions
 from .user_states import UserStates
@@ -111,8 +113,8 @@ class Engine:
                                  events=self.events, poll=self.poll, last_key=lambda: self.last_key)
         self.services = Services(self.cache, self.inflight, self.memory, self.metrics, self.events, self.trace,
                                  config.prefill_chunk, on_published=self._published)
-        self.cache.pins_source = lambda: {r["name"]: (r["namespace"], tuple(r["tokens"])) for r in self.names.list()}
-        self.cache.sync_pins()
+        self.cache.durability.pins.source = lambda: {r["name"]: (r["namespace"], tuple(r["tokens"])) for r in self.names.list()}
+        self.cache.durability.pins.sync()
         if remote is not None:  # a shared tier below SSD (Redis / Valkey)
             attach_remote(self.cache, remote, publish=config.remote_publish, prefill_rate=self.metrics.prefill_rate.get,
                           exact=self._may_be_exact)
@@ -163,63 +165,27 @@ class Engine:
 
     # --- prompts ---
 
-    def encode_prompt(
-        self,
-        prompt: str,
-        *,
-        model: str | None = None,
-        system: str | None = None,
-        raw: bool = False,
-        session: str | None = None,
-    ) -> list[int]:
+    def encode_prompt(self, prompt: str, *, model: str | None = None, system: str | None = None,
+                      raw: bool = False, session: str | None = None) -> list[int]:
+        """The prompt as token ids: the chat template (with the session's history), or raw."""
         m = self.models.get(model)
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise GenerationError("empty prompt: write the prompt in the cell (or pass a non-empty string)")
-        tok = m.tokenizer
-        if raw:
-            bos = getattr(tok, "bos_token", None)
-            return list(tok.encode(prompt, add_special_tokens=not (bos and prompt.startswith(bos))))
         s = self.sessions.get_or_create(session, system=system, model=m.name) if session is not None else None
-        if s is not None:
-            messages = s.render_messages(prompt, system)
-        else:
-            messages = ([{"role": "system", "content": system}] if system else []) + [
-                {"role": "user", "content": prompt}
-            ]
-        if not getattr(tok, "chat_template", None):
-            return list(tok.encode("\n".join(msg["content"] for msg in messages)))
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        if s is not None:  # keep the ids the model generated for earlier replies
-            return s.encode_rendered(text, tok)
-        return list(tok.encode(text, add_special_tokens=False))
+        return encode_prompt(m.tokenizer, prompt, system=system, raw=raw, session=s)
 
     # --- generation ---
 
-    def generate(
-        self,
-        prompt: str,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        seed: int = 0,
-        session: str | None = None,
-        model: str | None = None,
-        *,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop: Sequence[str] = (),
-        system: str | None = None,
-        raw: bool = False,
-        use_cache: bool = True,
-        on_text: Callable[[str], None] | None = None,
-        on_progress: Callable[[str, int, int], None] | None = None,
-        checkpoint_every: int | None = None,
-        images: Sequence | None = None,
-    ) -> GenerationResult:
-        """images: paths, PIL images or (H, W, 3) arrays, for a vision-language model; they
-        come before the prompt text in the user turn (a session keeps them for later turns)."""
+    def generate(self, prompt: str, *, session: str | None = None, model: str | None = None,
+                 system: str | None = None, raw: bool = False, use_cache: bool = True,
+                 on_text: Callable[[str], None] | None = None,
+                 on_progress: Callable[[str, int, int], None] | None = None,
+                 checkpoint_every: int | None = None, images: Sequence | None = None,
+                 **sampling) -> GenerationResult:
+        """sampling: SamplingParams's options (max_tokens=256, temperature=0.0, top_p=1.0, top_k=0,
+        seed=0, stop=()). images: paths, PIL images or (H, W, 3) arrays, for a vision-language model;
+        they come before the prompt text in the user turn (a session keeps them for later turns)."""
         self._check_open()
         self.poll(prepare=False)  # no buffers allocated for prefetches on the way to the first token
-        params = SamplingParams(max_tokens, float(temperature), float(top_p), int(top_k), seed, tuple(stop))
+        params = SamplingParams.of(**sampling)
         m = self.models.get(model)
         params.validate(_vocab_size(m))
         media = None
@@ -239,26 +205,15 @@ class Engine:
                                                    images=media.images if media else ())
         return result
 
-    def generate_batch(
-        self,
-        prompts: Sequence,
-        max_tokens: int = 256,
-        temperature: float = 0.0,
-        seed: int | Sequence[int] = 0,
-        model: str | None = None,
-        *,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        stop: Sequence[str] = (),
-        system: str | None = None,
-        raw: bool = False,
-        use_cache: bool = True,
-        batch_size: int = DEFAULT_BATCH_SIZE,
-        on_progress: Callable[[str, int, int], None] | None = None,
-        on_row: Callable[[int, GenerationResult], None] | None = None,
-    ) -> list[GenerationResult]:
+    def generate_batch(self, prompts: Sequence, *, seed: int | Sequence[int] = 0, model: str | None = None,
+                       system: str | None = None, raw: bool = False, use_cache: bool = True,
+                       batch_size: int = DEFAULT_BATCH_SIZE,
+                       on_progress: Callable[[str, int, int], None] | None = None,
+                       on_row: Callable[[int, GenerationResult], None] | None = None,
+                       **sampling) -> list[GenerationResult]:
         """One GenerationResult per prompt (a string or token ids), in order: shared prefixes prefilled
-        once, rows decoded together (batch.py). Row i samples with seed + i (or seed[i] from a list).
+        once, rows decoded together (batch.py). sampling: SamplingParams's options, for every row; row i
+        samples with seed + i (or seed[i] from a list).
         on_progress(phase, done, total): "restore"/"prefill" in tokens, "decode" in tokens generated;
         on_row(index, result) as each row finishes."""
         self._check_open()
@@ -266,8 +221,7 @@ class Engine:
         m = self.models.get(model)
         rows = row_tokens(prompts, lambda p: self.encode_prompt(p, model=m.name, system=system, raw=raw),
                           _vocab_size(m))
-        params = [SamplingParams(max_tokens, float(temperature), float(top_p), int(top_k), s, tuple(stop))
-                  .validate(_vocab_size(m)) for s in batch_seeds(seed, len(rows))]
+        params = [SamplingParams.of(**sampling, seed=s).validate(_vocab_size(m)) for s in batch_seeds(seed, len(rows))]
         if not rows:
             return []
         results = BatchRun(self.services, m, rows, params, use_cache=use_cache, batch_size=batch_size,
@@ -296,7 +250,7 @@ class Engine:
         if every is not None and not self.cache.has_ssd:
             raise GenerationError("checkpoint_every needs the SSD tier (the engine was started with ssd=False)")
         self.last_result = Generation(self.services, req).run()
-        self.cache.prepare_reads()  # prefetching goes on after the generation (it yielded meanwhile)
+        self.cache.loading.prepare_reads()  # prefetching goes on after the generation (it yielded meanwhile)
         stats = self.last_result.stats
         self.events.emit("generation", **{k: v for k, v in stats.items() if not isinstance(v, (list, dict))})
         return self.last_result
@@ -320,7 +274,7 @@ class Engine:
 
     def wait_for_writes(self, timeout: float | None = None) -> dict:
         """Wait for writes already queued, from any thread (touches no MLX, queues nothing)."""
-        return self.cache.wait_for_writes(timeout)
+        return self.cache.durability.wait_for_writes(timeout)
 
     def stats(self) -> dict:
         """Plain numbers; never touches MLX arrays."""
@@ -340,63 +294,24 @@ class Engine:
 
     def cache_entries(self, poll: bool = True) -> list[dict]:
         """Every RAM and SSD entry as plain data (no MLX arrays are read): prompt prefixes
-        (kind "prefix") and objects (kind "object", see ObjectCache.row).
-
-        poll=True first applies finished writes (owner thread); poll=False is
-        a view without side effects.
-        """
+        (kind "prefix") and objects (kind "object", see ObjectCache.row). poll=True first
+        applies finished writes (owner thread); poll=False is a view without side effects."""
         if poll:
             self.poll()
-        names_by_key: dict = {}
-        for r in self.names.list():
-            names_by_key.setdefault((r["namespace"], tuple(r["tokens"])), []).append(r["name"])
-        rows = []
-        for row in self.cache.rows():
-            if is_object_namespace(row["ns"]):
-                rows.append(self.objects.row(row))
-                continue
-            ns, tokens = row.pop("ns"), row.pop("tokens")
-            m = self.models.by_namespace(ns)
-            rows.append({
-                "kind": "prefix", "model": m.name if m else None, "namespace": ns, "tokens": len(tokens),
-                "preview": self.models.preview(ns, tokens), "pinned": names_by_key.get((ns, tokens), []), **row,
-            })
-        return sorted(rows, key=lambda r: -(r["last_used"] or 0))
+        return cache_admin.entries(self.cache, self.names, self.models, self.objects)
 
     def cache_clear(self, ssd: bool = False) -> dict:
         """Drop RAM entries (and SSD files with ssd=True); named checkpoints stay on SSD.
-
-        Clearing RAM alone first persists what is not on SSD yet, so it only
-        frees memory; nothing reachable is lost.
-        """
+        Clearing RAM alone first persists what is not on SSD yet, so it only frees memory."""
         if not ssd:
             self.flush(timeout=30)
-        ram = len(self.cache.entries())
-        files_before = self.cache.stats().get("ssd_files", 0)
-        kept = self.cache.clear(ssd=ssd)
-        if ssd:
-            for record in self.inflight.list():
-                self.inflight.finish(record["request"])
-        files_removed = files_before - self.cache.stats().get("ssd_files", 0)
-        self.events.emit("cache_cleared", ram_entries=ram - kept, ssd=ssd)
-        return {"ram_entries": ram - kept, "kept_not_durable": kept, "ssd_files": files_removed}
+        return cache_admin.clear(self.cache, self.inflight, self.events, ssd=ssd)
 
     def cache_gc(self, dry_run: bool = False) -> dict:
         """Remove what nothing can use: quarantined files, stale temp files and resume records
         without their checkpoint; report them (dry_run: only report). Names whose state is
         gone are listed, not removed."""
-        report = {**self.cache.gc_files(dry_run), "dangling_names": [], "inflight_removed": 0}
-        for r in self.names.list():
-            ns, tokens = r["namespace"], tuple(r["tokens"])
-            if self.cache.get_exact(tokens, ns) is None and not self.cache.on_ssd(tokens, ns):
-                report["dangling_names"].append(r["name"])
-        committed = self.cache.ssd_keys()
-        for record in self.inflight.list():
-            if (record.get("namespace"), record.get("boundary_key")) not in committed:
-                if not dry_run:
-                    self.inflight.finish(record["request"])
-                report["inflight_removed"] += 1
-        return report
+        return cache_admin.gc(self.cache, self.names, self.inflight, dry_run=dry_run)
 
     def cache_verify(self) -> list[dict]:
         """Re-hash every SSD file; bad ones are quarantined and listed."""
@@ -405,7 +320,7 @@ class Engine:
     def close(self) -> dict | None:
         if self._closed:
             return None
-        self.cache.close_reader()  # background reads are only a cache: stop them first
+        self.cache.loading.close_reader()  # background reads are only a cache: stop them first
         report = self.cache.flush()
         report["remote_failed"] = close_remote(self.cache.remote, REMOTE_CLOSE_S)  # a bounded wait, then named
         if report["remote_failed"]:

@@ -181,7 +181,7 @@ class Generation:
             if step not in decided:
                 decided.clear()
                 decided[step] = (bool(every) and (step + 1) % every == 0 and step + 1 < req.params.max_tokens
-                                 and not self.cache.inflight_busy(self.rid))
+                                 and not self.cache.durability.inflight_busy(self.rid))
             return decided[step]
 
         def on_token(token: int, step: int) -> bool:
@@ -233,7 +233,7 @@ class Generation:
         decode() queued nothing ahead at this step (`sync_at`), so the caches
         hold exactly that boundary: every cache kind captures it as it is.
         """
-        self.cache.drain_completions()  # the intervals already written free their copies first
+        self.cache.durability.drain_completions()  # the intervals already written free their copies first
         boundary = self.req.tokens + seen[:-1]
         cp = Checkpoint.capture(boundary, caches, copy=True)
         record = {
@@ -243,7 +243,7 @@ class Generation:
             "boundary_key": token_key(boundary),
         }
         inflight, rid = self.services.inflight, self.rid
-        self.cache.queue_inflight(cp, self.req.ns, rid, on_commit=lambda info: inflight.write(rid, record))
+        self.cache.durability.queue_inflight(cp, self.req.ns, rid, on_commit=lambda info: inflight.write(rid, record))
 
     def known_tokens(self) -> list:
         """The tokens the caches hold, as far as this run knows them (an interrupt may

@@ -7,7 +7,7 @@ what the uninterrupted run would have.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 
 import mlx.core as mx
 
@@ -18,14 +18,42 @@ class GenerationError(ValueError):
     """Bad generation input, with a message naming the problem."""
 
 
+def _option(default, *flags: str, help: str, repeat: bool = False):
+    """A sampling option: its default, and how the magics spell it (flags, help; repeat: a list)."""
+    return field(default=default, metadata={"flags": flags, "help": help, "repeat": repeat})
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    stop: tuple = ()
+    """How tokens are drawn: the one definition of the sampling options `generate`, `generate_batch`
+    and the ``%%generate`` magics take (their flags and help are the fields' metadata)."""
+
+    max_tokens: int = _option(256, "--max-tokens", "-n", help="most tokens to generate (default 256)")
+    temperature: float = _option(0.0, "--temperature", "-t", help="sampling temperature; 0 = greedy (default)")
+    top_p: float = _option(1.0, "--top-p", help="nucleus sampling mass in (0, 1] (default 1)")
+    top_k: int = _option(0, "--top-k", help="keep the k most likely tokens; 0 = all (default)")
+    seed: int = _option(0, "--seed", "-s", help="sampling seed; same seed, same text (default 0)")
+    stop: tuple = _option((), "--stop", help="stop string (repeatable)", repeat=True)
+
+    @classmethod
+    def of(cls, **options) -> "SamplingParams":
+        """From keyword options (numbers as given, stop strings as a sequence); an unknown
+        name is a TypeError naming the options."""
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise TypeError(f"unknown sampling option(s) {', '.join(unknown)}; the options are {', '.join(names)}")
+        if "stop" in options:
+            stop = options["stop"]
+            options["stop"] = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        for name, cast in (("temperature", float), ("top_p", float), ("top_k", int)):
+            if isinstance(options.get(name), (int, float)) and not isinstance(options[name], bool):
+                options[name] = cast(options[name])
+        return cls(**options)
+
+    @classmethod
+    def names(cls) -> tuple:
+        return tuple(f.name for f in fields(cls))
 
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

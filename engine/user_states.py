@@ -47,8 +47,8 @@ class UserStates:
             s = self.sessions.get(session)
             ns = self.models.get(s.model or model).namespace
             entry = self.cache.session_entry(session, ns)
-            if entry is None and self.cache.reader is not None and self.cache.reader.jobs():
-                self.cache.wait_reads(30)  # a `session_switch` may be loading it
+            if entry is None and self.cache.loading.reader is not None and self.cache.loading.reader.jobs():
+                self.cache.loading.wait_reads(30)  # a `session_switch` may be loading it
                 entry = self.cache.session_entry(session, ns)
             if entry is None:
                 raise ValueError(f"session {session!r} has no cached state yet: generate in it first")
@@ -82,7 +82,7 @@ class UserStates:
                 "session": {"id": s.id, "system": s.system, "messages": s.messages} if s else None,
             },
         )
-        if not self.cache.pin(entry, name):
+        if not self.cache.durability.pin(entry, name):
             self.names.remove(name)
             raise CheckpointNameError(f"could not write checkpoint {name!r} to SSD: {entry.write_error or 'write failed'}")
         self.cache.publish_remote(entry.tokens, entry.ns)  # with remote_publish=named, names go remote
@@ -142,7 +142,7 @@ class UserStates:
     def checkpoint_remove(self, name: str) -> dict:
         record = self.names.remove(name)
         ns, tokens = record["namespace"], tuple(record["tokens"])
-        self.cache.unpin(ns, tokens, name)
+        self.cache.durability.unpin(ns, tokens, name)
         return self._named_summary(record)
 
     def checkpoint_list(self) -> list[dict]:

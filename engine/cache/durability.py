@@ -1,4 +1,4 @@
-"""The durability coordinator: RAM entries' way to SSD and what they may do meanwhile.
+"""The durability part of the tiered cache: RAM entries' way to SSD and what they may do meanwhile.
 
 Each RAM entry has a `WriteState`. Publication queues a write (write-behind);
 the writer thread's completions are applied on the owner thread (`poll`).
@@ -9,8 +9,11 @@ with exponential backoff; while they keep failing, RAM over budget lets the
 unwritable entries go, so memory stays bounded, and the error shows in the
 stats. A file another process deleted makes the entries it covered dirty
 again: persist-before-evict holds across processes. Named checkpoints pin
-their files in the shared catalogue. `TieredPromptCache` (tiered.py) adds
-lookup and restore on top; `store` and `writer` are set there.
+their files in the shared catalogue.
+
+`Durability` is the RAM tier's `ResidencyRules` (ram.py): the RAM tier asks
+it before an entry leaves, is superseded or hands its buffers over. Without
+an SSD tier (`store` None) it answers as RAM alone would.
 """
 
 from __future__ import annotations
@@ -20,16 +23,21 @@ from enum import Enum
 from typing import Callable, Sequence
 
 from ..kv.checkpoint import Checkpoint
-from ..kv.tokens import token_key
-from .catalog.database import CatalogBusy
-from .ram import Entry, PromptCache
-from .ssd.writer import WriteCancelled, WriteJob
+from .pins import CatalogPins
+from .entry import Entry
+from .ram import RamTier
+from .ssd.store import CheckpointStore
+from .ssd.writer import CheckpointWriter, WriteCancelled, WriteJob
 
 RETRY_FAILED_AFTER_S = 5.0  # first retry of a failed write; doubles per failure
 RETRY_MAX_S = 300.0
+ABORT_WAIT_S = 0.05  # a rerun waits this long at most for the write it stops to reach a pause point
 # In-flight checkpoints may keep the disk (and a core) busy this share of the
 # time at most: after a write of d seconds the next capture waits (1/share - 1) d.
 INFLIGHT_DUTY = 0.1
+COUNTERS = ("ssd_hits", "ssd_tokens", "ssd_restore_failures", "demotions", "writes_queued", "writes_committed",
+            "writes_failed", "bytes_written", "inflight_queued", "inflight_replaced", "dropped_unwritable",
+            "writes_cancelled")
 
 
 class WriteState(str, Enum):
@@ -42,83 +50,33 @@ class WriteState(str, Enum):
     FAILED = "failed"  # the last write failed; retried later
 
 
-_UNWRITTEN = (None, WriteState.NONE, WriteState.DIRTY, WriteState.FAILED)
+UNWRITTEN = (None, WriteState.NONE, WriteState.DIRTY, WriteState.FAILED)
 
 
-class Durability(PromptCache):
-    store = writer = None
-
-    def __init__(self, budget_bytes: int | None, emit: Callable[..., object] | None, *, write_behind: bool,
-                 idle_demote_s: float | None, retention=None):
-        super().__init__(budget_bytes, emit, retention)
+class Durability:
+    def __init__(self, ram: RamTier, store: CheckpointStore | None, writer: CheckpointWriter | None, *,
+                 counters: dict, emit: Callable[..., object], write_behind: bool, idle_demote_s: float | None):
+        self.ram, self.store, self.writer = ram, store, writer  # (store and writer: None without SSD)
+        self.counters, self._emit = counters, emit
         self.write_behind = write_behind
         self.idle_demote_s = idle_demote_s
-        self.identities: dict[str, dict] = {}
-        self.counters.update(dict.fromkeys((
-            "ssd_hits", "ssd_tokens", "ssd_restore_failures", "demotions", "writes_queued",
-            "writes_committed", "writes_failed", "bytes_written", "inflight_queued", "inflight_replaced",
-            "dropped_unwritable", "writes_cancelled",
-        ), 0))
+        self.identities: dict[str, dict] = {}  # namespace -> the identity its files carry
+        self.counters.update(dict.fromkeys(COUNTERS, 0))
         self._failures: dict[tuple, tuple[float, int]] = {}  # (ns, tokens) -> (last failure, count)
         self._vanished: list[tuple] = []  # (ns, tokens) of files other processes deleted (any thread appends)
         self.write_error: str | None = None  # the latest write failure, until a write succeeds again
         self._error_kind: tuple | None = None
-        self.pins_source: Callable[[], dict] = dict  # name -> (ns, tokens) of the named records (set by the engine)
+        self.pins = CatalogPins(store)  # the engine sets pins.source: the named records
         self._rebuilds_seen = 0
         self._inflight_last = (0.0, 0.0)  # (when, seconds) of the last in-flight write applied
 
-    def _file_removed(self, ns: str, tokens: tuple) -> None:
-        self._vanished.append((ns, tokens))  # from any thread; applied in poll()
+    def file_removed(self, ns: str, tokens: tuple) -> None:
+        """Another process deleted a file (the store tells, from any thread); applied in poll()."""
+        self._vanished.append((ns, tokens))
 
-    # --- publication and persistence ---
+    # --- ResidencyRules (the RAM tier asks) ---
 
-    def put(self, checkpoint: Checkpoint, ns: str, *, evict: bool = True, defer_write: bool = False, **kw):
-        """Publish in RAM (see PromptCache.put); with write-behind, queue its persistence.
-
-        defer_write leaves the entry dirty until `queue_dirty()`: a prompt
-        snapshot that the generation's final checkpoint supersedes a moment
-        later is then never written at all.
-        """
-        entry = super().put(checkpoint, ns, evict=False, **kw)
-        if entry is not None and entry.write_state is None:  # (an oversized put queued its one write already)
-            entry.write_state = WriteState.NONE if self.store is None else WriteState.DIRTY
-            if self.store is not None and self.write_behind and not defer_write:
-                self._queue_write(entry)
-        if evict:
-            self.enforce_budget()
-        return entry
-
-    def queue_dirty(self) -> None:
-        """Queue persistence of every dirty entry (write-behind)."""
-        if self.write_behind and self.store is not None:
-            for e in self.entries():
-                if e.write_state == WriteState.DIRTY:
-                    self._queue_write(e)
-
-    def _queue_write(self, entry: Entry) -> None:
-        if entry.write_state in (WriteState.PENDING, WriteState.COMMITTED) or entry.ns not in self.identities:
-            return
-        if self.store is None:
-            return
-        job = WriteJob.from_checkpoint(entry.checkpoint, entry.ns, self.identities[entry.ns], key=(entry.ns, entry.tokens))
-        self.writer.submit(job)
-        entry.write_state = WriteState.PENDING
-        self.counters["writes_queued"] += 1
-        self._emit("write_queued", ns=entry.ns, tokens=len(entry.tokens), nbytes=entry.nbytes)
-
-    def _may_supersede(self, ancestor: Entry, by: Entry) -> bool:
-        """A longer checkpoint that serves this one replaces it: its write, if still
-        queued, is dropped (the successor's file will cover it), so a growing chat
-        neither writes every turn nor holds every turn's buffers in the queue."""
-        if ancestor.write_state == WriteState.PENDING and self.writer.cancel((ancestor.ns, ancestor.tokens)):
-            self.counters["writes_cancelled"] += 1
-        return True
-
-    def _retry_due(self, entry: Entry) -> bool:
-        at, count = self._failures.get((entry.ns, entry.tokens), (0.0, 0))
-        return time.monotonic() - at > min(RETRY_FAILED_AFTER_S * 2 ** max(count - 1, 0), RETRY_MAX_S)
-
-    def _may_drop(self, entry: Entry, reason: str) -> bool:
+    def may_drop(self, entry: Entry, reason: str) -> bool:
         if self.store is None:
             return not entry.pinned
         if self.store.has_durable_prefix(entry.tokens, entry.ns):
@@ -133,9 +91,91 @@ class Durability(PromptCache):
                            error=entry.write_error)
                 return True
             return False
-        if entry.write_state in _UNWRITTEN:
+        if entry.write_state in UNWRITTEN:
             self._queue_write(entry)
         return False
+
+    def may_supersede(self, ancestor: Entry, by: Entry) -> bool:
+        """A longer checkpoint that serves this one replaces it: its write, if still
+        queued, is dropped (the successor's file will cover it), so a growing chat
+        neither writes every turn nor holds every turn's buffers in the queue."""
+        if ancestor.write_state == WriteState.PENDING and self.writer.cancel((ancestor.ns, ancestor.tokens)):
+            self.counters["writes_cancelled"] += 1
+        return True
+
+    def may_move(self, entry: Entry, n: int) -> bool:
+        """An entry whose write is queued or being written: a borrower extending all of it
+        writes a successor that covers it, and one rerunning its prompt replaces its old
+        answer, so that write is dropped (or stopped at its next pause point, a few ms) and
+        the buffers move: no copy of the prefix, whether the last write finished or not."""
+        if entry.write_state != WriteState.PENDING:
+            return True
+        key = (entry.ns, entry.tokens)
+        if self.writer.cancel(key):
+            self.counters["writes_cancelled"] += 1
+            entry.write_state = WriteState.DIRTY
+            return True
+        if not self.writer.abort(key, ABORT_WAIT_S):
+            return False  # still writing (a slow disk): lend views
+        self.drain_completions()  # committed after all, or given up (dirty); its views are released here
+        return True
+
+    def tail_expendable(self, entry: Entry) -> bool:
+        # With SSD on, only a durable entry's tail may leave RAM (a restore away), or one
+        # whose write is still queued (dropped by may_move: the rerun replaces it).
+        return (self.store is None or entry.write_state == WriteState.PENDING
+                or self.store.has_durable_prefix(entry.tokens, entry.ns))
+
+    def extra_bytes(self) -> int:
+        """In-flight checkpoints waiting for the disk: they count against the RAM budget."""
+        return self.writer.pending(urgent_only=True)[1] if self.writer is not None else 0
+
+    def freed(self) -> None:
+        """Give buffers freed by evictions back to the system instead of MLX's allocator cache:
+        memory the cache let go should show in the process's RSS."""
+        import mlx.core as mx
+
+        mx.clear_cache()
+
+    # --- publication and persistence ---
+
+    def published(self, entry: Entry, defer_write: bool = False) -> None:
+        """A new RAM entry: dirty, and with write-behind its write queued (defer_write: left dirty
+        until `queue_dirty()`, so a prompt snapshot the final checkpoint supersedes a moment later
+        is never written at all)."""
+        if entry.write_state is None:  # (an oversized put queued its one write already)
+            entry.write_state = WriteState.NONE if self.store is None else WriteState.DIRTY
+            if self.store is not None and self.write_behind and not defer_write:
+                self._queue_write(entry)
+
+    def restored(self, entry: Entry) -> None:
+        """An entry read back from SSD or the remote tier: committed if a local file holds it."""
+        entry.restored = True
+        durable = self.store is not None and self.store.contains(entry.tokens, entry.ns)
+        entry.write_state = WriteState.COMMITTED if durable else WriteState.DIRTY if self.store else WriteState.NONE
+
+    def queue_dirty(self) -> None:
+        """Queue persistence of every dirty entry (write-behind)."""
+        if self.write_behind and self.store is not None:
+            for e in self.ram.entries():
+                if e.write_state == WriteState.DIRTY:
+                    self._queue_write(e)
+
+    def _queue_write(self, entry: Entry) -> None:
+        if entry.write_state in (WriteState.PENDING, WriteState.COMMITTED) or entry.ns not in self.identities:
+            return
+        if self.store is None:
+            return
+        job = WriteJob.from_checkpoint(entry.checkpoint, entry.ns, self.identities[entry.ns],
+                                       key=(entry.ns, entry.tokens))
+        self.writer.submit(job)
+        entry.write_state = WriteState.PENDING
+        self.counters["writes_queued"] += 1
+        self._emit("write_queued", ns=entry.ns, tokens=len(entry.tokens), nbytes=entry.nbytes)
+
+    def _retry_due(self, entry: Entry) -> bool:
+        at, count = self._failures.get((entry.ns, entry.tokens), (0.0, 0))
+        return time.monotonic() - at > min(RETRY_FAILED_AFTER_S * 2 ** max(count - 1, 0), RETRY_MAX_S)
 
     def persist(self, entry: Entry, timeout: float | None = None) -> bool:
         """Make exactly this entry durable now (named checkpoints); True when committed."""
@@ -196,37 +236,6 @@ class Durability(PromptCache):
         rest = self._inflight_last[1] * (1 / INFLIGHT_DUTY - 1)
         return time.monotonic() - self._inflight_last[0] < rest
 
-    def enforce_budget(self) -> None:
-        gone = self.counters["evictions"] + self.counters["oversized"] + self.counters["demotions"]
-        super().enforce_budget()
-        if self.counters["evictions"] + self.counters["oversized"] + self.counters["demotions"] != gone:
-            _release_freed()
-
-    def reclaim(self, nbytes: int, reason: str = "pressure") -> int:
-        """Let entries go, least valuable first, until `nbytes` are freed (memory pressure).
-
-        Unlike the byte budget this goes past an entry that must stay (its write
-        is queued instead): the machine needs memory now. Returns the bytes freed.
-        """
-        freed = 0
-        for e in self.victims():
-            if freed >= nbytes:
-                break
-            if not e.borrowers and self._may_drop(e, reason):
-                self._remove(e)
-                self.retention.evicted(e)
-                self.counters["evictions"] += 1
-                freed += e.nbytes
-                self._emit("evict", ns=e.ns, tokens=len(e.tokens), nbytes=e.nbytes, reason=reason)
-        if freed:
-            _release_freed()
-        return freed
-
-    def over_budget(self) -> bool:
-        """RAM entries plus in-flight checkpoints waiting for the disk, against the budget."""
-        inflight = self.writer.pending(urgent_only=True)[1] if self.writer is not None else 0
-        return self.budget_bytes is not None and self.used_bytes + inflight > self.budget_bytes
-
     # --- the owner thread's turn ---
 
     def poll(self) -> None:
@@ -238,15 +247,15 @@ class Durability(PromptCache):
         self.store.sync()
         if self.store.rebuilds != self._rebuilds_seen:  # a rebuilt catalogue lost its pins: from the records
             self._rebuilds_seen = self.store.rebuilds
-            self.sync_pins()
+            self.pins.sync()
         while self._vanished:
             self._uncovered(*self._vanished.pop())
         self.queue_dirty()
-        for e in self.entries():
+        for e in self.ram.entries():
             if e.write_state == WriteState.FAILED and self._retry_due(e):
                 self._queue_write(e)
         self._demote_idle()
-        self.enforce_budget()
+        self.ram.enforce_budget()
         self.store.catalog.pending = self.writer.pending()  # the catalogue's keeper records it
 
     def _completed(self, done) -> None:
@@ -256,8 +265,8 @@ class Durability(PromptCache):
                        tokens=done.tokens, error=None if done.ok else str(done.error))
             return
         ns, tokens = done.key
-        entry = self.get_exact(tokens, ns)
-        if isinstance(done.error, WriteCancelled):  # given up for a borrower (tiered._may_move): not a failure
+        entry = self.ram.get_exact(tokens, ns)
+        if isinstance(done.error, WriteCancelled):  # given up for a borrower (may_move): not a failure
             self.counters["writes_cancelled"] += 1
             if entry is not None and entry.write_state == WriteState.PENDING:
                 entry.write_state = WriteState.DIRTY
@@ -283,7 +292,7 @@ class Durability(PromptCache):
 
     def _uncovered(self, ns: str, tokens: tuple) -> None:
         """A file is gone: entries it made durable are dirty again, unless another file covers them."""
-        for e in self.entries(ns):
+        for e in self.ram.entries(ns):
             if (e.write_state == WriteState.COMMITTED and len(e.tokens) <= len(tokens)
                     and tokens[: len(e.tokens)] == e.tokens and not self.store.has_durable_prefix(e.tokens, ns)):
                 e.write_state = WriteState.DIRTY
@@ -292,9 +301,9 @@ class Durability(PromptCache):
         if self.idle_demote_s is None or self.store is None:
             return
         cutoff = time.time() - self.idle_demote_s
-        for e in self.entries():
-            if e.last_used_time < cutoff and not e.borrowers and not e.pinned and self._may_drop(e, "idle"):
-                self._remove(e)
+        for e in self.ram.entries():
+            if e.last_used_time < cutoff and not e.borrowers and not e.pinned and self.may_drop(e, "idle"):
+                self.ram.forget(e)
 
     def flush(self, timeout: float | None = None) -> dict:
         """Persist every dirty or failed entry and wait; report what is durable."""
@@ -303,14 +312,14 @@ class Durability(PromptCache):
         t0 = time.perf_counter()
         committed_before = self.counters["writes_committed"]
         self.poll()
-        for e in self.entries():
-            if e.write_state in _UNWRITTEN:
+        for e in self.ram.entries():
+            if e.write_state in UNWRITTEN:
                 self._queue_write(e)
         failed_before = self.counters["writes_failed"]
         self._wait_writes(timeout)
         self.poll()
         failed = [{"tokens": len(e.tokens), "error": e.write_error}
-                  for e in self.entries() if e.write_state == WriteState.FAILED]
+                  for e in self.ram.entries() if e.write_state == WriteState.FAILED]
         report = {
             "committed": self.counters["writes_committed"] - committed_before,
             "failed": failed,
@@ -331,6 +340,25 @@ class Durability(PromptCache):
         pending = self.writer.pending()[0]
         return {"committed": max(before - pending, 0), "pending": pending}
 
+    def stats(self) -> dict:
+        pending_count, pending_bytes = self.writer.pending() if self.writer else (0, 0)
+        in_progress = self.writer.in_progress if self.writer else None
+        entries = self.ram.entries()
+        dirty = [e for e in entries if e.write_state == WriteState.DIRTY]
+        failed = [e for e in entries if e.write_state == WriteState.FAILED]
+        return {
+            "write_behind": self.write_behind,
+            "pending_writes": pending_count,
+            "pending_write_bytes": pending_bytes,
+            "write_in_progress_bytes": in_progress[0] if in_progress else 0,
+            "write_in_progress_total": in_progress[1] if in_progress else 0,
+            "dirty_entries": len(dirty),
+            "dirty_bytes": sum(e.nbytes for e in dirty),
+            "failed_entries": len(failed),
+            "failed_bytes": sum(e.nbytes for e in failed),
+            "write_error": self.write_error,
+        }
+
     # --- pins (named checkpoints) ---
 
     def pin(self, entry: Entry, name: str) -> bool:
@@ -338,44 +366,16 @@ class Durability(PromptCache):
         entry.pinned.add(name)
         if self.store is None:
             return True
-        self._set_pin(name, entry.ns, token_key(entry.tokens))
+        self.pins.set(name, entry.ns, entry.tokens)
         if self.persist(entry) or (self.store.catalog.late and entry.write_state == WriteState.PENDING):
             return True  # (late: pinned in RAM, its write queued for when the catalogue is free)
         entry.pinned.discard(name)
-        self._set_pin(name, None, None)
+        self.pins.set(name, None, None)
         return False
 
     def unpin(self, ns: str, tokens: Sequence[int], name: str) -> None:
-        entry = self.get_exact(tokens, ns)
+        entry = self.ram.get_exact(tokens, ns)
         if entry is not None:
             entry.pinned.discard(name)
         if self.store is not None:
-            self._set_pin(name, None, None)
-
-    def _set_pin(self, name: str, ns: str | None, key: str | None) -> None:
-        """One pin now; with the catalogue busy, all of them from the records once it is free."""
-        try:
-            self.store.catalog.set_pin(name, ns, key)
-        except CatalogBusy:
-            self.store.catalog.later(self._sync_pins_now)
-
-    def sync_pins(self) -> None:
-        """Make the catalogue's pins exactly the named records (`pins_source`), in one
-        transaction; with the catalogue busy, once it is free (the keeper)."""
-        if self.store is None:
-            return
-        try:
-            self._sync_pins_now()
-        except CatalogBusy:
-            self.store.catalog.later(self._sync_pins_now)
-
-    def _sync_pins_now(self) -> None:
-        self.store.catalog.replace_pins({n: (ns, token_key(t)) for n, (ns, t) in self.pins_source().items()})
-
-
-def _release_freed() -> None:
-    """Give buffers freed by evictions back to the system instead of MLX's allocator cache:
-    memory the cache let go should show in the process's RSS."""
-    import mlx.core as mx
-
-    mx.clear_cache()
+            self.pins.set(name, None, None)

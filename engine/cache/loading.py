@@ -1,5 +1,5 @@
-"""Bringing SSD checkpoints back into RAM: at once for a lookup that needs one,
-in the background for prefetches, named checkpoints and sessions.
+"""The loading part of the tiered cache: SSD checkpoints back into RAM, at once for a
+lookup that needs one, in the background for prefetches, named checkpoints and sessions.
 
 Every read is a `ReadJob` (prefetch.py). The reader thread does the I/O;
 opening, allocating, building and adopting run on the owner thread, here.
@@ -28,11 +28,14 @@ from typing import Callable, Sequence
 
 from ..kv.checkpoint import Checkpoint
 from ..kv.tokens import as_token_array, common_prefix_len
+from ..memory import PressureGuard
+from .gate import GenerationGate
 from .prefetch import BackgroundReader, ReadJob, choose
-from .ram import Entry
+from .entry import Entry
+from .ram import RamTier
 from .ssd.index import IndexEntry
 from .ssd.restore import Restore
-from .ssd.store import CheckpointUnavailable
+from .ssd.store import CheckpointStore, CheckpointUnavailable
 
 # Reading and verifying a file costs more than prefilling a handful of tokens.
 MIN_RESTORE_TOKENS = 16
@@ -40,19 +43,20 @@ WAIT_READ_S = 30.0  # a lookup waits this long at most for a read in progress (t
 
 
 class Loading:
-    """Mixed into TieredPromptCache (which provides the RAM tier, `store` and `pressure`)."""
-
-    reader: BackgroundReader | None = None
-
-    def _init_loading(self, prefetch_budget_bytes: int | None) -> None:
+    def __init__(self, ram: RamTier, store: CheckpointStore | None, *, gate: GenerationGate, counters: dict,
+                 emit: Callable[..., object], adopt: Callable[[Checkpoint, str], Entry],
+                 pressure: Callable[[], PressureGuard | None], prefetch_budget_bytes: int | None):
+        """adopt(checkpoint, namespace): publish a finished read in RAM (the tiered cache's);
+        pressure(): the engine's memory guard, once it has one."""
+        self.ram, self.store, self.counters, self._emit = ram, store, counters, emit
+        self.adopt, self._pressure = adopt, pressure
         self.prefetch_budget_bytes = prefetch_budget_bytes
         self.counters.update(dict.fromkeys((
             "prefetches_started", "prefetches_completed", "prefetches_failed", "prefetches_dropped",
             "prefetch_bytes", "prefetch_waits", "prefetch_wait_seconds",
         ), 0))
         self.counters["prefetch_wait_seconds"] = 0.0
-        if self.store is not None:
-            self.reader = BackgroundReader(self._open_job, gate=self.gate)
+        self.reader = BackgroundReader(self._open_job, gate=gate) if store is not None else None
 
     # --- what to read ---
 
@@ -63,13 +67,13 @@ class Loading:
         room = self._room()
         if self.prefetch_budget_bytes is not None:
             return max(0, min(self.prefetch_budget_bytes, room))
-        if self.budget_bytes is not None:
-            return max(0, min(self.budget_bytes // 4, room))
+        if self.ram.budget_bytes is not None:
+            return max(0, min(self.ram.budget_bytes // 4, room))
         r = self._memory()
         return max(0, min(r.may_use // 4, room)) if r is not None else 0
 
     def _memory(self):
-        guard = self.pressure
+        guard = self._pressure()
         if guard is None:
             return None
         guard.last = guard.reader()
@@ -78,9 +82,9 @@ class Loading:
     def _room(self, reading: bool = True) -> int:
         """Bytes RAM can take without evicting anything (or passing the low-water mark)."""
         busy = self.reader.pending()[1] if reading and self.reader is not None else 0
-        if self.budget_bytes is not None:
-            return self.budget_bytes - self.used_bytes - busy
-        guard = self.pressure
+        if self.ram.budget_bytes is not None:
+            return self.ram.budget_bytes - self.ram.used_bytes - busy
+        guard = self._pressure()
         r = guard.last if guard is not None else None
         if r is None:
             return 1 << 62
@@ -88,11 +92,11 @@ class Loading:
 
     def _resident(self, tokens: tuple, ns: str) -> bool:
         """Whether a RAM entry serves exactly `tokens` (itself, or a longer one that can be cut)."""
-        if self.get_exact(tokens, ns) is not None:
+        if self.ram.get_exact(tokens, ns) is not None:
             return True
         arr, n = as_token_array(tokens), len(tokens)
         return any(len(e.tokens) > n and e.checkpoint.can_serve(n) and common_prefix_len(e.token_array, arr) >= n
-                   for e in self.entries(ns))
+                   for e in self.ram.entries(ns))
 
     def prefetch(self, ns: str) -> dict:
         """Queue the namespace's most recently used SSD checkpoints for reading into RAM."""
@@ -118,9 +122,9 @@ class Loading:
         """
         tokens = tuple(tokens)
         if exact:
-            entry, n = self.get_exact(tokens, ns), len(tokens)
+            entry, n = self.ram.get_exact(tokens, ns), len(tokens)
         else:
-            entry, n = self.best(tokens, ns)
+            entry, n = self.ram.best(tokens, ns)
         if entry is not None and then is not None:
             then(entry)
         if self.store is None:
@@ -222,11 +226,12 @@ class Loading:
         self._emit("prefetched", ns=entry.ns, tokens=len(entry.tokens), nbytes=cp.nbytes, kind=job.kind)
         return entry
 
-    def _collect_reads(self, prepare: bool) -> None:
+    def collect(self, prepare: bool) -> None:
         """Adopt finished background reads (owner); with prepare, allocate the next ones."""
         if self.reader is None:
             return
-        if self.pressure is not None and self.pressure.active:  # memory is short: no speculative reads
+        guard = self._pressure()
+        if guard is not None and guard.active:  # memory is short: no speculative reads
             for job in self.reader.drop(lambda j: j.kind != "prefetch"):
                 job.error = "skipped: memory pressure"
                 self._close_job(job)
@@ -243,7 +248,7 @@ class Loading:
             self.adopt_job(job, cp)
             adopted = True
         if adopted:
-            self.enforce_budget()
+            self.ram.enforce_budget()
         if prepare:
             self.reader.prepare()
 
@@ -269,8 +274,8 @@ class Loading:
             left = WAIT_READ_S if deadline is None else deadline - time.monotonic()
             if left <= 0 or not self.reader.wait(jobs[0], left):
                 return False
-            self._collect_reads(prepare=False)
-        self._collect_reads(prepare=False)  # what finished last
+            self.collect(prepare=False)
+        self.collect(prepare=False)  # what finished last
         return True
 
     def cancel_reads(self) -> None:
@@ -289,7 +294,7 @@ class Loading:
             for job in self.reader.close():
                 self._close_job(job)
 
-    def loading_stats(self) -> dict:
+    def stats(self) -> dict:
         jobs = self.reader.jobs() if self.reader is not None else []
         return {
             "prefetches_in_progress": len(jobs),

@@ -3,97 +3,87 @@
 take() finds the entry with the longest usable common prefix and lends
 zero-copy views of it (the donor stays); put() publishes a finished
 checkpoint, replacing exact duplicates, superseding strict prefix ancestors
-when the new entry can serve them, and evicting least recently used entries
-under a byte budget. Subclasses decide whether a victim may leave RAM yet
-(`_may_drop`), which is how the tiered cache persists before it demotes.
+when the new entry can serve them, and evicting under a byte budget in the
+retention policy's order (retention.py). Whether an entry may leave RAM, be
+superseded or hand its buffers over is asked of its `ResidencyRules`: RAM
+alone (`RamOnly`), or the durability part of the tiered cache, which
+persists before it demotes (durability.py).
 """
 
 from __future__ import annotations
 
-import itertools
-import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
-
-import numpy as np
+from typing import Callable, Protocol, Sequence
 
 from ..kv.checkpoint import Checkpoint
 from ..kv.tokens import as_token_array, common_prefix_len
-from .retention import LRU
+from .entry import Entry, Loan, usable_length
+from .retention import LRU, RetentionPolicy
 
 
-def usable_length(checkpoint: Checkpoint, token_array: np.ndarray, prompt: np.ndarray) -> int:
-    """How many prompt tokens this checkpoint can serve (0 if none).
+class ResidencyRules(Protocol):
+    """What the RAM tier asks the tier below it before an entry leaves RAM or changes hands."""
 
-    Capped at len(prompt) - 1 so at least one token is forwarded to get
-    logits; a shorter match on a longer entry needs a trimmable entry.
-    """
-    n = min(common_prefix_len(token_array, prompt), len(prompt) - 1)
-    return n if n > 0 and checkpoint.can_serve(n) else 0
+    def may_drop(self, entry: Entry, reason: str) -> bool:
+        """Whether `entry` may leave RAM now ("budget", "oversized", "pressure", "idle"...): with an SSD
+        tier only once a committed file covers it (otherwise a write is queued and it stays)."""
 
+    def may_supersede(self, ancestor: Entry, by: Entry) -> bool:
+        """Whether a longer checkpoint that serves `ancestor` may replace it."""
 
-_clock = itertools.count(1)
+    def may_move(self, entry: Entry, n: int) -> bool:
+        """Whether `entry`'s buffers may go to a borrower of its first n tokens (the RAM tier has
+        already checked that nobody else holds them)."""
 
+    def tail_expendable(self, entry: Entry) -> bool:
+        """Whether the positions past a rerun's prompt may leave RAM with a hand-over."""
 
-@dataclass(eq=False)
-class Entry:
-    ns: str
-    checkpoint: Checkpoint
-    token_array: np.ndarray
-    last_used: int = field(default_factory=lambda: next(_clock))
-    last_used_time: float = field(default_factory=time.time)
-    borrowers: int = 0
-    pinned: set = field(default_factory=set)  # names of checkpoints that pin it
-    sessions: set = field(default_factory=set)
-    write_state: Any = None  # set and read by the tier above (tiered.WriteState); the RAM tier ignores it
-    write_error: str | None = None
-    hits: int = 0
-    score: float = 0.0  # kept by the retention policy
-    prompt_tokens: int | None = None  # a generation's final state: how much of it was the prompt
-    restored: bool = False  # read back from SSD (durable; where its prompt ended is not known)
+    def extra_bytes(self) -> int:
+        """Bytes held outside RAM entries that count against the budget (checkpoints waiting for the disk)."""
 
-    @property
-    def tokens(self) -> tuple:
-        return self.checkpoint.tokens
-
-    @property
-    def nbytes(self) -> int:
-        return self.checkpoint.nbytes
-
-    def touch(self) -> None:
-        self.last_used = next(_clock)
-        self.last_used_time = time.time()
+    def freed(self) -> None:
+        """Entries left RAM: give their memory back."""
 
 
-class Loan:
-    """A borrower's share of an entry: fresh cache objects over views."""
+class RamOnly:
+    """The rules without a tier below: only a name keeps an entry in RAM."""
 
-    def __init__(
-        self, entry: Entry, length: int, source: str, release: Callable[[Entry], None], caches: list | None = None
-    ):
-        self.entry = entry
-        self.length = length
-        self.source = source  # "ram" | "ssd"
-        self.caches = entry.checkpoint.lend(length) if caches is None else caches
-        self._release = release
+    def may_drop(self, entry: Entry, reason: str) -> bool:
+        return not entry.pinned
 
-    def release(self) -> None:
-        if self._release is not None:
-            self._release(self.entry)
-            self._release = None
-            self.caches = None
+    def may_supersede(self, ancestor: Entry, by: Entry) -> bool:
+        return True
+
+    def may_move(self, entry: Entry, n: int) -> bool:
+        return True
+
+    def tail_expendable(self, entry: Entry) -> bool:
+        return True  # the tail is a cached old answer, nothing else has it either way
+
+    def extra_bytes(self) -> int:
+        return 0
+
+    def freed(self) -> None:
+        pass
 
 
-class PromptCache:
-    def __init__(self, budget_bytes: int | None, emit: Callable[..., object] | None = None, retention=None):
+RAM_COUNTERS = ("hits", "misses", "evictions", "supersessions", "oversized", "handovers")
+
+
+class RamTier:
+    def __init__(self, budget_bytes: int | None, emit: Callable[..., object] | None = None,
+                 retention: RetentionPolicy | None = None, rules: ResidencyRules | None = None,
+                 counters: dict | None = None):
+        """counters: the dict the tiered cache's parts share (stats); this tier adds its own keys."""
         self.budget_bytes = budget_bytes
         self.retention = retention or LRU()
+        self.rules = rules or RamOnly()
         self._emit = emit or (lambda *a, **k: None)
         self._entries: dict[tuple, Entry] = {}  # (ns, tokens) -> entry
         self._sessions: dict[tuple, Entry] = {}  # (ns, session) -> latest entry
         self._held: dict[int, list] = {}  # id(buffer) -> [buffer, entries holding it]: shared buffers count once
         self.used_bytes = 0
-        self.counters = {"hits": 0, "misses": 0, "evictions": 0, "supersessions": 0, "oversized": 0, "handovers": 0}
+        self.counters = counters if counters is not None else {}
+        self.counters.update(dict.fromkeys(RAM_COUNTERS, 0))
 
     # --- lookup ---
 
@@ -129,9 +119,9 @@ class PromptCache:
 
     def take(self, prompt: Sequence[int], ns: str, session: str | None = None, move: bool = False) -> Loan | None:
         entry, n = self.best(prompt, ns, session)
-        return self._serve(entry, n, prompt, ns, move)
+        return self.serve(entry, n, prompt, ns, move)
 
-    def _serve(self, entry: Entry | None, n: int, prompt: Sequence[int], ns: str, move: bool) -> Loan | None:
+    def serve(self, entry: Entry | None, n: int, prompt: Sequence[int], ns: str, move: bool) -> Loan | None:
         """Count a RAM hit or a miss; lend on a hit."""
         if entry is None:
             self.counters["misses"] += 1
@@ -162,31 +152,29 @@ class PromptCache:
         return Loan(entry, n, source, self._return)
 
     def _may_move(self, entry: Entry, n: int) -> bool:
-        """Whether an entry hands its buffers to this borrower (nobody else holds them).
+        """Whether an entry hands its buffers to this borrower (nobody else holds them, and its rules agree).
 
         Yes when the borrower extends all of it: its final checkpoint then
         supersedes the entry. Also when it reuses the entry's whole prompt (a
         rerun of the same cell: the tail is the old generated text, which the
         rerun replaces) and losing that tail from RAM costs little
-        (`_tail_expendable`). Never for a shared prefix alone (several
+        (`rules.tail_expendable`). Never for a shared prefix alone (several
         questions about one document): the other question's state stays.
         An entry just read back from SSD (`restored`) hands over to any
         borrower: it is durable, so losing it from RAM costs a restore at most.
         """
         if not entry.checkpoint.can_hand_over or entry.borrowers or entry.pinned:
             return False
-        if n == len(entry.tokens):
-            return True
-        reruns_prompt = entry.prompt_tokens is not None and n >= entry.prompt_tokens - 1
-        return (reruns_prompt or entry.restored) and self._tail_expendable(entry)
+        if n != len(entry.tokens):
+            reruns_prompt = entry.prompt_tokens is not None and n >= entry.prompt_tokens - 1
+            if not ((reruns_prompt or entry.restored) and self.rules.tail_expendable(entry)):
+                return False
+        return self.rules.may_move(entry, n)
 
     def _exclusive(self, entry: Entry) -> bool:
         """Whether no other entry shares this one's buffers (a borrower taking its place may
         then append into them in place; MLX would copy a shared one)."""
         return all(self._held.get(id(b), (b, 0))[1] <= 1 for b in entry.checkpoint.buffers())
-
-    def _tail_expendable(self, entry: Entry) -> bool:
-        return True  # RAM only: the tail is a cached old answer, nothing else has it either way
 
     def _return(self, entry: Entry) -> None:
         entry.borrowers = max(0, entry.borrowers - 1)
@@ -213,7 +201,7 @@ class PromptCache:
         if old is not None:  # exact duplicate: replaced, keeping its references
             entry.pinned, entry.sessions = old.pinned, old.sessions
             self._remove(old)
-        if self._oversized(entry) and self._may_drop(entry, "oversized"):
+        if self._oversized(entry) and self.rules.may_drop(entry, "oversized"):
             self.counters["oversized"] += 1
             self._emit("evict", ns=ns, tokens=len(entry.tokens), nbytes=entry.nbytes, reason="oversized")
             return None
@@ -236,7 +224,7 @@ class PromptCache:
                 and not e.pinned
                 and cp.can_serve(len(e.tokens))
                 and common_prefix_len(e.token_array, entry.token_array) == len(e.tokens)
-                and self._may_supersede(e, entry)
+                and self.rules.may_supersede(e, entry)
             ):
                 entry.sessions |= e.sessions
                 self._remove(e)
@@ -254,6 +242,7 @@ class PromptCache:
         if self._entries.get((entry.ns, entry.tokens)) is entry:
             del self._entries[(entry.ns, entry.tokens)]
             self.used_bytes -= self._hold(entry, -1)
+            self.retention.removed(entry)
         for s in entry.sessions:
             if self._sessions.get((entry.ns, s)) is entry:
                 del self._sessions[(entry.ns, s)]
@@ -292,6 +281,10 @@ class PromptCache:
         self._remove(entry)
         self._emit("remove", ns=entry.ns, tokens=len(entry.tokens), nbytes=entry.nbytes, reason=reason)
 
+    def forget(self, entry: Entry) -> None:
+        """Leave RAM without an event (the caller reported why: an idle demotion, a hand-over)."""
+        self._remove(entry)
+
     # --- sessions ---
 
     def bind_session(self, session: str, entry: Entry) -> None:
@@ -322,7 +315,8 @@ class PromptCache:
         return self.budget_bytes is not None and entry.nbytes > self.budget_bytes
 
     def over_budget(self) -> bool:
-        return self.budget_bytes is not None and self.used_bytes > self.budget_bytes
+        """RAM entries, and what the rules count beside them, against the budget."""
+        return self.budget_bytes is not None and self.used_bytes + self.rules.extra_bytes() > self.budget_bytes
 
     def enforce_budget(self) -> None:
         """Evict in `victims()` order while over budget. A victim that may not leave yet
@@ -330,28 +324,42 @@ class PromptCache:
         and no hotter entry is evicted in its place."""
         if not self.over_budget():
             return
+        freed = False
         for victim in self.victims():
             if not self.over_budget():
                 break
             oversized = self._oversized(victim)
-            if not self._may_drop(victim, "oversized" if oversized else "budget"):
+            if not self.rules.may_drop(victim, "oversized" if oversized else "budget"):
                 if victim.pinned:
                     continue  # pinned entries come last; one that must stay blocks nothing
                 break
-            self._remove(victim)
-            self.retention.evicted(victim)
-            self.counters["oversized" if oversized else "evictions"] += 1
-            self._emit("evict", ns=victim.ns, tokens=len(victim.tokens), nbytes=victim.nbytes,
-                       reason="oversized" if oversized else "budget")
+            self._evict(victim, "oversized" if oversized else "budget")
+            freed = True
+        if freed:
+            self.rules.freed()
 
-    # --- hooks for the tiered cache ---
+    def reclaim(self, nbytes: int, reason: str = "pressure") -> int:
+        """Let entries go, least valuable first, until `nbytes` are freed (memory pressure).
 
-    def _may_drop(self, entry: Entry, reason: str) -> bool:
-        """Whether `entry` may leave RAM now (RAM-only: unless a name pins it)."""
-        return not entry.pinned
+        Unlike the byte budget this goes past an entry that must stay (its write
+        is queued instead): the machine needs memory now. Returns the bytes freed.
+        """
+        freed = 0
+        for e in self.victims():
+            if freed >= nbytes:
+                break
+            if not e.borrowers and self.rules.may_drop(e, reason):
+                self._evict(e, reason)
+                freed += e.nbytes
+        if freed:
+            self.rules.freed()
+        return freed
 
-    def _may_supersede(self, ancestor: Entry, by: Entry) -> bool:
-        return True
+    def _evict(self, entry: Entry, reason: str) -> None:
+        self.retention.evicted(entry)
+        self._remove(entry)
+        self.counters["oversized" if reason == "oversized" else "evictions"] += 1
+        self._emit("evict", ns=entry.ns, tokens=len(entry.tokens), nbytes=entry.nbytes, reason=reason)
 
     def clear(self) -> None:
         for e in list(self._entries.values()):

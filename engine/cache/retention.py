@@ -1,7 +1,8 @@
 """Which RAM entry leaves first: retention policies for the RAM tier.
 
-A policy gives each entry a sort key (lowest leaves first) and hears about
-insertions, hits and evictions. The RAM tier applies it within its fixed
+A policy (`RetentionPolicy`) gives each entry a sort key (lowest leaves
+first) and hears about insertions, hits, evictions and removals; what it
+remembers about an entry it keeps itself (never on the entry). The RAM tier applies it within its fixed
 order (oversized first, entries no chat session references before those a
 session does, pinned last) and stops at the first victim that may not leave
 yet. The default was chosen by replaying recorded notebook traces
@@ -9,6 +10,27 @@ yet. The default was chosen by replaying recorded notebook traces
 """
 
 from __future__ import annotations
+
+from typing import Protocol
+
+
+class RetentionPolicy(Protocol):
+    name: str
+
+    def key(self, entry) -> float:
+        """Sort key: the lowest leaves RAM first."""
+
+    def inserted(self, entry) -> None:
+        """An entry was published."""
+
+    def hit(self, entry) -> None:
+        """An entry was lent to a borrower."""
+
+    def evicted(self, entry) -> None:
+        """An entry is about to leave RAM for lack of room (before `removed`)."""
+
+    def removed(self, entry) -> None:
+        """An entry left RAM (evicted, superseded, replaced or cleared): forget it."""
 
 
 class LRU:
@@ -26,6 +48,9 @@ class LRU:
         pass
 
     def evicted(self, e) -> None:
+        pass
+
+    def removed(self, e) -> None:
         pass
 
 
@@ -46,21 +71,26 @@ class CostAware:
 
     def __init__(self):
         self.inflation = 0.0
+        self.scores: dict[int, float] = {}  # id(entry) -> its priority, while it is in RAM
 
     def _score(self, e) -> None:
-        e.score = self.inflation + (e.hits + 1) * prefill_cost(len(e.tokens)) / max(e.nbytes, 1)
+        self.scores[id(e)] = self.inflation + (e.hits + 1) * prefill_cost(len(e.tokens)) / max(e.nbytes, 1)
 
     def key(self, e) -> float:
-        return e.score
+        return self.scores.get(id(e), self.inflation)
 
     def inserted(self, e) -> None:
         self._score(e)
 
     def hit(self, e) -> None:
-        self._score(e)
+        if id(e) in self.scores:  # (an entry lent without being in RAM: nothing to remember)
+            self._score(e)
 
     def evicted(self, e) -> None:
-        self.inflation = max(self.inflation, e.score)
+        self.inflation = max(self.inflation, self.key(e))
+
+    def removed(self, e) -> None:
+        self.scores.pop(id(e), None)
 
 
 POLICIES = {"lru": LRU, "cost": CostAware}

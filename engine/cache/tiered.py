@@ -1,16 +1,26 @@
-"""The one cache generation sees: the RAM tier over the SSD tier.
+"""The one cache generation sees: the RAM tier over the SSD tier (over the remote tier).
+
+It holds its parts, each behind a short contract:
+
+- `ram` (ram.py): entries by exact token prefix, lending, supersession, the byte
+  budget; it asks its `ResidencyRules` before an entry leaves or moves.
+- `retention` (retention.py): which RAM entry leaves first; keeps its own state.
+- `durability` (durability.py): write states, persist-before-demotion, retries,
+  flush, pins, in-flight checkpoints; it is the RAM tier's rules.
+- `loading` (loading.py): reads back into RAM, at once or in the background.
+- `store` and `writer` (ssd/): the files and the background writer; `remote`
+  (remote/link.py): the shared tier, attached by the engine.
+
+What it does itself: the lookup across tiers and publication.
 
 - take(): the RAM tier's best prefix, unless the SSD index (no I/O) has a
   strictly longer usable one; that file is restored, verified and published
-  in RAM at once (sharing a background read of it: loading.py). Failing both,
-  a longer prefix in the remote tier (remote_link.py), if fetching it beats
-  prefilling, is fetched, verified, published in RAM and written through to SSD.
-- Background reads (prefetch after a model loads, named checkpoints,
-  sessions) run on the reader thread and are adopted in poll() (loading.py).
+  in RAM at once (sharing a background read of it). Failing both, a longer
+  prefix in the remote tier, if fetching it beats prefilling, is fetched,
+  verified, published in RAM and written through to SSD.
 - put(): publishes in RAM and, with write-behind on, queues persistence.
-- Persistence, write states, pins and flush: durability.py (the base class).
-- The writer yields while a generation runs (`generating()`), unless RAM
-  is over budget and waiting on writes (the rule lives in ssd/writer.py).
+- The writer and the reader yield while a generation runs (`generating()`),
+  unless RAM is over budget and waiting on writes (ssd/writer.py).
 
 This is the one owner of the SSD store and writer: the engine asks this
 class, never them.
@@ -27,82 +37,92 @@ from ..kv.tokens import as_token_array, common_prefix_len
 from .durability import Durability, WriteState
 from .gate import GenerationGate
 from .loading import MIN_RESTORE_TOKENS, Loading
-from .ram import Entry, Loan, usable_length
+from .entry import Entry, Loan, usable_length
+from .ram import RamTier
+from .remote.link import RemoteLink, remote_stats
+from .remote.tier import RemoteMiss
+from .retention import RetentionPolicy
 from .ssd.store import CheckpointStore
 from .ssd.writer import CheckpointWriter
-from .remote.tier import RemoteMiss
-from .remote.link import RemoteLink, remote_stats
-
-ABORT_WAIT_S = 0.05  # a rerun waits this long at most for the write it stops to reach a pause point
 
 
-class TieredPromptCache(Loading, Durability):
-    def __init__(
-        self,
-        *,
-        ram_budget_bytes: int | None,
-        ssd_dir: Path | None,
-        ssd_budget_bytes: int | None = None,
-        write_behind: bool = True,
-        idle_demote_s: float | None = None,
-        emit: Callable[..., object] | None = None,
-        retention=None,
-        prefetch_budget_bytes: int | None = None,
-    ):
-        super().__init__(ram_budget_bytes, emit, write_behind=write_behind, idle_demote_s=idle_demote_s,
-                         retention=retention)
+class TieredPromptCache:
+    def __init__(self, *, ram_budget_bytes: int | None, ssd_dir: Path | None, ssd_budget_bytes: int | None = None,
+                 write_behind: bool = True, idle_demote_s: float | None = None,
+                 emit: Callable[..., object] | None = None, retention: RetentionPolicy | None = None,
+                 prefetch_budget_bytes: int | None = None):
+        self.emit = emit or (lambda *a, **k: None)
+        self.counters: dict = {}  # every part's counters, for stats
         self.pressure = None  # the engine's PressureGuard (memory.py), checked at each lookup
         self.gate = GenerationGate()  # a generation runs: the writer and the reader yield
+        self.remote: RemoteLink | None = None  # set by the engine when a remote URL is configured
+        self.ram = RamTier(ram_budget_bytes, self.emit, retention, counters=self.counters)
         self.store: CheckpointStore | None = None
         self.writer: CheckpointWriter | None = None
-        self.remote: RemoteLink | None = None  # set by the engine when a remote URL is configured
+        self._removed_early: list = []  # files the store found gone before durability existed
         if ssd_dir is not None:
             self.store = CheckpointStore(Path(ssd_dir), ssd_budget_bytes=ssd_budget_bytes, on_event=self._store_event,
                                          on_removed=self._file_removed)
             self.writer = CheckpointWriter(self.store, under_pressure=self.under_pressure, gate=self.gate)
-        self._init_loading(prefetch_budget_bytes)
+        self.durability = Durability(self.ram, self.store, self.writer, counters=self.counters, emit=self.emit,
+                                     write_behind=write_behind, idle_demote_s=idle_demote_s)
+        self.ram.rules = self.durability
+        for ns, tokens in self._removed_early:
+            self.durability.file_removed(ns, tokens)
+        self.loading = Loading(self.ram, self.store, gate=self.gate, counters=self.counters, emit=self.emit,
+                               adopt=self.adopt, pressure=lambda: self.pressure,
+                               prefetch_budget_bytes=prefetch_budget_bytes)
 
     # --- wiring ---
 
+    @property
+    def retention(self) -> RetentionPolicy:
+        return self.ram.retention
+
+    @property
+    def identities(self) -> dict:
+        return self.durability.identities
+
     def register_namespace(self, ns: str, identity: dict, *, check: bool = True) -> None:
-        self.identities[ns] = dict(identity)
+        self.durability.identities[ns] = dict(identity)
         if self.store is not None:
             self.store.register_namespace(ns, identity, check=check)
 
+    def _file_removed(self, ns: str, tokens: tuple) -> None:
+        """Another process deleted a file (any thread): entries it covered are dirty again."""
+        durability = getattr(self, "durability", None)
+        (durability.file_removed if durability is not None else lambda *k: self._removed_early.append(k))(ns, tokens)
+
     def _store_event(self, event: dict) -> None:
         event = dict(event)
-        self._emit(event.pop("type", "store"), **event)
+        self.emit(event.pop("type", "store"), **event)
 
     def under_pressure(self) -> bool:
         """Over the RAM budget, or the machine's memory is short: writes must not wait."""
-        return self.over_budget() or bool(self.pressure and self.pressure.active)
+        return self.ram.over_budget() or bool(self.pressure and self.pressure.active)
 
     def generating(self):
         """Context for a running generation: the writer and the reader yield the cores."""
         return self.gate.generating()
 
     def poll(self, prepare: bool = False) -> None:
-        """Durability.poll, then adopt finished background reads; prepare=True also
-        allocates the next reads' buffers (between cells: not on a lookup's path, nor
-        in a flush at shutdown)."""
-        super().poll()
-        self._collect_reads(prepare)
+        """Apply writer completions and deletions elsewhere, then adopt finished background reads;
+        prepare=True also allocates the next reads' buffers (between cells: not on a lookup's
+        path, nor in a flush at shutdown)."""
+        self.durability.poll()
+        self.loading.collect(prepare)
 
     # --- lookup ---
 
-    def take(
-        self,
-        prompt: Sequence[int],
-        ns: str,
-        session: str | None = None,
-        progress: Callable[[str, int, int], None] | None = None,
-        move: bool = False,
-    ) -> Loan | None:
+    def take(self, prompt: Sequence[int], ns: str, session: str | None = None,
+             progress: Callable[[str, int, int], None] | None = None, move: bool = False) -> Loan | None:
+        """A loan of the longest usable cached prefix of `prompt` from any tier, or None (a miss).
+        move=True: an entry the borrower will supersede hands over its buffers (ram.py)."""
         self.poll()
         if self.pressure is not None:
             self.pressure.check("lookup")
         prompt = as_token_array(prompt)  # once: the RAM and SSD lookups both compare arrays
-        entry, n_ram = self.best(prompt, ns, session)
+        entry, n_ram = self.ram.best(prompt, ns, session)
         if self.store is not None:
             restored = self._restore_longer(prompt, ns, n_ram, progress, move)
             if restored is not None:
@@ -111,40 +131,38 @@ class TieredPromptCache(Loading, Durability):
             fetched = self._fetch_remote(prompt, ns, n_ram)
             if fetched is not None:
                 return fetched
-        return self._serve(entry, n_ram, prompt, ns, move)
+        return self.ram.serve(entry, n_ram, prompt, ns, move)
 
     def _fetch_remote(self, prompt, ns, n_ram) -> Loan | None:
         t0 = time.perf_counter()
         try:
             cp = self.remote.lookup(prompt, ns, n_ram)
         except RemoteMiss as e:
-            self._emit("restore_failed", ns=ns, source="remote", reason=str(e))
+            self.emit("restore_failed", ns=ns, source="remote", reason=str(e))
             return None
         if cp is None:
             return None
         entry = self.adopt(cp, ns)  # dirty: the write-through below stores its blocks locally
-        if self.store is not None and self.write_behind:
-            self.queue_dirty()
-        self._emit("hit", ns=ns, source="remote", tokens=len(cp), prompt_tokens=len(prompt), nbytes=cp.nbytes,
+        if self.store is not None and self.durability.write_behind:
+            self.durability.queue_dirty()
+        self.emit("hit", ns=ns, source="remote", tokens=len(cp), prompt_tokens=len(prompt), nbytes=cp.nbytes,
                    seconds=time.perf_counter() - t0)
-        loan = self.lend(entry, len(cp), "remote")
-        self.enforce_budget()
+        loan = self.ram.lend(entry, len(cp), "remote")
+        self.ram.enforce_budget()
         return loan
 
     def _restore_longer(self, prompt, ns, n_ram, progress, move) -> Loan | None:
-        prompt_array = as_token_array(prompt)
         for _ in range(3):  # a file found to have lost a block left the index: the next longest one
             handle = self.store.find(prompt, ns, min_len=max(MIN_RESTORE_TOKENS, n_ram + 1))
             if handle is None:
                 return None
-            handle_tokens = as_token_array(handle.tokens)
-            n = min(common_prefix_len(handle_tokens, prompt_array), len(prompt) - 1)
+            n = min(common_prefix_len(as_token_array(handle.tokens), prompt), len(prompt) - 1)
             if n <= n_ram or n < MIN_RESTORE_TOKENS:
                 return None
             t0 = time.perf_counter()
             if progress is not None:
                 progress("restore", 0, len(handle.tokens))
-            cp, job = self.read_now(handle)
+            cp, job = self.loading.read_now(handle)
             if cp is not None:
                 break
             if self.store.contains(handle.tokens, ns):  # still there: a passing failure, prefill this time
@@ -153,21 +171,60 @@ class TieredPromptCache(Loading, Durability):
             return None
         if progress is not None:
             progress("restore", len(handle.tokens), len(handle.tokens))
-        if usable_length(cp, as_token_array(cp.tokens), prompt_array) != n:  # untrimmable entry that needs a trim
-            self._emit("restore_skipped", ns=ns, tokens=len(cp.tokens), reason="untrimmable")
+        if usable_length(cp, as_token_array(cp.tokens), prompt) != n:  # untrimmable entry that needs a trim
+            self.emit("restore_skipped", ns=ns, tokens=len(cp.tokens), reason="untrimmable")
             if job.then:
-                self.adopt_job(job, cp)
+                self.loading.adopt_job(job, cp)
             return None
-        entry = self.adopt_job(job, cp)
+        entry = self.loading.adopt_job(job, cp)
         self.counters["ssd_hits"] += 1
         self.counters["ssd_tokens"] += n
-        self._emit(
-            "hit", ns=ns, source="ssd", tokens=n, prompt_tokens=len(prompt),
-            nbytes=cp.nbytes, seconds=time.perf_counter() - t0,
-        )
-        loan = self.lend(entry, n, "ssd", move)
-        self.enforce_budget()
+        self.emit("hit", ns=ns, source="ssd", tokens=n, prompt_tokens=len(prompt), nbytes=cp.nbytes,
+                   seconds=time.perf_counter() - t0)
+        loan = self.ram.lend(entry, n, "ssd", move)
+        self.ram.enforce_budget()
         return loan
+
+    def restore_exact(self, tokens: Sequence[int], ns: str) -> tuple[Entry | None, str | None]:
+        """The entry of exactly `tokens` and where it came from ("ram"|"ssd"), or (None, None)."""
+        tokens = tuple(tokens)
+        entry = self.ram.get_exact(tokens, ns)
+        if entry is not None or self.store is None:
+            return entry, ("ram" if entry is not None else None)
+        handle = self.store.find(tokens + (-1,), ns, min_len=len(tokens))  # sentinel: at most `tokens`
+        if handle is None or handle.match_len != len(tokens):
+            return None, None
+        cp, job = self.loading.read_now(handle)
+        if cp is None:
+            return None, None
+        self.counters["ssd_hits"] += 1
+        if job.exact is None:
+            job.exact = len(tokens)
+            cp = cp.prefix(len(tokens)) if len(cp.tokens) > len(tokens) else cp
+        return self.loading.adopt_job(job, cp), "ssd"
+
+    # --- publication ---
+
+    def put(self, checkpoint: Checkpoint, ns: str, *, evict: bool = True, defer_write: bool = False,
+            session: str | None = None, prompt_tokens: int | None = None) -> Entry | None:
+        """Publish in RAM (ram.py `put`); with write-behind, queue its persistence (defer_write:
+        not until `queue_dirty()`). Returns the entry, or None if it was not kept."""
+        entry = self.ram.put(checkpoint, ns, session=session, evict=False, prompt_tokens=prompt_tokens)
+        if entry is not None:
+            self.durability.published(entry, defer_write)
+        if evict:
+            self.ram.enforce_budget()
+        return entry
+
+    def adopt(self, cp: Checkpoint, ns: str) -> Entry:
+        """Publish a checkpoint read back from SSD or the remote tier: resident at once.
+
+        One larger than the whole RAM budget is not published; the returned
+        entry is then detached, good for this one borrower only.
+        """
+        entry = self.ram.put(cp, ns, evict=False) or Entry(ns, cp, as_token_array(cp.tokens))
+        self.durability.restored(entry)
+        return entry
 
     def publish_remote(self, tokens: Sequence[int], ns: str) -> None:
         """Publish a committed checkpoint now: it was just named (remote_publish=named)."""
@@ -176,63 +233,40 @@ class TieredPromptCache(Loading, Durability):
             if info is not None:
                 self.remote.published(info, self.store.blocks_root)
 
-    def _may_move(self, entry: Entry, n: int) -> bool:
-        if not super()._may_move(entry, n):
-            return False
-        if entry.write_state != WriteState.PENDING:
-            return True
-        # Its write is queued or being written. A borrower extending all of it
-        # writes a successor that covers it, and one rerunning its prompt
-        # replaces its old answer: drop that write (or stop it at its next
-        # pause point, a few ms) and take the buffers: no copy of the prefix,
-        # so a rerun costs the same whether the last write finished or not.
-        key = (entry.ns, entry.tokens)
-        if self.writer.cancel(key):
-            self.counters["writes_cancelled"] += 1
-            entry.write_state = WriteState.DIRTY
-            return True
-        if not self.writer.abort(key, ABORT_WAIT_S):
-            return False  # still writing (a slow disk): lend views
-        self.drain_completions()  # committed after all, or given up (dirty); its views are released here
-        return True
+    # --- the RAM tier and the other parts, as the engine and the magics ask ---
 
-    def _tail_expendable(self, entry: Entry) -> bool:
-        # With SSD on, only a durable entry's tail may leave RAM (a restore away),
-        # or one whose write is still queued (dropped by _may_move, the rerun replaces it).
-        return (self.store is None or entry.write_state == WriteState.PENDING
-                or self.store.has_durable_prefix(entry.tokens, entry.ns))
+    def entries(self, ns: str | None = None) -> list[Entry]:
+        return self.ram.entries(ns)
 
-    def adopt(self, cp: Checkpoint, ns: str) -> Entry:
-        """Publish a checkpoint restored from SSD: resident at once, already durable.
+    def get_exact(self, tokens: Sequence[int], ns: str) -> Entry | None:
+        return self.ram.get_exact(tokens, ns)
 
-        One larger than the whole RAM budget is not published; the returned
-        entry is then detached, good for this one borrower only.
-        """
-        entry = super().put(cp, ns, evict=False) or Entry(ns, cp, as_token_array(cp.tokens))
-        entry.restored = True
-        durable = self.store is not None and self.store.contains(cp.tokens, ns)
-        entry.write_state = WriteState.COMMITTED if durable else WriteState.DIRTY if self.store else WriteState.NONE
-        return entry
+    def lend(self, entry: Entry, n: int, source: str, move: bool = False) -> Loan:
+        return self.ram.lend(entry, n, source, move)
 
-    def restore_exact(self, tokens: Sequence[int], ns: str) -> tuple[Entry | None, str | None]:
-        """The entry of exactly `tokens` and where it came from ("ram"|"ssd"), or (None, None)."""
-        tokens = tuple(tokens)
-        entry = self.get_exact(tokens, ns)
-        if entry is not None or self.store is None:
-            return entry, ("ram" if entry is not None else None)
-        handle = self.store.find(tokens + (-1,), ns, min_len=len(tokens))  # sentinel: at most `tokens`
-        if handle is None or handle.match_len != len(tokens):
-            return None, None
-        cp, job = self.read_now(handle)
-        if cp is None:
-            return None, None
-        self.counters["ssd_hits"] += 1
-        if job.exact is None:
-            job.exact = len(tokens)
-            cp = cp.prefix(len(tokens)) if len(cp.tokens) > len(tokens) else cp
-        return self.adopt_job(job, cp), "ssd"
+    def session_entry(self, session: str, ns: str) -> Entry | None:
+        return self.ram.session_entry(session, ns)
 
-    # --- views ---
+    def bind_session(self, session: str, entry: Entry) -> None:
+        self.ram.bind_session(session, entry)
+
+    def drop_session(self, session: str) -> None:
+        self.ram.drop_session(session)
+
+    def queue_dirty(self) -> None:
+        self.durability.queue_dirty()
+
+    def flush(self, timeout: float | None = None) -> dict:
+        return self.durability.flush(timeout)
+
+    def prefetch(self, ns: str) -> dict:
+        return self.loading.prefetch(ns)
+
+    def load(self, tokens: Sequence[int], ns: str, **kw) -> tuple[str | None, int]:
+        return self.loading.load(tokens, ns, **kw)
+
+    def reclaim(self, nbytes: int, reason: str = "pressure") -> int:
+        return self.ram.reclaim(nbytes, reason)
 
     @property
     def has_ssd(self) -> bool:
@@ -245,11 +279,18 @@ class TieredPromptCache(Loading, Durability):
         """(namespace, token key) of every committed SSD file."""
         return {(h.namespace, h.key) for h in self.store.entries()} if self.store is not None else set()
 
+    @property
+    def catalog(self):
+        """The shared catalogue of the SSD directory (None without an SSD tier)."""
+        return self.store.catalog if self.store is not None else None
+
+    # --- views ---
+
     def rows(self) -> list[dict]:
         """Every RAM and SSD entry as plain data (see `Engine.cache_entries`)."""
         files = {(h.namespace, tuple(h.tokens)): h for h in self.store.entries()} if self.store else {}
         rows = []
-        for e in self.entries():
+        for e in self.ram.entries():
             h = files.pop((e.ns, e.tokens), None)
             rows.append({
                 "ns": e.ns, "tokens": e.tokens, "tier": "ram" if h is None else "ram+ssd",
@@ -266,39 +307,22 @@ class TieredPromptCache(Loading, Durability):
         return rows
 
     def stats(self) -> dict:
-        pending_count, pending_bytes = self.writer.pending() if self.writer else (0, 0)
-        in_progress = self.writer.in_progress if self.writer else None
-        entries = list(self._entries.values())
-        dirty = [e for e in entries if e.write_state == WriteState.DIRTY]
-        failed = [e for e in entries if e.write_state == WriteState.FAILED]
         out = {
-            "ram_used_bytes": self.used_bytes,
-            "ram_kv_bytes": self.kv_bytes(),
-            "ram_budget_bytes": self.budget_bytes,
-            "ram_entries": len(entries),
-            "write_behind": self.write_behind,
+            "ram_used_bytes": self.ram.used_bytes,
+            "ram_kv_bytes": self.ram.kv_bytes(),
+            "ram_budget_bytes": self.ram.budget_bytes,
+            "ram_entries": len(self.ram.entries()),
             "ssd_enabled": self.store is not None,
-            "pending_writes": pending_count,
-            "pending_write_bytes": pending_bytes,
-            "write_in_progress_bytes": in_progress[0] if in_progress else 0,
-            "write_in_progress_total": in_progress[1] if in_progress else 0,
-            "dirty_entries": len(dirty),
-            "dirty_bytes": sum(e.nbytes for e in dirty),
-            "failed_entries": len(failed),
-            "failed_bytes": sum(e.nbytes for e in failed),
-            "write_error": self.write_error,
+            **self.durability.stats(),
             **self.counters,
-            **self.loading_stats(),
+            **self.loading.stats(),
         }
         if self.store is not None:
             out.update({f"ssd_{k}": v for k, v in self.store.stats().items()})
         out.update(remote_stats(self.remote))
         return out
 
-    @property
-    def catalog(self):
-        """The shared catalogue of the SSD directory (None without an SSD tier)."""
-        return self.store.catalog if self.store is not None else None
+    # --- maintenance ---
 
     def gc_files(self, dry_run: bool = False) -> dict:
         """Quarantined files and stale temp files: removed (or, dry_run, only listed)."""
@@ -317,25 +341,24 @@ class TieredPromptCache(Loading, Durability):
         failed write, say): clearing frees memory, it does not lose state.
         Returns how many entries were kept for that reason.
         """
-        self.cancel_reads()
+        self.loading.cancel_reads()
         if ssd or self.store is None:
-            super().clear()
+            self.ram.clear()
             if ssd and self.store is not None:
                 self.store.clear()
             return 0
         kept = 0
-        for e in self.entries():
+        for e in self.ram.entries():
             if self.store.has_durable_prefix(e.tokens, e.ns):
-                self.remove(e, reason="cleared")
+                self.ram.remove(e, reason="cleared")
             else:
                 kept += 1
         return kept
 
     def close(self) -> None:
-        self.close_reader()
+        self.loading.close_reader()
         if self.writer is not None:
             self.writer.close()
             self.store.close()
         if self.remote is not None:
             self.remote.tier.close()
-

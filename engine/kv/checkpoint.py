@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from .borrowed import Buffer
-from .codecs import LayerState, capture_layer, codec
+from .codecs import capture_layer, codec
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class Checkpoint:
         copy=False keeps views of the live buffers: only for caches that will
         not be appended to again (the end of a generation); their whole
         buffers are counted, and buffers mostly padding are compacted
-        (codecs.COMPACT_RATIO). copy=True packs exact-length copies of what
+        (layers.COMPACT_RATIO). copy=True packs exact-length copies of what
         the caches may still write, so a generation can keep decoding into
         its own buffers (a borrower's shared prefix is never copied).
         """

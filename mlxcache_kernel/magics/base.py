@@ -14,6 +14,8 @@ import time
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, magics_class
 
+from IPython.core.magic_arguments import argument
+
 from ..settings import MLXCache, resolve_model_spec
 
 
@@ -151,3 +153,26 @@ class EngineMagics(Magics):
         if not report.get("pending"):
             self._engine.close()  # nothing left to wait for: returns at once
         return report
+
+
+def sampling_arguments(func):
+    """The sampling options of ``%%generate`` (and its ``--batch``), as the engine defines them
+    (`SamplingParams`'s fields: flags, defaults, help)."""
+    from dataclasses import fields
+
+    from mlxcache_kernel.engine.sampling import SamplingParams
+
+    for f in reversed(fields(SamplingParams)):
+        meta = f.metadata
+        if meta["repeat"]:
+            func = argument(*meta["flags"], action="append", default=[], help=meta["help"])(func)
+        else:
+            func = argument(*meta["flags"], type=type(f.default), default=f.default, help=meta["help"])(func)
+    return func
+
+
+def sampling_options(args, **overrides) -> dict:
+    """The parsed sampling options as `generate`'s keywords."""
+    from mlxcache_kernel.engine.sampling import SamplingParams
+
+    return {**{name: getattr(args, name) for name in SamplingParams.names()}, **overrides}

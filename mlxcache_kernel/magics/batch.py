@@ -19,6 +19,7 @@ import time
 from IPython.core.error import UsageError
 from IPython.display import display
 
+from .base import sampling_options
 from .footer import footer_spans
 from .output import DisplayLine
 from .prompt import interpolate
@@ -246,10 +247,9 @@ def run_batch(magics, args, cell: str, in_kernel: bool):
     progress = BatchProgress(len(prompts), enabled=in_kernel)
     t0, prefilled0 = time.perf_counter(), eng.metrics.counters["prefilled_tokens"]
     try:
-        results = eng.generate_batch(prompts, max_tokens=args.max_tokens, temperature=args.temperature, seed=seeds,
-                                     model=model, top_p=args.top_p, top_k=args.top_k, stop=tuple(args.stop),
-                                     system=args.system, raw=args.raw, use_cache=not args.no_cache,
-                                     on_progress=progress, on_row=progress.row_done)
+        results = eng.generate_batch(prompts, **sampling_options(args, seed=seeds), model=model, system=args.system,
+                                     raw=args.raw, use_cache=not args.no_cache, on_progress=progress,
+                                     on_row=progress.row_done)
     except KeyboardInterrupt:
         print("[mlxcache] interrupted; the cache is intact (finished rows are published)", file=sys.stderr)
         raise

@@ -27,7 +27,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import cell_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, kwds, magic_arguments
 
-from .base import EngineMagics, parse_args, usage_errors
+from .base import EngineMagics, parse_args, sampling_arguments, sampling_options, usage_errors
 from .footer import CellResult
 from .help import examples
 from .output import Progress, Stream
@@ -53,12 +53,7 @@ class GenerateMagics(EngineMagics):
     @magic_arguments()
     @kwds(epilog=examples("generate"))
     @argument("--model", "-m", default=None, help="model name (default: the current default model)")
-    @argument("--max-tokens", "-n", type=int, default=256, help="most tokens to generate (default 256)")
-    @argument("--temperature", "-t", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
-    @argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
-    @argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = all (default)")
-    @argument("--seed", "-s", type=int, default=0, help="sampling seed; same seed, same text (default 0)")
-    @argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    @sampling_arguments
     @argument("--session", default=None, help="chat session id: the cell is the next user turn")
     @argument("--system", default=None, help="system prompt")
     @argument("--raw", action="store_true", help="send the cell as is, without the chat template")
@@ -107,19 +102,8 @@ class GenerateMagics(EngineMagics):
         eng = self.engine
         model_name = args.model or eng.models.default
         eng.models.get(model_name)  # unknown model -> one line, before any output
-        kwargs = dict(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            seed=args.seed,
-            session=args.session,
-            model=model_name,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            stop=tuple(args.stop),
-            system=args.system,
-            raw=args.raw,
-            use_cache=not args.no_cache,
-        )
+        kwargs = dict(sampling_options(args), session=args.session, model=model_name, system=args.system,
+                      raw=args.raw, use_cache=not args.no_cache)
         if args.image:
             kwargs["images"] = [self._image(spec) for spec in args.image]
         if args.checkpoint_every is not None:

@@ -126,8 +126,8 @@ def test_eviction_is_lru_among_entries_that_may_leave(tiny_model_dir, second_mod
             eng.flush()
         else:
             eng.poll()
-        if eng.cache.over_budget():  # the budget is soft only behind an entry that must stay
-            first = eng.cache.victims()[0]
+        if eng.cache.ram.over_budget():  # the budget is soft only behind an entry that must stay
+            first = eng.cache.ram.victims()[0]
             assert first.write_state != "committed" and not eng.cache.store.has_durable_prefix(first.tokens, first.ns)
     for e in evicted:  # nothing left RAM without a committed copy, but writes that kept failing
         if e["type"] == "evict" and e.get("reason") not in ("oversized",):

@@ -43,7 +43,8 @@ def hold_at_inflight(engine, cache_dir, emitted: int, ready) -> None:
     the duty-cycle rest over), and after each capture until it is committed. So with
     checkpoint_every=k the hold comes at the first multiple of k >= `emitted`."""
     cache, ready = engine.cache, Path(ready)
-    inflight_busy, queue_inflight = cache.inflight_busy, cache.queue_inflight
+    durability = cache.durability
+    inflight_busy, queue_inflight = durability.inflight_busy, durability.queue_inflight
 
     def waited(request):
         while inflight_busy(request):
@@ -59,9 +60,9 @@ def hold_at_inflight(engine, cache_dir, emitted: int, ready) -> None:
             try:
                 _signal_and_sleep(ready, {"emitted": reached})
             finally:
-                del cache.inflight_busy, cache.queue_inflight
+                del durability.inflight_busy, durability.queue_inflight
 
-    cache.inflight_busy, cache.queue_inflight = waited, held
+    durability.inflight_busy, durability.queue_inflight = waited, held
 
 
 def hold_after_text(engine, chars: int, ready) -> None:

@@ -61,7 +61,6 @@ from typing import Iterable
 
 import numpy as np
 
-from .database import CatalogBusy, CatalogCorrupt, background_thread  # noqa: F401 (the API callers use)
 from .presence import Presence
 
 KEEP_CHANGES = 20_000  # older change records are pruned; a process that fell further behind reloads

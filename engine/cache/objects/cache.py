@@ -46,126 +46,20 @@ verified, then writes it through to SSD (object_remote.py).
 
 from __future__ import annotations
 
-import re
 import time
-from dataclasses import dataclass
 
-import mlx.core as mx
-import numpy as np
-
-from ...kv.checkpoint import Checkpoint, HostTensor
-from ...kv.tokens import token_key
 from ..catalog.database import CatalogBusy
 from ..durability import WriteState
 from ..ssd.store import CheckpointUnavailable
-from .values import describe, digest, flatten, leaf_nbytes, leaf_specs, stored_leaf, unflatten
+from .stored import (FILE_KEY as _FILE_KEY, NO_TOKENS as _NO_TOKENS, REVISION, ObjectRead, ObjectValue,  # noqa: F401
+                     is_object_namespace, namespace_of)
+from .values import describe, digest, flatten
 
-NAMESPACE_PREFIX = "obj-"
-REVISION = 1  # of the stored object layout; another revision's files are misses
-CHUNK_BYTES = 4 << 20  # read and verified two at a time; bench_objects.py chose it
 LABEL_MAX = 200
 REMOVE_WAIT_S = 1.0  # a put or delete waits this long at most for another process's read of the old file
-_NO_TOKENS = ()
-_FILE_KEY = token_key(_NO_TOKENS)
-_CHUNK_RE = re.compile(r"attachments\.(\d{6})\.(\d{5})")
 COUNTERS = ("object_puts", "object_put_bytes", "object_ram_hits", "object_ssd_hits", "object_remote_hits",
             "object_misses", "object_restore_failures", "object_restore_bytes", "object_restore_seconds")
 
-
-def namespace_of(key_digest: str) -> str:
-    return NAMESPACE_PREFIX + key_digest[:60]
-
-
-def is_object_namespace(ns: str) -> bool:
-    return ns.startswith(NAMESPACE_PREFIX)
-
-
-@dataclass(frozen=True, eq=False)
-class ObjectValue(Checkpoint):
-    """An object as the RAM tier holds it: no tokens, no layers, one attachment per leaf."""
-
-    tree: dict | None = None
-
-    @classmethod
-    def of(cls, tree: dict, leaves: list) -> "ObjectValue":
-        attachments = {f"{i:06d}": a for i, a in enumerate(leaves)}
-        return cls(tokens=_NO_TOKENS, layers=(), nbytes=sum(int(a.nbytes) for a in leaves), attachments=attachments,
-                   tree=tree)
-
-    @property
-    def trimmable(self) -> bool:
-        return False
-
-    def can_serve(self, n: int) -> bool:
-        return False  # never a language-model prefix
-
-    def layout(self) -> list[dict]:
-        return [{"kind": "object", "tree": self.tree}]
-
-    def value(self):
-        return unflatten(self.tree, [self.attachments[k] for k in sorted(self.attachments)])
-
-    def host_tensors(self) -> list[HostTensor]:
-        """Each leaf's bytes in CHUNK_BYTES pieces (zero-copy uint8 views), in leaf order."""
-        out = []
-        for name in sorted(self.attachments):
-            flat = self.attachments[name].reshape(-1)
-            flat = flat if flat.dtype == mx.uint8 else flat.view(mx.uint8)
-            mx.eval(flat)
-            view = np.asarray(flat)
-            for j, lo in enumerate(range(0, view.nbytes, CHUNK_BYTES)):
-                chunk = view[lo: lo + CHUNK_BYTES]
-                out.append(HostTensor(f"attachments.{name}.{j:05d}", "uint8", (chunk.nbytes,), chunk))
-        return out
-
-
-class _Read:
-    """One object read: an MLX buffer per leaf, the stored chunks read into slices of it."""
-
-    def __init__(self, header):
-        self.header = header
-        self.slices: dict | None = None
-
-    def allocate(self, name: str, dtype: str, shape) -> np.ndarray:
-        if self.slices is None:
-            self._plan()
-        leaf, lo, n = self.slices[name]
-        return self.views[leaf][lo: lo + n]
-
-    def _plan(self) -> None:
-        """Check the tree against the chunks (sizes bounded by the file) before allocating."""
-        layout = self.header.layout
-        if not (len(layout) == 1 and isinstance(layout[0], dict) and layout[0].get("kind") == "object"):
-            raise ValueError("not an object manifest")
-        self.tree = layout[0].get("tree")
-        self.specs = leaf_specs(self.tree)
-        sizes = [leaf_nbytes(*s) for s in self.specs]
-        chunks = []
-        for t in self.header.tensors:
-            m = _CHUNK_RE.fullmatch(t.name)
-            if m is None or t.dtype != "uint8" or t.span or len(t.shape) != 1:
-                raise ValueError(f"object chunk {t.name!r} is malformed")
-            chunks.append((int(m[1]), int(m[2]), t.name, t.raw_bytes))
-        got, slices = [0] * len(sizes), {}
-        for leaf, j, name, n in sorted(chunks):
-            if leaf >= len(sizes) or j != sum(1 for s in slices.values() if s[0] == leaf):
-                raise ValueError("object chunks do not match its tree")
-            slices[name] = (leaf, got[leaf], n)
-            got[leaf] += n
-        if got != sizes:
-            raise ValueError("object chunks do not cover its arrays")
-        self.buffers = [mx.empty((n,), dtype=mx.uint8) for n in sizes]
-        mx.eval(self.buffers)
-        self.views = [np.asarray(b) for b in self.buffers]
-        self.slices = slices
-
-    def build(self, header) -> ObjectValue:
-        if self.slices is None:  # no chunks at all (no arrays, or only empty ones)
-            self._plan()
-        leaves = [stored_leaf(*spec, buf) for spec, buf in zip(self.specs, self.buffers)]
-        mx.eval(leaves)
-        self.views = []
-        return ObjectValue.of(self.tree, leaves)
 
 
 def _servable(handle, key_digest: str) -> bool:
@@ -309,7 +203,7 @@ class ObjectCache:
     # --- internals ---
 
     def _emit(self, kind: str, ns: str, **fields) -> None:
-        self.cache._emit(kind, ns=ns, **fields)
+        self.cache.emit(kind, ns=ns, **fields)
 
     def _register(self, ns: str, identity: dict) -> None:
         if self.cache.identities.get(ns) != identity:
@@ -343,7 +237,7 @@ class ObjectCache:
         t0 = time.perf_counter()
         try:
             pending = self.cache.store.open_read(handle)
-            read = _Read(pending.header)
+            read = ObjectRead(pending.header)
             pending.allocate(read.allocate)
             pending.fill()
             cp = pending.finish(read.build)
@@ -355,7 +249,7 @@ class ObjectCache:
         entry = self.cache.put(cp, ns, evict=False, defer_write=True)  # read back: durable already
         if entry is not None:
             entry.write_state, entry.restored = WriteState.COMMITTED, True
-        self.cache.enforce_budget()
+        self.cache.ram.enforce_budget()
         self.counters["object_ssd_hits"] += 1
         self.counters["object_restore_bytes"] += cp.nbytes
         self.counters["object_restore_seconds"] += seconds
@@ -414,6 +308,6 @@ class ObjectCache:
                 cache.counters["writes_cancelled"] += 1
             elif not cache.writer.abort(key, REMOVE_WAIT_S):
                 cache.writer.wait_written(key, 30.0)  # past its last pause (a slow fsync): let it end
-        cache.drain_completions()  # before a new value's entry exists: this completion is the old one's
-        cache.remove(entry, reason=reason)
+        cache.durability.drain_completions()  # before a new value's entry exists: this completion is the old one's
+        cache.ram.remove(entry, reason=reason)
         return True

@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from ...config import read_secret_file as read_credential_file
 from .config import RemoteConfigError, parse_remote_url, redact
 
 TLS_KEYS = ("ca_file", "cert_file", "key_file")
@@ -38,20 +39,6 @@ class RemoteSettings:
     def __repr__(self) -> str:
         auth = "insecure" if self.secret is None else "secret set"
         return f"RemoteSettings({redact(self.url)!r}, {auth}, password {'set' if self.password else 'not set'})"
-
-
-def read_credential_file(path, what: str) -> str:
-    """The value in `path` (one trailing newline dropped); the error names the file, never its content."""
-    try:
-        with open(os.path.expanduser(str(path)), encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise RemoteConfigError(f"{what}: cannot read {path} ({type(e).__name__}: {getattr(e, 'strerror', '') or e})"
-                                ) from None
-    text = text[:-1] if text.endswith("\n") else text
-    if not text.strip():
-        raise RemoteConfigError(f"{what}: {path} is empty")
-    return text
 
 
 def from_env(name: str, env: Mapping[str, str] = os.environ) -> str | None:

@@ -50,7 +50,7 @@ def flip_blocks(cache_dir: Path) -> int:
 def hold_read(eng: Engine):
     """Start the background read of the one job queued and stop it inside fill(), holding
     the read's own lock (released by the returned function). White-box, but real threads."""
-    job = eng.cache.reader.jobs()[0]
+    job = eng.cache.loading.reader.jobs()[0]
     lock = job.restore.read._lock
     lock.acquire()
     return job, lock.release
@@ -61,7 +61,7 @@ import json, sys
 from mlxcache_kernel.engine import Engine
 eng = Engine(cache_dir={cache!r})
 info = eng.load_model({model!r}, name="tiny")
-assert eng.cache.wait_reads(30)
+assert eng.cache.loading.wait_reads(30)
 r = eng.generate({prompt!r}, max_tokens=12)
 s = eng.stats()
 eng.close()
@@ -129,7 +129,7 @@ def test_prefetch_stays_under_its_budget_and_never_evicts(tiny_model_dir, tmp_pa
     # The budget allows two of the four; RAM itself has room for more.
     eng = Engine(cache_dir=cache, ram_budget_bytes=40 * one, write_behind=False, prefetch_budget_bytes=2 * one + 1)
     info = eng.load_model(tiny_model_dir, name="tiny")
-    assert eng.cache.wait_reads(30)
+    assert eng.cache.loading.wait_reads(30)
     s = eng.stats()
     assert info["prefetch"]["checkpoints"] == 2 and s["prefetches_completed"] == 2, (s, list(eng.events.recent))
     assert s["prefetch_bytes"] <= 2 * one + 1 and s["ram_used_bytes"] <= 2 * one + 1
@@ -139,16 +139,16 @@ def test_prefetch_stays_under_its_budget_and_never_evicts(tiny_model_dir, tmp_pa
     dirty = eng.generate("Something new entirely. " * 8, max_tokens=8)
     entry = eng.cache.get_exact(eng.last_key[1], eng.last_key[0])
     assert entry is not None and entry.write_state == WriteState.DIRTY
-    eng.cache.budget_bytes = eng.cache.used_bytes + one + one // 2  # room for one more file, not two
-    eng.cache.prefetch_budget_bytes = 10 * one  # the room binds, not the budget
+    eng.cache.ram.budget_bytes = eng.cache.ram.used_bytes + one + one // 2  # room for one more file, not two
+    eng.cache.loading.prefetch_budget_bytes = 10 * one  # the room binds, not the budget
     before = s["prefetches_completed"]
     eng.cache.prefetch(entry.ns)
-    assert eng.cache.wait_reads(30)
+    assert eng.cache.loading.wait_reads(30)
     s = eng.stats()
     assert s["prefetches_completed"] - before == 1
     assert s["evictions"] == s["demotions"] == s["oversized"] == 0  # nothing left RAM for a prefetch
     assert eng.cache.get_exact(entry.tokens, entry.ns) is entry and entry.write_state == WriteState.DIRTY
-    assert eng.cache.used_bytes <= eng.cache.budget_bytes
+    assert eng.cache.ram.used_bytes <= eng.cache.ram.budget_bytes
     assert dirty.text is not None
     eng.close()
 
@@ -167,7 +167,7 @@ def test_a_corrupt_block_during_prefetch_is_a_miss_and_quarantined(tiny_model_di
     cold = written(cache, tiny_model_dir, [PROMPT])[0]
     assert flip_blocks(cache)
     eng = new_engine(cache, tiny_model_dir)
-    assert eng.cache.wait_reads(30)
+    assert eng.cache.loading.wait_reads(30)
     s = eng.stats()
     assert s["prefetches_failed"] == 1 and s["ssd_quarantined"] >= 1 and s["ram_entries"] == 0
     assert any(e["type"] == "restore_failed" and e.get("background") for e in eng.events.recent)
@@ -192,11 +192,11 @@ def test_closing_with_a_read_in_flight_is_clean(tiny_model_dir, tmp_path):
     timer.start()
     eng.close()  # waits for the read in progress, drops the queued ones
     timer.join()
-    assert not eng.cache.reader._thread.is_alive()
+    assert not eng.cache.loading.reader._thread.is_alive()
     with sqlite3.connect(cache / "checkpoints" / "catalog.db") as db:
         assert db.execute("SELECT COUNT(*) FROM leases").fetchone()[0] == 0
     again = new_engine(cache, tiny_model_dir)  # everything still there and readable
-    assert again.cache.wait_reads(30) and again.stats()["prefetches_failed"] == 0
+    assert again.cache.loading.wait_reads(30) and again.stats()["prefetches_failed"] == 0
     assert again.cache_verify() == []
     again.close()
 
@@ -227,7 +227,7 @@ def test_switching_to_a_session_loads_its_state_in_the_background(tiny_model_dir
     eng.flush()
     eng.cache_clear()  # RAM emptied: the session's state is on SSD only
     assert eng.session_switch("a")["source"] == "loading"
-    assert eng.cache.wait_reads(30)
+    assert eng.cache.loading.wait_reads(30)
     assert eng.cache.session_entry("a", eng.models.get().namespace) is not None
     assert eng.session_switch("a")["source"] == "ram"
     nxt = eng.generate("And the mountains?", max_tokens=8, session="a")
@@ -256,7 +256,7 @@ def test_without_an_ssd_tier_nothing_is_read(tiny_model_dir, tmp_path):
     eng = new_engine(tmp_path / "c", tiny_model_dir, ssd=False)
     eng.generate(PROMPT, max_tokens=4, session="s")
     assert eng.session_switch("s")["source"] == "ram"
-    assert eng.stats()["prefetches_started"] == 0 and eng.cache.reader is None
+    assert eng.stats()["prefetches_started"] == 0 and eng.cache.loading.reader is None
     eng.close()
 
 
@@ -270,7 +270,7 @@ def test_the_dashboard_shows_prefetches_in_progress_and_done(tiny_model_dir, tmp
         eng.load_model(tiny_model_dir, name="tiny")
         db = ResidencyDashboard(eng, throttle_s=0)
         assert "data-in-progress='1'" in db.prefetch_html.value and "1 in progress" in db.prefetch_html.value
-    assert eng.cache.wait_reads(30)
+    assert eng.cache.loading.wait_reads(30)
     db.refresh()
     assert "data-in-progress='0'" in db.prefetch_html.value and "data-done='1'" in db.prefetch_html.value
     assert db.counters["prefetched"] == 1

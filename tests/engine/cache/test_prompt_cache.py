@@ -11,8 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm.models.cache import KVCache
 
-from mlxcache_kernel.engine.kv.checkpoint import Checkpoint, LayerState
-from mlxcache_kernel.engine.cache.ram import PromptCache
+from mlxcache_kernel.engine.kv.checkpoint import Checkpoint
+from mlxcache_kernel.engine.kv.layers import LayerState
+from mlxcache_kernel.engine.cache.ram import RamTier
 
 BYTES_PER_TOKEN = 2 * 2 * 4  # keys + values, (1, 1, n, 2) float32
 
@@ -91,7 +92,7 @@ operations = st.lists(
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=operations, budget=st.integers(4, 24).map(lambda t: t * BYTES_PER_TOKEN))
 def test_ram_tier_matches_reference(ops, budget):
-    cache = PromptCache(budget)
+    cache = RamTier(budget)
     ref = Reference(budget)
     for op, tokens, ns, trimmable in ops:
         if op == "put":
@@ -113,14 +114,14 @@ def test_ram_tier_matches_reference(ops, budget):
 
 
 def test_namespaces_never_cross():
-    cache = PromptCache(None)
+    cache = RamTier(None)
     cache.put(make_checkpoint((1, 2, 3, 4)), "model-a")
     assert cache.take((1, 2, 3, 4, 5), "model-b") is None
     assert cache.take((1, 2, 3, 4, 5), "model-a").length == 4
 
 
 def test_take_is_capped_so_one_token_is_forwarded():
-    cache = PromptCache(None)
+    cache = RamTier(None)
     cache.put(make_checkpoint((1, 2, 3)), "ns")
     lease = cache.take((1, 2, 3), "ns")
     assert lease.length == 2  # trimmed view of the exact entry
@@ -128,7 +129,7 @@ def test_take_is_capped_so_one_token_is_forwarded():
 
 
 def test_untrimmable_entry_serves_exact_boundary_only_and_keeps_ancestors():
-    cache = PromptCache(None)
+    cache = RamTier(None)
     cache.put(make_checkpoint((1, 2)), "ns")
     cache.put(make_checkpoint((1, 2, 3, 4), trimmable=False), "ns")
     assert {e.tokens for e in cache.entries()} == {(1, 2), (1, 2, 3, 4)}  # ancestor survives
@@ -141,7 +142,7 @@ def test_borrowers_get_views_and_donor_stays_immutable():
     live = KVCache()
     live.update_and_fetch(mx.ones((1, 2, 6, 4)), mx.ones((1, 2, 6, 4)))
     cp = Checkpoint.capture(tokens, [live])
-    cache = PromptCache(None)
+    cache = RamTier(None)
     cache.put(cp, "ns")
     donor_keys = np.array(cache.get_exact(tokens, "ns").checkpoint.layers[0].arrays[0])
     lease = cache.take(tokens + (7,), "ns")
@@ -157,7 +158,7 @@ def test_borrowers_get_views_and_donor_stays_immutable():
 
 
 def test_oversized_entry_is_not_stored_and_evicts_nothing():
-    cache = PromptCache(10 * BYTES_PER_TOKEN)
+    cache = RamTier(10 * BYTES_PER_TOKEN)
     cache.put(make_checkpoint((1, 2, 3)), "ns")
     assert cache.put(make_checkpoint(tuple(range(20))), "ns") is None
     assert [e.tokens for e in cache.entries()] == [(1, 2, 3)]
@@ -165,7 +166,7 @@ def test_oversized_entry_is_not_stored_and_evicts_nothing():
 
 
 def test_session_index_skips_scan_and_eviction_prefers_unreferenced():
-    cache = PromptCache(8 * BYTES_PER_TOKEN)
+    cache = RamTier(8 * BYTES_PER_TOKEN)
     cache.put(make_checkpoint((1, 2, 3)), "ns", session="chat")
     cache.put(make_checkpoint((5, 6, 7)), "ns")
     assert cache.session_entry("chat", "ns").tokens == (1, 2, 3)

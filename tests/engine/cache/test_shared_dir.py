@@ -86,7 +86,7 @@ def test_a_name_survives_other_processes_caps_clear_and_gc(tiny_model_dir, tmp_p
     with Engine(cache_dir=cache) as fresh:  # a restart: the name restores from SSD
         fresh.load_model(tiny_model_dir, name="m")
         assert fresh.checkpoint_restore("keep")["source"] in ("loading", "ram")  # (prefetched when the model loaded)
-        assert fresh.cache.wait_reads(30)
+        assert fresh.cache.loading.wait_reads(30)
         r = fresh.generate_tokens(DOC, PARAMS)
         assert r.stats["cache_source"] == "ram" and r.tokens == expected
     other.close()

@@ -231,7 +231,7 @@ def test_named_checkpoint_survives_restart_and_budgets(tiny_model_dir, tmp_path)
     info = eng.checkpoint_restore("intro")
     assert info["source"] == "loading"  # in the background
     assert eng.sessions.get("chat").turns == 1
-    assert eng.cache.wait_reads(30)
+    assert eng.cache.loading.wait_reads(30)
     nxt = eng.generate("And what can you do?", max_tokens=8, session="chat")
     # Random-model bytes may re-tokenize differently, so at least the first prompt is reused.
     assert nxt.stats["cache_source"] == "ram" and nxt.stats["cached_tokens"] >= first.stats["prompt_tokens"]

@@ -220,6 +220,6 @@ def test_published_checkpoints_never_change(kind_models, tmp_path_factory, arch,
         for e in eng.cache.entries():
             d = digest(e.checkpoint)
             assert seen.setdefault(id(e.checkpoint), (e.checkpoint, d))[1] == d
-        assert eng.cache.used_bytes == held_bytes(eng.cache.entries())
+        assert eng.cache.ram.used_bytes == held_bytes(eng.cache.entries())
     assert eng.flush()["failed"] == [] and eng.cache_verify() == []
     eng.close()

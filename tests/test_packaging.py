@@ -1,0 +1,67 @@
+"""The wheel holds every subpackage: built from this checkout, installed into a fresh virtualenv
+(the editable install out of the way), every package imported from it and a generation run.
+
+A new sub-folder that packaging left out would pass every other test (the editable install maps
+the source tree) and fail here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import zipfile
+from pathlib import Path
+
+from repo_paths import ROOT
+
+SCRIPT = textwrap.dedent("""
+    import importlib, json, pkgutil, sys
+    import mlxcache_kernel
+    from mlxcache_kernel.engine import Engine, SamplingParams
+    names = [m.name for m in pkgutil.walk_packages(mlxcache_kernel.__path__, "mlxcache_kernel.")]
+    for name in names:
+        importlib.import_module(name)
+    with Engine(cache_dir=sys.argv[2], ssd=False) as eng:
+        eng.load_model(sys.argv[1])
+        r = eng.generate_tokens([5, 6, 7, 8], SamplingParams(max_tokens=4))
+    print(json.dumps({"file": mlxcache_kernel.__file__, "modules": names, "tokens": r.tokens}))
+""")
+
+
+def source_packages() -> set[str]:
+    out = set()
+    for folder, package in (("mlxcache_kernel", "mlxcache_kernel"), ("engine", "mlxcache_kernel.engine"),
+                            ("widgets", "mlxcache_kernel.widgets")):
+        for init in (ROOT / folder).rglob("__init__.py"):
+            out.add(".".join([package, *init.parent.relative_to(ROOT / folder).parts]))
+    return out
+
+
+def test_the_wheel_installs_every_package_and_generates(tmp_path, tiny_model_dir):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path / "dist"), str(ROOT)], check=True, capture_output=True, text=True, timeout=600)
+    [wheel] = (tmp_path / "dist").glob("mlxcache_kernel-*.whl")
+    in_wheel = {os.path.dirname(n).replace("/", ".") for n in zipfile.ZipFile(wheel).namelist()
+                if n.endswith("/__init__.py")}
+    assert in_wheel == source_packages()
+
+    fresh = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(fresh)], check=True, timeout=120)
+    python = fresh / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", site,
+                    str(wheel)], check=True, capture_output=True, text=True, timeout=300)
+    # Dependencies from this environment; its .pth files (the editable install) are not processed.
+    Path(site, "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    done = subprocess.run([str(python), "-c", SCRIPT, str(tiny_model_dir), str(tmp_path / "cache")], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["file"].startswith(site) and len(got["tokens"]) == 4
+    assert set(got["modules"]) >= source_packages() - {"mlxcache_kernel"}
