@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from . import blas
-from .kv import borrowed
 from .batch import DEFAULT_BATCH_SIZE, BatchRun, batch_seeds, row_tokens
 from . import cache_admin
 from .cache.objects.cache import ObjectCache
@@ -118,7 +117,6 @@ class Engine:
         if remote is not None:  # a shared tier below SSD (Redis / Valkey)
             attach_remote(self.cache, remote, publish=config.remote_publish, prefill_rate=self.metrics.prefill_rate.get,
                           exact=self._may_be_exact)
-        self._routes = 0  # borrowed.route() calls to undo at close
         self._closed = False
 
     @property
@@ -146,8 +144,6 @@ class Engine:
         """
         loaded = self.models.load(path_or_id, name, kv_bits=kv_bits, kv_group_size=kv_group_size,
                                   adapter_path=adapter_path, image_attention=image_attention)
-        borrowed.route()  # borrowed caches attend piecewise in the modules of the models this engine serves
-        self._routes += 1
         self.cache.register_namespace(loaded.namespace, loaded.identity)
         self.events.emit("model_loaded", name=name, path=str(loaded.path), namespace=loaded.namespace)
         if loaded.cache_notice:
@@ -327,8 +323,6 @@ class Engine:
             warnings.warn(f"mlxcache: remote tier: {len(report['remote_failed'])} publication(s) failed or not "
                           f"finished at close: {'; '.join(report['remote_failed'][:3])}", stacklevel=2)
         self.cache.close()
-        for _ in range(self._routes):
-            borrowed.unroute()
         self._closed = True
         return report
 

@@ -32,6 +32,8 @@ from .metrics import AccessTrace, GenerationMetrics, generation_stats
 from .models import LoadedModel
 from .sampling import SamplingParams
 
+ONE_PASS_TOKENS = 64  # a rest of the prompt up to this long is forwarded with the first decode step
+
 
 @dataclass
 class Services:
@@ -87,6 +89,7 @@ class Generation:
         self.decode_ran = False  # a resumed run whose record already held every token decodes nothing
         self.times: list[float] = []  # when each token was emitted
         self.stream = TextStream(req.model.tokenizer, req.params.stop)
+        self.pending: list | None = None  # prompt tokens the first decode step forwards (None: the last one)
 
     def run(self) -> GenerationResult:
         req, cache = self.req, self.cache
@@ -101,7 +104,13 @@ class Generation:
         caches = loan.caches if loan else req.model.new_caches()
         cached = min(loan.length, len(req.tokens)) if loan else 0
         t_lookup = time.perf_counter() - t0
-        suffix = [] if self.emitted else req.tokens[cached:-1]
+        head = [] if self.emitted else req.tokens[cached:]  # what the caches do not hold yet
+        # A short rest of the prompt goes in one forward with the first token's (the prompt's last
+        # token apart would cost another pass over the weights); windows and recurrent state need
+        # the state just before the last token for their prompt snapshot: prefilled apart.
+        one_pass = (0 < len(head) <= ONE_PASS_TOKENS and req.media is None and always_cuttable(caches))
+        self.pending = head if one_pass else None
+        suffix = [] if (self.emitted or one_pass) else head[:-1]
         try:
             with cache.generating():
                 t1 = time.perf_counter()
@@ -136,8 +145,7 @@ class Generation:
         del caches
         stats = generation_stats(
             prompt_tokens=len(req.tokens), cached=cached, source=loan.source if loan else None,
-            # the last prompt token goes in with the first decode step
-            prefilled=len(suffix) + (0 if self.emitted else 1), lookup_s=t_lookup, prefill_s=prefill_s,
+            prefilled=len(head), lookup_s=t_lookup, prefill_s=prefill_s,
             t0=t0, token_times=self.times, decode_tokens=len(self.emitted) + len(self.decoded.tokens),
             finish_reason=self.decoded.finish_reason,
             peak_memory=int(mx.get_peak_memory()) if hasattr(mx, "get_peak_memory") else None,
@@ -198,7 +206,7 @@ class Generation:
             self.decoded.finish_reason = "length"
             self._show(self.stream.finish())
             return
-        pending = emitted[-1:] if emitted else req.tokens[-1:]
+        pending = self.pending or (emitted[-1:] if emitted else req.tokens[-1:])
         self.decode_ran = True
         model = req.media.forward if req.media is not None else req.model.model
         decode(model, caches, pending, req.params, eos_ids=req.model.eos_token_ids,

@@ -77,6 +77,7 @@ SCHEMA = {
     "inflight_queued": "in-flight generation checkpoints queued",
     "inflight_replaced": "in-flight checkpoints replaced by a newer interval before they were written",
     "writes_cancelled": "SSD writes dropped (queued) or given up (being written) because a longer checkpoint superseded their entry, or a rerun took its buffers",
+    "writes_skipped_stored": "writes not made because a committed file already holds the same tokens (a rerun of a cell)",
     "dropped_unwritable": "RAM entries let go over budget while their SSD writes kept failing",
     "write_error": "the latest SSD write error, until a write succeeds again",
     # background reads: prefetch after a model loads, %checkpoint restore, %session switch (cache/loading.py)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .kv.caches import kv_scheme, new_caches, unsupported
+from .kv.caches import hit_summary, kv_scheme, new_caches, unsupported
 from .user_names import check_user_name
 from .system import make_private_dir, write_json_atomic
 
@@ -283,6 +283,7 @@ def load_model(path_or_id, name: str, memo: IdentityMemo, kv_bits: int | None = 
         "kv_scheme": scheme,
         "parameters_bytes": sum(int(v.nbytes) for _, v in tree_flatten(model.parameters())),
         "cache_notice": notice,
+        "cache_hit": hit_summary(caches),
         **({"vision": {"family": type(vision).__name__, "image_attention": vision.policy}} if vision else {}),
     }
     mx.eval(model.parameters())

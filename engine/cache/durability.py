@@ -37,7 +37,7 @@ ABORT_WAIT_S = 0.05  # a rerun waits this long at most for the write it stops to
 INFLIGHT_DUTY = 0.1
 COUNTERS = ("ssd_hits", "ssd_tokens", "ssd_restore_failures", "demotions", "writes_queued", "writes_committed",
             "writes_failed", "bytes_written", "inflight_queued", "inflight_replaced", "dropped_unwritable",
-            "writes_cancelled")
+            "writes_cancelled", "writes_skipped_stored")
 
 
 class WriteState(str, Enum):
@@ -165,6 +165,12 @@ class Durability:
         if entry.write_state in (WriteState.PENDING, WriteState.COMMITTED) or entry.ns not in self.identities:
             return
         if self.store is None:
+            return
+        if entry.tokens and not entry.checkpoint.attachments and self.store.contains(entry.tokens, entry.ns):
+            # The same tokens are committed already (a rerun of a cell): that file serves them
+            # as well as this state would (their KV may differ by a cold run's rounding).
+            entry.write_state = WriteState.COMMITTED
+            self.counters["writes_skipped_stored"] += 1
             return
         job = WriteJob.from_checkpoint(entry.checkpoint, entry.ns, self.identities[entry.ns],
                                        key=(entry.ns, entry.tokens))

@@ -60,3 +60,14 @@ def mlx_lm_caches(caches: list | None, layers: int) -> list:
     if caches is None:
         return plain_caches(layers)
     return [CODECS[kind_of(c)].empty_like(c) if kind_of(c) in CODECS else c for c in caches]
+
+
+def hit_summary(caches: list) -> dict:
+    """What a hit gives each cache class of a model (kind -> description), nested ones included."""
+    out = {}
+    for c in caches:
+        kind = kind_of(c)
+        if kind in CODECS:
+            inner = CODECS[kind].inner(c)
+            out.update(hit_summary(inner) if inner else {kind: CODECS[kind].hit})
+    return out

@@ -27,7 +27,7 @@ from typing import Any
 
 from mlx_lm.models import cache as lm_cache
 
-from .borrowed import BorrowedKVCache, BorrowedQuantizedKVCache, cut_segments
+from .borrowed import BorrowedKVCache, BorrowedQuantizedKVCache, cut_segments, to_merge
 from .layers import LayerState, fresh as _fresh, own as _own, seq as _seq
 
 class UnsupportedCache(TypeError):
@@ -38,6 +38,7 @@ class Codec:
     kind = ""
     roles: tuple = ()  # names of the arrays, for inspection
     always_cuttable = False  # any live state can be cut back to any shorter prefix
+    hit = "a copy of the cached state"  # what a borrower of this kind holds after a hit (%model info)
 
     def capture(self, c: Any, copy: bool = False) -> LayerState:
         """The state of live cache `c`: views, or (copy) copies of what it may still write."""
@@ -105,16 +106,19 @@ class Codec:
 class PlainKV(Codec):
     """`KVCache`: keys/values grow by slice assignment into a padded buffer.
 
-    Borrowers get a `BorrowedKVCache` over the layer's segments: their appends
-    never copy the prefix, and their own positions become one more segment.
+    Borrowers get a `BorrowedKVCache` over the layer's segments: a loan copies
+    nothing; the first append copies the prefix into the borrower's own buffer
+    (borrowed.py); what it publishes shares the lent segments and adds its own.
     """
 
     kind, roles = "KVCache", ("keys", "values")
     always_cuttable = True
+    hit = ("the cached prefix shared, copied once into a buffer of its own at its first append (none when "
+           "a rerun takes the entry's place); then mlx-lm's KVCache and the model's own attention")
 
     def capture(self, c, copy=False):
         if isinstance(c, BorrowedKVCache):
-            shared, own, parents = c.shared_segments(), c.own_views(), c.own_buffers()
+            shared, own, parents = borrowed_parts(c)
         else:
             shared, own, parents = [], (), ()
             if c.keys is not None and c.offset:
@@ -144,13 +148,12 @@ class PlainKV(Codec):
         return lm_cache.KVCache()
 
     def hand_over(self, layer, n, in_place):
-        """For a borrower that takes this state's place. in_place: it may append into
-        the last segment's whole buffers (nothing else holds them)."""
+        """For a borrower that takes this state's place. in_place: it may append into the
+        segment's whole buffers (nothing else holds them; one segment: the whole prefix)."""
         segments = cut_segments(layer.segments, n)
-        last = layer.segments[-1] if layer.segments else None
         merge = lm_cache.BatchKVCache.merge
-        if in_place and segments and segments[-1] is last and last.room:
-            return BorrowedKVCache(segments[:-1], hand_over=last, merge=merge)
+        if in_place and len(segments) == 1 and segments[0] is layer.segments[-1] and segments[0].room:
+            return BorrowedKVCache(hand_over=segments[0], merge=merge)
         return BorrowedKVCache(segments, merge=merge)
 
 
@@ -159,13 +162,14 @@ class QuantizedKV(Codec):
 
     kind, roles = "QuantizedKVCache", ("keys", "keys_scales", "keys_biases", "values", "values_scales", "values_biases")
     always_cuttable = True
+    hit = PlainKV.hit.replace("KVCache", "QuantizedKVCache")
 
     def capture(self, c, copy=False):
         n = int(c.offset)
         meta = {"offset": n, "group_size": int(c.group_size), "bits": int(c.bits)}
         if isinstance(c, BorrowedQuantizedKVCache):
-            own = c.own_views()
-            segments = tuple(c.shared_segments()) + (_own(own, c.own_buffers(), copy) if own else ())
+            shared, own, parents = borrowed_parts(c)
+            segments = tuple(shared) + (_own(own, parents, copy) if own else ())
         elif c.keys is None:
             segments = ()
         else:
@@ -192,6 +196,7 @@ class RotatingKV(Codec):
     """
 
     kind, roles = "RotatingKVCache", ("keys", "values")
+    hit = "views of the cached window, copied by its first append (exact boundaries once it wrapped)"
 
     def capture(self, c, copy=False):
         n = int(c.offset)
@@ -239,6 +244,7 @@ class ChunkedKV(Codec):
     """
 
     kind, roles = "ChunkedKVCache", ("keys", "values")
+    hit = "views of the cached chunk, copied by its first append"
 
     def capture(self, c, copy=False):
         n, start = int(c.offset), int(c.start_position)
@@ -270,6 +276,8 @@ class Recurrent(Codec):
     Models replace these arrays (`cache[0] = ...`) rather than writing into
     them, so sharing them between owners is safe.
     """
+
+    hit = "the recurrent state as stored (exact boundaries only)"
 
     def __init__(self, kind: str, batchable: bool = False):
         self.kind, self.batchable = kind, batchable
@@ -349,6 +357,18 @@ CODECS = {
 }
 # a borrower's live caches: captured as the kinds they borrowed from
 CODECS["BorrowedKVCache"], CODECS["BorrowedQuantizedKVCache"] = CODECS["KVCache"], CODECS["QuantizedKVCache"]
+
+
+def borrowed_parts(c: BorrowedKVCache) -> tuple:
+    """What a borrower publishes: (the lent segments it shares, views of its own positions after
+    them, the buffers those views cut). Short trailing lent segments are folded into its own
+    positions (borrowed.to_merge), which the live buffer holds too."""
+    lent = c.lent_segments()
+    if not c.buffers:  # never appended: the loan as it was
+        return lent, (), ()
+    held = sum(s.length for s in lent)
+    shared = lent[: len(lent) - to_merge(lent, c.offset - held)]
+    return shared, c.own_views(sum(s.length for s in shared)), c.buffers
 
 
 def codec(kind: str) -> Codec:

@@ -55,6 +55,12 @@ ARCHS: dict[str, str] = {
     "baichuan_m1": f"CacheList(ArraysCache(size=2), RotatingKVCache(max_size={WINDOW})) sliding layer"
     " + CacheList(ArraysCache(size=2), KVCache) full layer",
 }
+# More families whose attention differs (plain KV caches): what a hit must work for as well.
+FAMILIES: dict[str, str] = {
+    "qwen2": "KVCache on every layer, attention biases",
+    "deepseek_v3": "multi-head latent attention: KVCache holding latents and rope keys",
+    "gemma2": "KVCache on every layer, its own softmax with logit soft-capping",
+}
 
 
 def _config(arch: str, vocab: int) -> dict:
@@ -246,7 +252,59 @@ def _config(arch: str, vocab: int) -> dict:
             "tie_word_embeddings": False,
             **common,
         }
-    raise ValueError(f"unknown arch {arch!r}; supported: {', '.join(ARCHS)}")
+    if arch == "deepseek_v3":  # multi-head latent attention: the cache holds latents and rope keys
+        return {
+            "model_type": "deepseek_v3",
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "n_routed_experts": 4,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 2,
+            "first_k_dense_replace": 1,  # layer 0 dense, layer 1 MoE
+            "n_group": 1,
+            "topk_group": 1,
+            "kv_lora_rank": 32,
+            "q_lora_rank": 48,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 16,
+            "qk_nope_head_dim": 16,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": False,
+            **common,
+        }
+    if arch == "gemma2":  # attends with its own softmax (logit soft-capping), not mlx-lm's attention
+        return {
+            "model_type": "gemma2",
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            **common,
+        }
+    if arch == "qwen2":
+        return {
+            "model_type": "qwen2",
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1_000_000.0,
+            "tie_word_embeddings": True,
+            **common,
+        }
+    raise ValueError(f"unknown arch {arch!r}; supported: {', '.join([*ARCHS, *FAMILIES])}")
 
 
 def build_arch_model(arch: str, path: Path, *, seed: int = 0, scale: float = 4.0) -> Path:
@@ -261,8 +319,8 @@ def build_arch_model(arch: str, path: Path, *, seed: int = 0, scale: float = 4.0
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; supported: {', '.join(ARCHS)}")
+    if arch not in ARCHS and arch not in FAMILIES:
+        raise ValueError(f"unknown arch {arch!r}; supported: {', '.join([*ARCHS, *FAMILIES])}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(path)
