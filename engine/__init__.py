@@ -18,6 +18,8 @@ _EXPORTS = {
     "GenerationResult": ".generation",
     "ModelError": ".models",
     "SamplingParams": ".sampling",
+    "ScoreResult": ".scoring",
+    "TokenLogprob": ".logprobs",
     "SessionError": ".sessions",
     "default_cache_dir": ".engine",
     "default_ram_budget": ".engine",

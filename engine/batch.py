@@ -1,41 +1,43 @@
 """Many prompts at once (`Engine.generate_batch`): the rows take and put through the
 same tiered cache as `generate`, a prefix several rows share is prefilled once, and
-the rows decode together in mlx-lm's `BatchGenerator`.
+the rows decode together.
 
 1. Each row takes its longest cached prefix (RAM, SSD, remote) as `generate` does.
 2. Where rows branch beyond what the cache held (the branching points of their
    token trie), the prefix they share is prefilled once and published; the rows
-   branch from it (views: nothing is copied until a row appends).
-3. Each row prefills the rest of its prompt but the last token on its own, as a
-   single generation does, so its prompt state is the one `generate` computes and
-   publishes (with the prompt snapshot of a window or recurrent model).
-4. The rows decode together: mlx-lm merges their caches into its batch caches
-   (left padded: a copy of every row's KV), `batch_size` rows at a time; the next
-   row joins when one finishes. Decoding at batch size B has B's numerics, so a
-   batch is exact against the same batch with the cache off, not against `generate`.
+   branch from it (views: nothing is copied).
+3. Rows of plain-KV models decode over their shared prefixes (batch_shared.py): each
+   prefix is held and attended to once for all its rows (no copy per row, no padding
+   of a row to another's prefix); the rows' own positions sit in one tail, their
+   prompts' rests prefilled together.
+4. Other models' rows (sliding windows, recurrent layers, a model attending to keys of
+   its own making) prefill their rests on their own and merge into mlx-lm's
+   `BatchGenerator` (batch_merged.py: left padded, a copy of every row's KV).
 5. A finished row publishes its state like a single generation.
 
-Cache kinds mlx-lm cannot batch (quantized KV, chunked attention), and vision-language
-models, run steps 3-5 row after row with `generate`'s own decode, after a notice. Row i samples with
-seed + i (or its own seed from a list), through the (seed, step) sampler of `generate`.
+Decoding B rows together has B's numerics, so a batch is exact against the same batch
+with the cache off and within rounding of each row run alone. Cache kinds mlx-lm cannot
+batch (quantized KV, chunked attention), and vision-language models, run row after row
+with `generate`'s own decode, after a notice. Row i samples with seed + i (or its own
+seed from a list), through the (seed, step) sampler of `generate`.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import mlx.core as mx
 
-from .sampling import GenerationError, SamplingParams, sample_logprobs
+from .sampling import GenerationError
 from .decoding import prefill
 from .kv.checkpoint import Checkpoint
-from .kv.caches import not_batchable
+from .batch_merged import MergedRows
+from .batch_shared import SharedPrefixRows
+from .kv.caches import not_batchable, shares_prefix
+from .kv.cascade import Unroutable, routing
 from .kv.tokens import branch_points
-from .memory import DECODE_CHECK_EVERY
 from .metrics import generation_stats
 from .models import LoadedModel
 from .cache.entry import Loan
@@ -126,6 +128,10 @@ class BatchRun:
                        else not_batchable(model.new_caches()))
         self.notice = (f"mlx-lm cannot batch {', '.join(unbatchable)} caches: the {len(self.rows)} rows run one "
                        "after another" if unbatchable else None)
+        # rows of plain-KV models attend to a shared prefix once (batch_rows.py); others merge in mlx-lm's batch
+        self.shared_prefix = self.notice is None and shares_prefix(model.new_caches())
+        self.mode = "serial" if self.notice else "shared-prefix" if self.shared_prefix else "batched"
+        self.generated = 0  # tokens the batch decoded so far (progress)
         self.t0 = 0.0
 
     def run(self) -> list[GenerationResult]:
@@ -139,7 +145,10 @@ class BatchRun:
                 if self.model.cache_notice is None:  # shared prefixes live in checkpoints: known cache classes only
                     self._look_up()
                     self._share()
-                self._serial() if self.notice else self._batched()
+                if self.notice:
+                    self._serial()
+                elif not (self.shared_prefix and self._shared()):
+                    self._batched()
         finally:
             for loan in self.loans:
                 loan.release()
@@ -198,17 +207,21 @@ class BatchRun:
         found = [b for b in self.branches if len(b.tokens) <= limit and body[: len(b.tokens)] == b.tokens]
         return max(found, key=lambda b: len(b.tokens), default=None)
 
-    def _prepare(self, row: Row) -> list:
-        """The row's caches holding its prompt but the last token: its loan or a branch, then its own prefill."""
+    def _start(self, row: Row) -> tuple:
+        """(caches holding what the row starts from, how many prompt tokens they hold): the longest
+        of its loan and the batch's shared prefixes; (None, 0) when neither holds anything."""
         body = tuple(row.tokens[:-1])
         branch = self._branch_for(body, len(body))
         if branch is not None and len(branch.tokens) > row.cached:
             start = len(branch.tokens)
-            caches = branch.checkpoint.lend(start)
             row.cached, row.source, row.shared = branch.cached, branch.source, start - branch.cached
-        else:
-            start = row.cached
-            caches = row.loan.caches if row.loan is not None else self.model.new_caches()
+            return branch.checkpoint.lend(start), start
+        return (row.loan.caches, row.cached) if row.loan is not None and row.cached else (None, 0)
+
+    def _prepare(self, row: Row) -> list:
+        """The row's caches holding its prompt but the last token: where it starts, then its own prefill."""
+        caches, start = self._start(row)
+        caches = caches if caches is not None else self.model.new_caches()
         t = time.perf_counter()
         self._prefill(caches, row.tokens[start:-1])
         row.prefill_s = time.perf_counter() - t
@@ -226,102 +239,35 @@ class BatchRun:
 
     # --- decoding ---
 
-    def _batched(self) -> None:
-        from mlx_lm.generate import BatchGenerator
+    def _shared(self) -> bool:
+        """The rows in waves of batch_size over their shared prefixes; False (nothing done) when the
+        model attends to keys of its own making: then the rows merge in mlx-lm's batch instead."""
+        for at in range(0, len(self.rows), self.batch_size):
+            rows = self.rows[at : at + self.batch_size]
+            wave = SharedPrefixRows(self, rows, [self._start(r) for r in rows])
+            with routing(self.model.model) as routed:
+                if not routed:
+                    return self._unshared("it does not attend through mlx-lm's attention") if at == 0 else False
+                try:
+                    wave.run_wave()
+                except Unroutable as e:
+                    if at or any(r.result for r in rows):
+                        raise
+                    return self._unshared(str(e))
+                except BaseException:
+                    if self.use_cache:
+                        wave.keep_unfinished()
+                    raise
+        return True
 
-        size = min(self.batch_size, len(self.rows))
-        gen = BatchGenerator(self.model.model, stop_tokens=[[t] for t in sorted(self.model.eos_token_ids)],
-                             prefill_batch_size=size, completion_batch_size=size,
-                             prefill_step_size=self.services.prefill_chunk)
-        pending, active, finished = deque(self.rows), {}, []
-        total = sum(r.gen.req.params.max_tokens for r in self.rows)
-        generated = 0
-        try:
-            for step in itertools.count():
-                joined = []
-                while pending and len(active) < size:  # a row joins as another finishes
-                    row = pending.popleft()
-                    p = row.gen.req.params
-                    [uid] = gen.insert([row.tokens[-1:]], max_tokens=[p.max_tokens], caches=[self._prepare(row)],
-                                       all_tokens=[row.tokens[:-1]], samplers=[_sampler(p)])
-                    active[uid] = row
-                    joined.append(row)
-                if not active:
-                    break
-                responses = gen.next_generated()
-                if not responses:
-                    raise RuntimeError("mlx-lm's BatchGenerator stopped before every row finished")
-                for row in joined:  # merged into the batch caches (a copy): the row's own caches can go
-                    if row.loan is not None:
-                        row.loan.release()
-                now = time.perf_counter()
-                for r in responses:
-                    generated += 1
-                    if self._add_token(active[r.uid], r, now):
-                        if r.finish_reason is None:  # a stop string: out of the batch, with its state
-                            caches, known = gen.remove([r.uid], return_prompt_caches=True)[r.uid]
-                        else:
-                            caches, known = r.prompt_cache, r.all_tokens
-                        finished.append((active.pop(r.uid), caches, known))
-                while finished:  # the others' states are kept even if a callback raises
-                    self._finish(*finished.pop(0))
-                if step and step % DECODE_CHECK_EVERY == 0:
-                    self.services.memory.check("decode")
-                if self.on_progress is not None:
-                    self.on_progress("decode", generated, total)
-        except BaseException:
-            if self.use_cache:
-                self._keep_unfinished(gen, active, finished)
-            raise
-        finally:
-            gen.close()
-
-    @staticmethod
-    def _add_token(row: Row, r, now: float) -> bool:
-        """Record one generated token; True when the row is done."""
-        g = row.gen
-        g.times.append(now)
-        g.decoded.tokens.append(r.token)
-        if r.finish_reason == "stop":  # one of the model's end tokens (not shown, as in `generate`)
-            g.decoded.finish_reason = "eos"
-            return True
-        g.stream.add(r.token)
-        if g.stream.stopped or r.finish_reason == "length":
-            g.decoded.finish_reason = "stop" if g.stream.stopped else "length"
-            return True
+    def _unshared(self, why: str) -> bool:
+        self.shared_prefix, self.mode = False, "batched"
+        self.services.events.emit("notice", model=self.model.name,
+                                  message=f"rows copy their shared prefix into mlx-lm's batch: {why}")
         return False
 
-    def _finish(self, row: Row, caches: list, known: list) -> None:
-        self._publish(row, caches, known)
-        self._result(row)
-
-    def _publish(self, row: Row, caches: list, known: list) -> None:
-        g = row.gen
-        g.stream.finish()
-        g.decode_ran, g.decoded.forwarded = True, len(g.decoded.tokens)  # a batch forwards every emitted token
-        if self.use_cache:
-            if list(known) == g.known_tokens():
-                g.publish_final(caches)
-            else:  # never publish a state under tokens it may not hold
-                self.services.events.emit("publish_skipped", ns=self.ns, row=row.index, reason="token mismatch")
-
-    def _keep_unfinished(self, gen, active: dict, finished: list) -> None:
-        """An interrupted batch publishes the rows mlx-lm finished, and what its unfinished rows
-        computed (cut back to the tokens they hold), so a rerun continues there."""
-        for row, caches, known in finished:
-            try:
-                self._publish(row, caches, known)
-            except Exception:
-                pass  # never mask the interrupt
-        try:
-            extracted = gen.extract_cache(list(active))
-        except Exception:
-            return
-        for uid, (caches, known) in extracted.items():
-            try:
-                active[uid].gen.publish_interrupted(list(known), caches)
-            except Exception:
-                pass  # never mask the interrupt
+    def _batched(self) -> None:
+        MergedRows(self).run()
 
     def _serial(self) -> None:
         """Rows one after another with `generate`'s decode (caches mlx-lm cannot batch)."""
@@ -346,9 +292,9 @@ class BatchRun:
             if row.loan is not None:
                 row.loan.release()
             before += len(g.times)
-            self._result(row)
+            self.result(row)
 
-    def _result(self, row: Row) -> None:
+    def result(self, row: Row) -> None:
         g = row.gen
         stats = generation_stats(
             prompt_tokens=len(row.tokens), cached=row.cached, source=row.source, prefilled=row.prefilled,
@@ -357,18 +303,10 @@ class BatchRun:
             peak_memory=int(mx.get_peak_memory()) if hasattr(mx, "get_peak_memory") else None,
         )
         stats.update(batch_index=row.index, batch_rows=len(self.rows), batch_shared_tokens=row.shared,
-                     batch_mode="serial" if self.notice else "batched")
+                     batch_mode=self.mode)
         self.services.metrics.record(self.ns, stats)
-        row.result = GenerationResult(g.stream.text, list(g.decoded.tokens), stats, list(row.tokens))
+        logprobs = g.decoded.logprobs if g.req.params.logprobs is not None else None
+        row.result = GenerationResult(g.stream.text, list(g.decoded.tokens), stats, list(row.tokens), logprobs)
         self.services.events.emit("generation", **{k: v for k, v in stats.items() if not isinstance(v, (list, dict))})
         if self.on_row is not None:
             self.on_row(row.index, row.result)
-
-
-def _sampler(params: SamplingParams):
-    """mlx-lm's per-row sampler: None (its greedy argmax, one call for the batch) or `generate`'s
-    (seed, step) draw, one step per call."""
-    if params.temperature == 0:
-        return None
-    steps = itertools.count()
-    return lambda logprobs: sample_logprobs(logprobs, params, next(steps))

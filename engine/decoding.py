@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 
+from .logprobs import log_softmax, pick, read
 from .sampling import SamplingParams, sample
 
 
@@ -35,6 +36,7 @@ def prefill(
 @dataclass
 class DecodeResult:
     tokens: list = field(default_factory=list)  # emitted token ids
+    logprobs: list = field(default_factory=list)  # TokenLogprob per emitted token, when asked for
     forwarded: int = 0  # how many emitted tokens the caches hold
     finish_reason: str = "length"  # length | eos | stop | interrupted
 
@@ -63,14 +65,16 @@ def decode(
     boundary any cache kind can capture without cutting).
     """
 
-    def forward(inputs: mx.array, step: int) -> mx.array:
+    def forward(inputs: mx.array, step: int) -> tuple:
         logits = model(inputs, cache=caches)[:, -1, :]
-        return sample(logits, params, step)
+        y = sample(logits, params, step)
+        picked = pick(log_softmax(logits), y, params.logprobs) if params.logprobs is not None else None
+        return y, picked
 
     result = into if into is not None else DecodeResult()
     remaining = params.max_tokens - first_step
-    y = forward(mx.array(list(pending))[None], first_step)
-    mx.eval(y)
+    y, picked = forward(mx.array(list(pending))[None], first_step)
+    mx.eval(_arrays((y, picked)))
     step = first_step
     try:
         while True:
@@ -81,10 +85,12 @@ def decode(
             # queueing a step costs most of a step, and TTFT would pay it.
             if result.tokens and not last and not (sync_at is not None and sync_at(step)):
                 next_y = forward(y[:, None], step + 1)
-                mx.async_eval(next_y)
+                mx.async_eval(_arrays(next_y))
                 result.forwarded += 1
             token = y.item()
             result.tokens.append(token)
+            if picked is not None:
+                result.logprobs += read([token], picked)
             if token in eos_ids:
                 result.finish_reason = "eos"
                 break
@@ -96,9 +102,9 @@ def decode(
                 break
             if next_y is None:
                 next_y = forward(y[:, None], step + 1)
-                mx.async_eval(next_y)
+                mx.async_eval(_arrays(next_y))
                 result.forwarded += 1
-            y = next_y
+            y, picked = next_y
             step += 1
     except KeyboardInterrupt:
         result.finish_reason = "interrupted"
@@ -106,6 +112,12 @@ def decode(
     finally:
         mx.eval([c.state for c in caches])
     return result
+
+
+def _arrays(step: tuple) -> list:
+    """The arrays of a step's (token, picked log-probabilities)."""
+    y, picked = step
+    return [y] + [a for a in (picked or ()) if a is not None]
 
 
 class TextStream:

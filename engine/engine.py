@@ -34,6 +34,7 @@ from .metrics import AccessTrace, GenerationMetrics
 from .models import IdentityMemo, LoadedModel, ModelRegistry
 from .named_checkpoints import NamedCheckpoints
 from .prompts import encode_prompt
+from .scoring import ScoreResult, score
 from .generation import Generation, GenerationResult, Request, Services
 from .sessions import Sessions
 from .user_states import UserStates
@@ -225,6 +226,18 @@ class Engine:
         self.last_result = results[-1]
         return results
 
+    def score(self, context, continuations: Sequence, *, model: str | None = None, raw: bool = True,
+              system: str | None = None, use_cache: bool = True) -> list[ScoreResult]:
+        """The log-likelihood of each continuation given the context, in order (lm-eval's
+        loglikelihood: `.logprob`, `.token_logprobs`, `.greedy`). Strings are tokenized as lm-eval
+        does; token ids pass through. raw=False: the context is a chat turn (the template with its
+        generation prompt) and each continuation the assistant's reply. The context comes from the
+        cache (or is prefilled once) and every continuation goes in one batch over it (scoring.py)."""
+        self._check_open()
+        self.poll(prepare=False)
+        return score(self.services, self.models.get(model), context, continuations, raw=raw, system=system,
+                     use_cache=use_cache)
+
     def generate_tokens(
         self, tokens: Sequence[int], params: SamplingParams, *, model: str | None = None, **options
     ) -> GenerationResult:
@@ -243,6 +256,8 @@ class Engine:
         every = req.checkpoint_every
         if every is not None and (not isinstance(every, int) or every < 1):
             raise GenerationError(f"checkpoint_every must be an integer >= 1, got {every!r}")
+        if every is not None and params.logprobs is not None:
+            raise GenerationError("logprobs are not kept by in-flight checkpoints: use checkpoint_every or logprobs")
         if every is not None and not self.cache.has_ssd:
             raise GenerationError("checkpoint_every needs the SSD tier (the engine was started with ssd=False)")
         self.last_result = Generation(self.services, req).run()

@@ -55,6 +55,7 @@ class GenerationResult:
     tokens: list
     stats: dict
     prompt_tokens: list = field(default_factory=list, repr=False)
+    logprobs: list | None = field(default=None, repr=False)  # TokenLogprob per token, with logprobs=K
 
     def __str__(self) -> str:
         return self.text
@@ -154,7 +155,8 @@ class Generation:
         if req.media is not None:
             stats.update(req.media.stats(cached, loan.source if loan else None))
         self.services.metrics.record(req.ns, stats)
-        return GenerationResult(self.stream.text, self.emitted + self.decoded.tokens, stats, list(req.tokens))
+        logprobs = self.decoded.logprobs if req.params.logprobs is not None else None
+        return GenerationResult(self.stream.text, self.emitted + self.decoded.tokens, stats, list(req.tokens), logprobs)
 
     # --- steps ---
 
@@ -262,14 +264,16 @@ class Generation:
         return self.req.tokens + self.emitted + self.decoded.tokens[: self.decoded.forwarded]
 
     def publish_final(self, caches: list) -> None:
+        self.publish_state(Checkpoint.capture(self.known_tokens(), caches))
+
+    def publish_state(self, cp: Checkpoint) -> None:
+        """Publish the generation's final state (and queue what is dirty)."""
         req = self.req
-        final = self.known_tokens()
-        entry = self.cache.put(Checkpoint.capture(final, caches), req.ns, session=req.session,
-                               prompt_tokens=len(req.tokens))
+        entry = self.cache.put(cp, req.ns, session=req.session, prompt_tokens=len(req.tokens))
         if entry is not None:
-            self.services.on_published((req.ns, tuple(final)))
-            self.services.trace.record(req.ns, req.tokens, len(final), entry.checkpoint.kv_bytes / len(final),
-                                     self.services.metrics.prefill_rate.get(req.ns))
+            self.services.on_published((req.ns, tuple(cp.tokens)))
+            self.services.trace.record(req.ns, req.tokens, len(cp.tokens), entry.checkpoint.kv_bytes / len(cp.tokens),
+                                       self.services.metrics.prefill_rate.get(req.ns))
         self.cache.queue_dirty()  # the prompt snapshot too, unless the final one superseded it
 
     def publish_interrupted(self, known: list, caches: list) -> None:

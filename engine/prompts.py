@@ -23,3 +23,11 @@ def encode_prompt(tok, prompt: str, *, system: str | None = None, raw: bool = Fa
     if session is not None:  # keep the ids the model generated for earlier replies
         return session.encode_rendered(text, tok)
     return list(tok.encode(text, add_special_tokens=False))
+
+
+def render_turn(tok, prompt: str, *, system: str | None = None) -> str:
+    """One user turn through the chat template, up to where the assistant's reply begins (text)."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    if not getattr(tok, "chat_template", None):
+        return "\n".join(msg["content"] for msg in messages)
+    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

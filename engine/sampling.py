@@ -13,14 +13,17 @@ import mlx.core as mx
 
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
+from .logprobs import MAX_TOP
+
 
 class GenerationError(ValueError):
     """Bad generation input, with a message naming the problem."""
 
 
-def _option(default, *flags: str, help: str, repeat: bool = False):
+def _option(default, *flags: str, help: str, repeat: bool = False, type=None):
     """A sampling option: its default, and how the magics spell it (flags, help; repeat: a list)."""
-    return field(default=default, metadata={"flags": flags, "help": help, "repeat": repeat})
+    return field(default=default, metadata={"flags": flags, "help": help, "repeat": repeat,
+                                            "type": type or (default.__class__ if default is not None else str)})
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,9 @@ class SamplingParams:
     top_k: int = _option(0, "--top-k", help="keep the k most likely tokens; 0 = all (default)")
     seed: int = _option(0, "--seed", "-s", help="sampling seed; same seed, same text (default 0)")
     stop: tuple = _option((), "--stop", help="stop string (repeatable)", repeat=True)
+    logprobs: int | None = _option(None, "--logprobs", type=int,
+                                   help=f"record each token's log-probability and the K most likely alternatives "
+                                        f"(0: the token's alone; at most {MAX_TOP})")
 
     @classmethod
     def of(cls, **options) -> "SamplingParams":
@@ -70,11 +76,20 @@ class SamplingParams:
             raise GenerationError(f"seed must be an integer >= 0, got {self.seed!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise GenerationError("stop strings must be non-empty strings")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_TOP):
+            raise GenerationError(f"logprobs must be an integer from 0 to {MAX_TOP} (alternatives per token), "
+                                  f"got {self.logprobs!r}")
+        if self.logprobs is not None and vocab_size is not None and self.logprobs > vocab_size:
+            raise GenerationError(f"logprobs must be at most the vocabulary size {vocab_size}")
         return self
 
     def as_dict(self) -> dict:
+        """The options as JSON (a resume record's identity): logprobs only when asked for."""
         d = asdict(self)
         d["stop"] = list(self.stop)
+        if d["logprobs"] is None:
+            del d["logprobs"]
         return d
 
 

@@ -71,3 +71,18 @@ def hit_summary(caches: list) -> dict:
             inner = CODECS[kind].inner(c)
             out.update(hit_summary(inner) if inner else {kind: CODECS[kind].hit})
     return out
+
+
+def shares_prefix(caches: list) -> bool:
+    """Whether batch rows of these caches can attend to a shared prefix once (every layer plain KV)."""
+    return bool(caches) and all(kind_of(c) in CODECS and CODECS[kind_of(c)].shares_prefix for c in caches)
+
+
+def lent_segments(c) -> list:
+    """The segments a borrowed cache was lent (shared, never written), covering what it holds."""
+    return c.lent_segments()
+
+
+def published_layer(like, lent: list, own: tuple, n: int):
+    """A layer of n positions of `like`'s kind: lent segments, then a batch row's own arrays."""
+    return codec(kind_of(like)).published(lent, own, n)

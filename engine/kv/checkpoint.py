@@ -94,6 +94,14 @@ class Checkpoint:
         cp._check_length()
         return cp
 
+    @classmethod
+    def of_layers(cls, tokens: Sequence[int], layers: tuple) -> "Checkpoint":
+        """A checkpoint of layer states built elsewhere (a batch row's: kv/cascade.py), evaluated."""
+        mx.eval([a for l in layers for s in l.all_segments() for a in s.arrays])
+        cp = cls(tuple(int(t) for t in tokens), tuple(layers), _held_bytes(layers, {}), 0, {})
+        cp._check_length()
+        return cp
+
     def _check_length(self) -> None:
         for layer in self.layers:
             n = layer.meta.get("offset")

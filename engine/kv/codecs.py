@@ -1,24 +1,18 @@
 """One codec per mlx-lm cache class: the only module that names those classes.
 
-A codec answers every question the cache asks about one layer: how to
-capture a live cache object into a `LayerState` (evaluated arrays cut to
-the tokens they encode, plus JSON-able scalars), how to lend a fresh cache
-object over views of that state, whether the state can serve a shorter
-prefix of itself (trimmable), from which offset on it is valid (minimum
-reusable offset), and what its arrays are called. Everything else
-(checkpoint, RAM tier, SSD format, inspection) asks the codec by the class
-name stored in the layer (`LayerState.kind`).
+A codec answers every question the cache asks about one layer: how to capture a live cache into a
+`LayerState` (evaluated arrays cut to the tokens they encode, plus JSON-able scalars), how to lend a
+fresh cache over views of that state, whether the state can serve a shorter prefix of itself, from
+which offset on it is valid, and what its arrays are called. Everything else (checkpoint, RAM tier,
+SSD format, inspection) asks the codec named by the layer's `LayerState.kind`.
 
-A layer's arrays are `Segment`s along the token axis (borrowed.py): one for
-every kind but plain and quantized KV, whose borrowers (`BorrowedKVCache`,
-`BorrowedQuantizedKVCache`) keep the lender's segments and add their own, so
-a branch of a cached document holds the document once. Each segment names the `Buffer` it is a view of: RAM
-accounting counts a buffer once, however many checkpoints share it.
+A layer's arrays are `Segment`s along the token axis (borrowed.py): one for every kind but plain and
+quantized KV, whose borrowers keep the lender's segments and add their own, so a branch of a cached
+document holds the document once. RAM accounting counts a segment's `Buffer` once.
 
-Immutability: mlx-lm caches update by slice assignment (`keys[..., i, :] =
-...`), which rebinds the array object it is applied to. Two owners holding
-the same array object would see each other's writes, so capture and lend
-always hand out new array objects (views: no copy until someone writes).
+Immutability: mlx-lm caches update by slice assignment, which rebinds the array object it is applied
+to; two owners of one array object would see each other's writes, so capture and lend always hand
+out new array objects (views: no copy until someone writes).
 """
 
 from __future__ import annotations
@@ -39,6 +33,7 @@ class Codec:
     roles: tuple = ()  # names of the arrays, for inspection
     always_cuttable = False  # any live state can be cut back to any shorter prefix
     hit = "a copy of the cached state"  # what a borrower of this kind holds after a hit (%model info)
+    shares_prefix = False  # batch rows over one lent prefix of this kind attend to it once (kv/cascade.py)
 
     def capture(self, c: Any, copy: bool = False) -> LayerState:
         """The state of live cache `c`: views, or (copy) copies of what it may still write."""
@@ -115,6 +110,7 @@ class PlainKV(Codec):
     always_cuttable = True
     hit = ("the cached prefix shared, copied once into a buffer of its own at its first append (none when "
            "a rerun takes the entry's place); then mlx-lm's KVCache and the model's own attention")
+    shares_prefix = True
 
     def capture(self, c, copy=False):
         if isinstance(c, BorrowedKVCache):
@@ -132,11 +128,7 @@ class PlainKV(Codec):
     def trimmable(self, meta):
         return True
 
-    def linear(self, meta):
-        return True
-
-    def can_hand_over(self, layer):
-        return True
+    linear = can_hand_over = trimmable
 
     def batch_blockers(self, c):
         return []
@@ -146,6 +138,10 @@ class PlainKV(Codec):
 
     def empty_like(self, c):
         return lm_cache.KVCache()
+
+    def published(self, lent: list, own: tuple, n: int) -> LayerState:
+        """The state of n positions: `lent` segments (shared) and then `own` arrays (a batch row's)."""
+        return LayerState(self.kind, tuple(lent) + (_own(own, (), False) if own else ()), {"offset": n})
 
     def hand_over(self, layer, n, in_place):
         """For a borrower that takes this state's place. in_place: it may append into the

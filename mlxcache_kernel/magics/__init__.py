@@ -8,7 +8,7 @@ model or empty cell ends in one UsageError line; the engine keeps working.
 ``generate.py`` owns ``%%generate``, ``batch.py`` its ``--batch``/``--n`` rows, ``prompt.py``
 the interpolation both use, ``output.py`` their streaming and progress, ``footer.py``
 its result and footer (words and bar), ``admin.py`` the other magics,
-``memo.py`` ``%memo`` (the results of ``@memo``), ``help.py`` their examples
+``score.py`` ``%%score``, ``memo.py`` ``%memo`` (the results of ``@memo``), ``help.py`` their examples
 and the cheat sheet, ``tables.py`` how they show rows, ``base.py`` the Engine they share. ``MLXCacheMagics`` is all of them on one Engine.
 """
 
@@ -21,10 +21,11 @@ from .generate import GenerateMagics
 from .prompt import interpolate
 from .help import HelpMagics
 from .memo import MemoMagics
+from .score import ScoreMagics
 
 __all__ = ["MLXCacheMagics", "CellResult", "interpolate"]
 
 
 @combined_magics
-class MLXCacheMagics(GenerateMagics, AdminMagics, MemoMagics, HelpMagics):
+class MLXCacheMagics(GenerateMagics, ScoreMagics, AdminMagics, MemoMagics, HelpMagics):
     """Every mlxcache magic over one Engine, created on first use from the ``MLXCache`` settings."""

@@ -167,7 +167,7 @@ def sampling_arguments(func):
         if meta["repeat"]:
             func = argument(*meta["flags"], action="append", default=[], help=meta["help"])(func)
         else:
-            func = argument(*meta["flags"], type=type(f.default), default=f.default, help=meta["help"])(func)
+            func = argument(*meta["flags"], type=meta["type"], default=f.default, help=meta["help"])(func)
     return func
 
 

@@ -178,6 +178,8 @@ def table(index: list, names: list, prompts: list[str], results: list, seeds: li
                "ttft_s": s.get("ttft_s"), "tok_s": s.get("decode_tokens_per_s"), "finish": s.get("finish_reason")}
         if seeds is not None:
             row["seed"] = seed
+        if r.logprobs is not None:  # --logprobs: how sure the model was of the row's text (each token's in .attrs)
+            row["logprob"] = round(sum(lp.logprob for lp in r.logprobs), 4)
         rows.append(row)
     try:
         import pandas as pd

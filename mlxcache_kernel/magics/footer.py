@@ -8,6 +8,7 @@ decode speed after it). Inline HTML/CSS, no front-end build.
 from __future__ import annotations
 
 import html
+import math
 
 from .tables import fmt_s
 
@@ -76,11 +77,14 @@ class CellResult:
     ``str()`` is the text.
     """
 
-    def __init__(self, result, *, prompt: str, model: str | None, session: str | None, use_cache: bool):
+    def __init__(self, result, *, prompt: str, model: str | None, session: str | None, use_cache: bool,
+                 tokenizer=None):
         self.result = result
         self.text = result.text
         self.tokens = list(result.tokens)
         self.stats = dict(result.stats)
+        self.logprobs = result.logprobs  # TokenLogprob per token with --logprobs, else None
+        self._pieces = logprob_pieces(tokenizer, self.logprobs) if self.logprobs and tokenizer else []
         self.prompt = prompt
         self.model = model
         self.session = session
@@ -117,7 +121,38 @@ class CellResult:
         return self.footer()
 
     def _repr_pretty_(self, p, cycle) -> None:
-        p.text(self.footer())
+        p.text(logprob_text(self._pieces) + self.footer() if self._pieces else self.footer())
 
     def _repr_html_(self) -> str:
-        return footer_html(self.stats, self.footer())
+        return (logprob_html(self._pieces) if self._pieces else "") + footer_html(self.stats, self.footer())
+
+
+def logprob_pieces(tokenizer, logprobs: list) -> list[dict]:
+    """Per token: its text, log-probability, probability and its alternatives' texts (for display)."""
+    def text(t: int) -> str:
+        return tokenizer.decode([t])
+
+    return [{"text": text(lp.token), "logprob": lp.logprob, "p": math.exp(lp.logprob),
+             "top": [(text(t), math.exp(v)) for t, v in lp.top]} for lp in logprobs]
+
+
+def logprob_text(pieces: list[dict]) -> str:
+    """A table: each token, its log-probability and probability, and its most likely alternatives."""
+    lines = ["token                 logprob      p   alternatives"]
+    for r in pieces:
+        alts = ", ".join(f"{t!r} {p:.0%}" for t, p in r["top"][:5])
+        lines.append(f"{r['text']!r:20.20}  {r['logprob']:8.3f}  {r['p']:5.0%}   {alts}")
+    return "\n".join(lines) + "\n"
+
+
+def logprob_html(pieces: list[dict]) -> str:
+    """The text as a band of tokens, each shaded by how sure the model was (red: unsure), its
+    log-probability and alternatives on hover."""
+    spans = []
+    for r in pieces:
+        alts = " · ".join(f"{t!r} {p:.1%}" for t, p in r["top"])
+        tip = f"logprob {r['logprob']:.3f} ({r['p']:.1%})" + (f" | {alts}" if alts else "")
+        shade = f"rgba(229,57,53,{0.55 * (1 - r['p']):.2f})"
+        spans.append(f"<span class='mlxc-token' title='{html.escape(tip, quote=True)}' data-logprob='{r['logprob']:.4f}'"
+                     f" style='background:{shade};white-space:pre-wrap'>{html.escape(r['text'])}</span>")
+    return f"<div class='mlxc-logprobs' style='font-family:monospace;line-height:1.6'>{''.join(spans)}</div>"

@@ -95,6 +95,8 @@ class GenerateMagics(EngineMagics):
             return run_batch(self, args, cell, in_kernel=_in_kernel(self.shell))
         if args.checkpoint_every is not None and args.checkpoint_every < 1:
             raise UsageError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
+        if args.checkpoint_every is not None and args.logprobs is not None:
+            raise UsageError("--logprobs and --checkpoint-every do not go together (a resume keeps no log-probabilities)")
         if args.checkpoint_every is not None and args.no_cache:
             raise UsageError("--checkpoint-every needs the cache; drop --no-cache")
         prompt = self._prompt(cell, literal=args.literal)
@@ -111,7 +113,8 @@ class GenerateMagics(EngineMagics):
                 raise UsageError("this engine does not support --checkpoint-every yet")
             kwargs["checkpoint_every"] = args.checkpoint_every
         result = self._run(prompt, kwargs, resumable=args.checkpoint_every is not None)
-        gen = CellResult(result, prompt=prompt, model=model_name, session=args.session, use_cache=not args.no_cache)
+        gen = CellResult(result, prompt=prompt, model=model_name, session=args.session, use_cache=not args.no_cache,
+                         tokenizer=eng.models.get(model_name).tokenizer)
         self.last = gen
         if args.out:
             self.shell.user_ns[args.out] = gen

@@ -32,6 +32,16 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%%generate --batch questions", "the cell is a template: one row per item ({item}); a table of results"),
         ("%%generate --batch df --out answers", "{question} names a column of DataFrame df; answers keeps the table"),
         ("%%generate --n 4 --temperature 0.8", "4 samples of one prompt (seeds 0..3) from one prefill"),
+        ("%%generate --logprobs 5", "each token's log-probability and its 5 most likely alternatives (r.logprobs)"),
+    ],
+    "score": [
+        ("%%score options", "the cell is the context; rank the strings of list `options` by log-likelihood"),
+        ("%%score options --out ranked", "keep the ranked results (.logprob, .token_logprobs, .greedy)"),
+        ("%%score options --chat", "the cell is a chat turn; each option the assistant's reply"),
+        ("%%score options --chat --system 'Be brief.'", "with a system prompt"),
+        ("%%score options --model small", "score with the model loaded as 'small'"),
+        ("%%score options --no-cache", "neither look up nor publish the context's cache"),
+        ("%%score options --literal", "no {name} interpolation in the cell"),
     ],
     "model": [
         ("%model load", "the configured default model (SmolLM2-135M-Instruct unless set)"),
@@ -112,8 +122,10 @@ mlxcache: a resident model and a RAM/SSD prompt cache. Add ? to any magic for ev
       {{name}} writes a literal {name}; --literal turns interpolation off
       --batch VAR: the cell is a template over a list/Series/DataFrame ({item}, {col}) -> a table
       --n K: K samples of the prompt from one prefill (seeds s..s+K-1)
+      --logprobs K: each token's log-probability and K alternatives
       the footer: prompt tokens from RAM / SSD / prefilled, TTFT, tok/s
 
+  %%score OPTIONS [--chat] [--out r]              rank the strings of list OPTIONS as continuations of the cell
   %session new|list|show|switch|reset|close ID    multi-turn chats (%%generate --session ID)
   %checkpoint save|list|restore|rm NAME           named states no budget evicts
   %cache stats | ls [--all] [--model M] [--session S] | flush | clear [--ssd] | gc | verify | config

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -90,7 +89,8 @@ def test_batch_from_the_cache_is_the_batch_without_it(arch_model, tmp_path):
             if cold is not None:
                 assert tokens(cold) == expected[mode], f"{arch}: cold batch"
                 assert eng.stats()["engine_prefilled_tokens"] - before == computed_once(PROMPTS), arch
-                assert {r.stats["batch_mode"] for r in cold} == {"serial" if serial_kind else "batched"}
+                mode_want = "serial" if serial_kind else "shared-prefix" if arch == "llama" else "batched"
+                assert {r.stats["batch_mode"] for r in cold} == {mode_want}
                 shared = [r.stats["batch_shared_tokens"] for r in cold]
                 assert shared[4] == 0 and min(shared[:4]) >= len(DOC), shared
             phases = set()
@@ -160,6 +160,8 @@ def test_bad_batches_are_clear_errors(eng):
         eng.generate_batch(["a", "b"], max_tokens=2, batch_size=0)
     with pytest.raises(GenerationError, match="max_tokens"):
         eng.generate_batch(["a"], max_tokens=0)
+    with pytest.raises(GenerationError, match="logprobs must be an integer from 0 to 20"):
+        eng.generate_batch(["a", "b"], max_tokens=2, logprobs=64)
     assert eng.generate_batch(["still works"], max_tokens=2)[0].tokens
 
 
@@ -231,22 +233,32 @@ def test_progress_and_rows_as_they_finish(eng):
 
 
 def test_rows_branch_from_a_shared_document_without_copying_it(eng, monkeypatch):
-    from mlxcache_kernel.engine.batch import BatchRun
+    """Rows over one document hold it once: the batch's caches keep the document's keys as one
+    prefix and each row's own positions in the tails (no copy per row); each row's published state
+    shares the document's buffers."""
+    from mlxcache_kernel.engine.batch_shared import SharedPrefixRows
 
     doc = ids(1000, 7)
     prompts = [doc + ids(5, 40 + i) for i in range(3)]
-    own, real = [], BatchRun._prepare
+    held, real = [], SharedPrefixRows._decode
 
-    def prepare(run, row):  # what the row's own caches hold as it joins the batch
-        caches = real(run, row)
-        own.append(sum(int(c.nbytes) for c in caches))
-        return caches
+    def decode(wave):  # what the batch's caches hold once the rows' prompts are in
+        held.append((sum(int(t.nbytes) for c in wave.layers for t in c.tails),
+                     {id(p[0]) for c in wave.layers for p in c.prefixes if p is not None}))
+        return real(wave)
 
-    monkeypatch.setattr(BatchRun, "_prepare", prepare)
+    monkeypatch.setattr(SharedPrefixRows, "_decode", decode)
     rs = eng.generate_batch(prompts, max_tokens=4)
     assert [r.stats["batch_shared_tokens"] for r in rs] == [len(doc)] * 3
+    assert {r.stats["batch_mode"] for r in rs} == {"shared-prefix"}
     entry = max(eng.cache.entries(), key=lambda e: len(e.tokens))
     doc_bytes = entry.checkpoint.kv_bytes * len(doc) // len(entry.tokens)
-    assert len(own) == 3 and max(own) < doc_bytes / 2, (own, doc_bytes)  # a tail of their own, not the document
+    [(tails, prefixes)] = held
+    assert tails < doc_bytes and len(prefixes) == len(entry.checkpoint.layers), (tails, doc_bytes)  # 3 rows < 1 doc
+    rows = [e for e in eng.cache.entries() if len(e.tokens) > len(doc) + 1]
+    first = {id(e.checkpoint.layers[0].segments[0].buffer) for e in rows}
+    assert len(rows) == 3 and len(first) == 1  # one document buffer under every row
+    assert all(e.checkpoint.kv_bytes - e.checkpoint.layers[0].segments[0].nbytes * len(e.checkpoint.layers)
+               < doc_bytes / 10 for e in rows)
     monkeypatch.undo()
     assert tokens(rs) == tokens(eng.generate_batch(prompts, max_tokens=4, use_cache=False))

@@ -148,6 +148,6 @@ def test_batch_through_the_kernel(kernel):
     assert res["status"] == "ok" and "[mlxcache] 4 rows" in res["stream"], res
     res = kernel.execute("print(len(a), len(b), list(c['seed']), int(b['ram'].sum()) > 0, "
                          "[r.stats['batch_mode'] for r in c.attrs['results']])")
-    assert res["stream"].strip() == "2 3 [0, 1, 2, 3] True ['batched', 'batched', 'batched', 'batched']", res
+    assert res["stream"].strip() == "2 3 [0, 1, 2, 3] True ['shared-prefix', 'shared-prefix', 'shared-prefix', 'shared-prefix']", res
     res = kernel.execute(f"{GEN} --batch df\n{{qq}}")
     assert res["status"] == "error" and "template field {qq}" in res["error"][1], res
