@@ -21,7 +21,7 @@ _EXPORTS = {
     "ScoreResult": ".scoring",
     "TokenLogprob": ".logprobs",
     "SessionError": ".sessions",
-    "default_cache_dir": ".engine",
+    "default_cache_dir": ".config",
     "default_ram_budget": ".engine",
 }
 __all__ = sorted(_EXPORTS)

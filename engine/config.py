@@ -20,6 +20,7 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
@@ -158,6 +159,16 @@ def _option(name: str, spec: dict) -> Option:
     setting = f"{name}_file" if spec["kind"] == "secret" else name.removesuffix("_bytes")
     env = spec.pop("env") or "MLXCACHE_" + (name if spec["kind"] == "secret" else setting).upper()
     return Option(env=env, setting=setting, **spec)
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mlxcache-kernel"
+
+
+def cache_dir_from_env(env: Mapping[str, str] = os.environ) -> Path:
+    """The cache directory a kernel started with `env` uses (MLXCACHE_CACHE_DIR, else the default)."""
+    return Path(env.get("MLXCACHE_CACHE_DIR") or default_cache_dir()).expanduser()
 
 
 @dataclass(frozen=True)

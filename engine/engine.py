@@ -20,7 +20,7 @@ from . import cache_admin
 from .cache.objects.cache import ObjectCache
 from .cache.catalog.database import CatalogBusy
 from .cache.remote import RemoteConfigError, resolve as resolve_remote
-from .config import EngineConfig
+from .config import EngineConfig, default_cache_dir  # noqa: F401 (engine.default_cache_dir)
 from .cache.remote.link import attach as attach_remote, close as close_remote, flush as flush_remote
 from .cache.tiered import TieredPromptCache
 from .events import EventBus
@@ -42,11 +42,6 @@ from .system import make_private_dir, physical_memory
 
 _UNSET = object()  # a keyword not given: the environment's value, else the default
 REMOTE_CLOSE_S = 5.0  # close() waits this long for remote publications, then says what was not published
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "mlxcache-kernel"
 
 
 def default_ram_budget() -> int:

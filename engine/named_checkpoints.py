@@ -32,6 +32,13 @@ class NamedCheckpoints:
     def __init__(self, directory: Path | None):
         self.dir = make_private_dir(directory) if directory is not None else None
 
+    @classmethod
+    def reading(cls, directory: Path) -> "NamedCheckpoints":
+        """The records as another process reads them (the panel): nothing created or changed."""
+        names = cls(None)
+        names.dir = Path(directory) if Path(directory).is_dir() else None
+        return names
+
     def _path(self, name: str) -> Path:
         if self.dir is None:
             raise CheckpointNameError("named checkpoints need a writable cache directory (see %cache stats)")

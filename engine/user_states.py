@@ -27,6 +27,9 @@ class UserStates:
         of the last generation's checkpoint, or None."""
         self.cache, self.names, self.sessions, self.models, self.events = cache, names, sessions, models, events
         self.poll, self.last_key = poll, last_key
+        catalog = cache.catalog  # who saves a name (the panel never removes a live kernel's names)
+        self.saved_by = {"owner": catalog.owner, "pid": catalog.identity.pid, "host": catalog.identity.host} \
+            if catalog is not None else None
 
     def close_session(self, session_id: str) -> None:
         """Forget a chat session and its cache references; the cached state stays."""
@@ -80,6 +83,8 @@ class UserStates:
                 "kv_bytes": entry.checkpoint.kv_bytes,
                 "durable": self.cache.has_ssd,
                 "session": {"id": s.id, "system": s.system, "messages": s.messages} if s else None,
+                "preview": self.models.preview(entry.ns, entry.tokens),
+                "saved_by": self.saved_by,
             },
         )
         if not self.cache.durability.pin(entry, name):

@@ -116,6 +116,8 @@ def cmd_lab(args) -> int:
         print(f"error: could not install the kernelspec: {e}", file=sys.stderr)
         return 1
     print(f"kernelspec 'mlxcache' installed in {dest}", flush=True)
+    if not (Path(sys.prefix) / "share" / "jupyter" / "labextensions" / "mlxcache-panel" / "package.json").exists():
+        print("note: the MLX Cache side panel is not installed here (scripts/build_panel.sh builds it)", flush=True)
     from mlxcache_kernel.engine.blas import fast_blas_env
 
     env = fast_blas_env()

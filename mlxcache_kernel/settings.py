@@ -82,9 +82,9 @@ class _Settings(Configurable):
         self._ready = True  # from here on, a URL with a password was typed in (a notebook cell)
 
     def _cache_dir_from_env(self):
-        from mlxcache_kernel.engine.engine import default_cache_dir
+        from mlxcache_kernel.engine.config import cache_dir_from_env
 
-        return os.environ.get("MLXCACHE_CACHE_DIR", "") or str(default_cache_dir())
+        return str(cache_dir_from_env())
 
     def _remote_url_from_env(self):
         return self._keep_userinfo(os.environ.get("MLXCACHE_REMOTE_URL", ""))

@@ -48,6 +48,8 @@ else
   echo "   (no valkey-server here: the remote tier's Valkey tests will be skipped, saying so; under CI they fail)"
 fi
 
+bash scripts/build_panel.sh  # the JupyterLab panel "MLX Cache" (node and npm from the registry)
+
 echo "== default model"
 "$VENV/bin/mlxcache-kernel" models default
 if "$VENV/bin/mlxcache-kernel" install --help >/dev/null 2>&1; then

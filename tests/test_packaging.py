@@ -1,8 +1,11 @@
-"""The wheel holds every subpackage: built from this checkout, installed into a fresh virtualenv
-(the editable install out of the way), every package imported from it and a generation run.
+"""The wheel, built once from this checkout: it holds every subpackage (installed into a fresh
+virtualenv, the editable install out of the way, every package imported from it and a generation
+run) and the JupyterLab panel as shared data (the prebuilt labextension under
+share/jupyter/labextensions/mlxcache-panel, the file that enables the server extension under
+etc/jupyter/jupyter_server_config.d), as jupyter-resource-usage ships them.
 
 A new sub-folder that packaging left out would pass every other test (the editable install maps
-the source tree) and fail here.
+the source tree) and fail here. Needs the panel built (scripts/build_panel.sh, run by set-up).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import textwrap
 import zipfile
 from pathlib import Path
 
+import pytest
 from repo_paths import ROOT
 
 SCRIPT = textwrap.dedent("""
@@ -41,10 +45,18 @@ def source_packages() -> set[str]:
     return out
 
 
-def test_the_wheel_installs_every_package_and_generates(tmp_path, tiny_model_dir):
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    built = ROOT / "mlxcache_kernel" / "labextension" / "package.json"
+    assert built.exists(), "the panel is not built: run scripts/build_panel.sh"
+    dist = tmp_path_factory.mktemp("dist")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path / "dist"), str(ROOT)], check=True, capture_output=True, text=True, timeout=600)
-    [wheel] = (tmp_path / "dist").glob("mlxcache_kernel-*.whl")
+                    str(dist), str(ROOT)], check=True, capture_output=True, text=True, timeout=600)
+    [whl] = dist.glob("mlxcache_kernel-*.whl")
+    return whl
+
+
+def test_the_wheel_installs_every_package_and_generates(wheel, tmp_path, tiny_model_dir):
     in_wheel = {os.path.dirname(n).replace("/", ".") for n in zipfile.ZipFile(wheel).namelist()
                 if n.endswith("/__init__.py")}
     assert in_wheel == source_packages()
@@ -65,3 +77,21 @@ def test_the_wheel_installs_every_package_and_generates(tmp_path, tiny_model_dir
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["file"].startswith(site) and len(got["tokens"]) == 4
     assert set(got["modules"]) >= source_packages() - {"mlxcache_kernel"}
+
+
+def test_the_wheel_ships_the_panel(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for module in ("mlxcache_kernel/panel/handlers.py", "mlxcache_kernel/engine/overview.py",
+                   "mlxcache_kernel/engine/cache/catalog/reading.py", "mlxcache_kernel/widgets/dashboard.py"):
+        assert module in names, module
+    data = next(n.split("/")[0] for n in names if ".data/" in n)
+    lab = f"{data}/data/share/jupyter/labextensions/mlxcache-panel/"
+    assert f"{lab}package.json" in names and f"{lab}install.json" in names
+    assert any(n.startswith(f"{lab}static/remoteEntry.") and n.endswith(".js") for n in names)
+    config = f"{data}/data/etc/jupyter/jupyter_server_config.d/mlxcache_kernel.json"
+    enabled = json.loads(zipfile.ZipFile(wheel).read(config))
+    assert enabled == {"ServerApp": {"jpserver_extensions": {"mlxcache_kernel.panel": True}}}
+    meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "Framework :: Jupyter :: JupyterLab :: Extensions :: Prebuilt" in meta
+    package = json.loads(zipfile.ZipFile(wheel).read(f"{lab}package.json"))
+    assert package["name"] == "mlxcache-panel" and package["jupyterlab"]["_build"]["load"].startswith("static/")

@@ -28,6 +28,7 @@ import ipywidgets as W
 
 from .dashboard_render import (
     prefetch_label,
+    ram_gauge,
     ram_label,
     render_counters,
     render_entries,
@@ -262,7 +263,10 @@ class ResidencyDashboard(W.VBox):
     def _show_stats(self, log: list) -> None:
         """Bars, their labels, counters and log from the state's last stats."""
         s = self.state.stats
-        self._bar(self.ram_bar, s.get("ram_used_bytes") or 0, s.get("ram_budget_bytes"))
+        value, maximum, style = ram_gauge(s)
+        self._bar(self.ram_bar, value, maximum)
+        if self.ram_bar.bar_style != style:
+            self.ram_bar.bar_style = style
         self._set(self.ram_label, ram_label(s))
         if ssd_enabled(s):
             self._bar(self.ssd_bar, s.get("ssd_bytes") or 0, s.get("ssd_budget_bytes"))
@@ -295,10 +299,6 @@ class ResidencyDashboard(W.VBox):
             bar.max = maximum
         if bar.value != value:
             bar.value = value
-        if bar is self.ram_bar:
-            style = "danger" if value >= maximum and maximum > 1 else "info"
-            if bar.bar_style != style:
-                bar.bar_style = style
 
     def close(self) -> None:
         """Unsubscribe from the engine and close the widgets."""

@@ -12,8 +12,8 @@ import time
 from .dashboard_state import COUNTERS
 from .format import esc, fmt_ago, fmt_bytes, fmt_count, fmt_seconds, preview_text
 
-__all__ = ["CSS", "prefetch_label", "render_counters", "render_entries", "render_log", "ram_label", "remote_label",
-           "ssd_label", "ssd_enabled", "write_label", "write_progress"]
+__all__ = ["CSS", "prefetch_label", "render_counters", "render_entries", "render_log", "ram_gauge", "ram_label",
+           "remote_label", "ssd_label", "ssd_enabled", "write_label", "write_progress"]
 
 MAX_ROWS = 50
 
@@ -125,14 +125,36 @@ def render_log(events) -> str:
     )
 
 
+NEAR_WATER = 0.9  # the RAM bar warns from this fraction of what it is drawn against
+
+
+def ram_gauge(s: dict) -> tuple[float, float, str]:
+    """(value, maximum, style) of the RAM bar. A fixed budget: the cache's bytes against it. The
+    adaptive budget (none): the kernel's working set against the high-water mark, the memory the
+    pressure guard lets it use before it demotes entries. Calm ("info") until NEAR_WATER of it,
+    "warning" from there, "danger" past it."""
+    budget = s.get("ram_budget_bytes")
+    if budget:
+        value, maximum = s.get("ram_used_bytes") or 0, budget
+    else:
+        value, maximum = s.get("memory_working_bytes") or 0, s.get("memory_high_water_bytes") or 0
+    if not maximum:
+        return 0.0, 1.0, "info"  # not measured yet
+    style = "danger" if value >= maximum else "warning" if value >= NEAR_WATER * maximum else "info"
+    return float(min(value, maximum)), float(maximum), style
+
+
 def ram_label(s: dict) -> str:
     used, budget, n = s.get("ram_used_bytes") or 0, s.get("ram_budget_bytes"), s.get("ram_entries") or 0
     objects = s.get("object_ram_entries") or 0
     of_which = f" ({objects} object{'' if objects == 1 else 's'}, {fmt_bytes(s.get('object_ram_bytes'))})" if objects else ""
-    return (
-        f"<span data-used='{used}' data-objects='{objects}'>{fmt_bytes(used)} of "
-        f"{fmt_bytes(budget) if budget else 'no budget'} · {n} entr{'y' if n == 1 else 'ies'}{of_which}</span>"
-    )
+    entries = f"{n} entr{'y' if n == 1 else 'ies'}{of_which}"
+    if budget:
+        return f"<span data-used='{used}' data-objects='{objects}'>{fmt_bytes(used)} of {fmt_bytes(budget)} · {entries}</span>"
+    working, high = s.get("memory_working_bytes"), s.get("memory_high_water_bytes")
+    against = (f" · kernel {fmt_bytes(working)} of the {fmt_bytes(high)} the memory guard allows" if working and high
+               else " · memory not measured yet")
+    return f"<span data-used='{used}' data-objects='{objects}'>{fmt_bytes(used)} cached{against} · {entries}</span>"
 
 
 def ssd_label(s: dict) -> str:

@@ -17,26 +17,12 @@ from mlxcache_kernel.engine.sessions import shown
 
 from .base import EngineMagics, no_target, only_for, parse_args, usage_errors
 from .help import CHEAT_SHEET, examples
-from .tables import (ENTRY_COLUMNS, checkpoint_row, columns_of, entry_row, fmt_s, format_bytes, kv_row,
-                     setting_lines, show_table, stat_lines)
+from .tables import (ENTRY_COLUMNS, checkpoint_row, columns_of, describe_checkpoint, entry_row, fmt_s, format_bytes,
+                     kv_row, setting_lines, show_table, stat_lines)
 
 __all__ = ["AdminMagics"]
 
 LS_ROWS = 20  # %cache ls shows this many of the newest entries unless --all
-
-
-def describe_checkpoint(info) -> str:
-    """`` (12 tokens, 1.2 MiB KV, session 's')`` from a checkpoint summary."""
-    if not isinstance(info, dict):
-        return ""
-    bits = []
-    if info.get("tokens") is not None:
-        bits.append(f"{info['tokens']} tokens")
-    if info.get("kv_bytes") is not None:
-        bits.append(f"{format_bytes(info['kv_bytes'])} KV")
-    if info.get("session"):
-        bits.append(f"session {info['session']!r}")
-    return f" ({', '.join(bits)})" if bits else ""
 
 
 @magics_class
@@ -244,7 +230,8 @@ class AdminMagics(EngineMagics):
     @kwds(epilog=examples("cache"))
     @argument("action", choices=["stats", "ls", "flush", "clear", "gc", "verify", "config", "help"],
               help="what to do")
-    @argument("--all", action="store_true", help="ls: every entry, not only the 20 newest")
+    @argument("--all", action="store_true", help="ls: every entry, not only the 20 newest; stats: every counter, "
+                                                 "zeros and empty groups too")
     @argument("--model", "-m", default=None, help="ls: only entries of this model")
     @argument("--session", default=None, help="ls: only entries of this chat session")
     @argument("--ssd", action="store_true", help="clear: also delete the SSD tier's files")
@@ -255,7 +242,7 @@ class AdminMagics(EngineMagics):
     def cache(self, line):
         """The tiered prompt cache.
 
-        %cache stats            counters, RAM/SSD usage, pending writes
+        %cache stats [--all]    counters by group (RAM, SSD, writes, ...); --all: zeros too
         %cache ls [--all] [--model M] [--session S]
                                 RAM and SSD entries, newest first: the 20 newest (--all: every one)
         %cache flush [--timeout S]   wait until every queued write is durable
@@ -266,8 +253,10 @@ class AdminMagics(EngineMagics):
         %cache help             the cheat sheet of every magic
         """
         args = parse_args(self.cache, line)
-        if (args.all or args.model or args.session) and args.action != "ls":
-            raise UsageError("--all, --model and --session only apply to %cache ls")
+        if (args.model or args.session) and args.action != "ls":
+            raise UsageError("--model and --session only apply to %cache ls")
+        if args.all and args.action not in ("ls", "stats"):
+            raise UsageError("--all only applies to %cache ls and %cache stats")
         if args.ssd and args.action != "clear":
             raise UsageError("--ssd only applies to %cache clear")
         if args.timeout is not None and args.action != "flush":
@@ -281,7 +270,7 @@ class AdminMagics(EngineMagics):
         print("\n".join(setting_lines(self.settings.summary())))
 
     def _cache_stats(self, args) -> None:
-        print("\n".join(stat_lines(self.engine.stats())))
+        print("\n".join(stat_lines(self.engine.stats(), every=args.all)))
 
     def _cache_help(self, args) -> None:
         print(CHEAT_SHEET)

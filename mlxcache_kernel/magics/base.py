@@ -84,6 +84,7 @@ class EngineMagics(Magics):
         super().__init__(shell, **kwargs)
         self.settings = settings if settings is not None else MLXCache(parent=shell)
         self._engine = None
+        self._report = None  # what this kernel holds, for the JupyterLab panel (engine/reports.py)
         self._widgets: list = []
 
     @property
@@ -127,10 +128,16 @@ class EngineMagics(Magics):
         display(widget)
 
     def poll(self) -> None:
-        """Apply finished background writes (called between cells, main thread)."""
+        """Apply finished background writes and refresh this kernel's report (called between
+        cells, main thread)."""
         if self._engine is not None and not getattr(self._engine, "_closed", False):
             try:
                 self._engine.poll()
+                if self._report is None:
+                    from mlxcache_kernel.engine.reports import ProcessReport
+
+                    self._report = ProcessReport(self._engine)
+                self._report.maybe_write()
             except Exception:
                 pass
 
@@ -152,6 +159,8 @@ class EngineMagics(Magics):
         report = self._engine.flush(timeout=timeout)
         if not report.get("pending"):
             self._engine.close()  # nothing left to wait for: returns at once
+            if self._report is not None:
+                self._report.remove()  # this kernel left the directory
         return report
 
 

@@ -27,8 +27,14 @@ from .tables import fmt_s
 
 __all__ = ["BatchTable", "run_batch", "template_rows"]
 
-COLUMNS = ["prompt", "text", "new_tokens", "ram", "ssd", "remote", "shared", "prefilled", "ttft_s", "tok_s",
+# ttft_ms and tok_s as the footer shows them (milliseconds; tokens per second), one decimal: numbers
+# still (a column's mean, a sort), the exact values in .attrs["results"] (each row's stats)
+COLUMNS = ["prompt", "text", "new_tokens", "ram", "ssd", "remote", "shared", "prefilled", "ttft_ms", "tok_s",
            "finish"]
+
+
+def _one_decimal(x) -> float | None:
+    return None if x is None else round(float(x), 1)
 
 
 def _items(name: str, value) -> tuple[list, list[dict]]:
@@ -175,7 +181,8 @@ def table(index: list, names: list, prompts: list[str], results: list, seeds: li
         s, spans = r.stats, footer_spans(r.stats)
         row = {"prompt": prompt, "text": r.text, "new_tokens": len(r.tokens), "ram": spans["ram"], "ssd": spans["ssd"],
                "remote": spans["remote"], "shared": s.get("batch_shared_tokens", 0), "prefilled": spans["prefilled"],
-               "ttft_s": s.get("ttft_s"), "tok_s": s.get("decode_tokens_per_s"), "finish": s.get("finish_reason")}
+               "ttft_ms": _one_decimal(None if s.get("ttft_s") is None else s["ttft_s"] * 1000),
+               "tok_s": _one_decimal(s.get("decode_tokens_per_s")), "finish": s.get("finish_reason")}
         if seeds is not None:
             row["seed"] = seed
         if r.logprobs is not None:  # --logprobs: how sure the model was of the row's text (each token's in .attrs)

@@ -76,7 +76,8 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%checkpoint rm intro", "forget it"),
     ],
     "cache": [
-        ("%cache stats", "counters, RAM/SSD use, pending writes"),
+        ("%cache stats", "counters by group: RAM, SSD, writes, remote, objects, vision (zeros hidden)"),
+        ("%cache stats --all", "every counter, zeros and empty groups too"),
         ("%cache ls", "the 20 newest entries, newest first"),
         ("%cache ls --all", "every entry"),
         ("%cache ls --model default", "entries of one model"),
@@ -125,10 +126,10 @@ mlxcache: a resident model and a RAM/SSD prompt cache. Add ? to any magic for ev
       --logprobs K: each token's log-probability and K alternatives
       the footer: prompt tokens from RAM / SSD / prefilled, TTFT, tok/s
 
-  %%score OPTIONS [--chat] [--out r]              rank the strings of list OPTIONS as continuations of the cell
+  %%score OPTIONS [--chat] [--out r]              rank list OPTIONS as continuations of the cell
   %session new|list|show|switch|reset|close ID    multi-turn chats (%%generate --session ID)
   %checkpoint save|list|restore|rm NAME           named states no budget evicts
-  %cache stats | ls [--all] [--model M] [--session S] | flush | clear [--ssd] | gc | verify | config
+  %cache stats|ls [--all] [--model M] [--session S] | flush | clear [--ssd] | gc | verify | config
   %kv inspect|export [--session ID | --checkpoint NAME | --last] [--layer L] [--to VAR] [--widget]
   %dashboard                                      live RAM/SSD residency, writes, hits
   @memo (from mlxcache_kernel import memo)        a function's array results, kept in RAM and on SSD

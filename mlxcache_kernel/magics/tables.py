@@ -14,7 +14,7 @@ from IPython.display import display
 from mlxcache_kernel.widgets.format import fmt_bytes as format_bytes
 
 __all__ = [
-    "ENTRY_COLUMNS", "checkpoint_row", "columns_of", "entry_row", "fmt_s", "format_bytes", "kv_row",
+    "ENTRY_COLUMNS", "checkpoint_row", "columns_of", "describe_checkpoint", "entry_row", "fmt_s", "format_bytes", "kv_row",
     "setting_lines", "show_table", "stat_lines",
 ]
 
@@ -66,6 +66,20 @@ def checkpoint_row(c: dict) -> dict:
     return row
 
 
+def describe_checkpoint(info) -> str:
+    """`` (12 tokens, 1.2 MiB KV, session 's')`` from a checkpoint summary."""
+    if not isinstance(info, dict):
+        return ""
+    bits = []
+    if info.get("tokens") is not None:
+        bits.append(f"{info['tokens']} tokens")
+    if info.get("kv_bytes") is not None:
+        bits.append(f"{format_bytes(info['kv_bytes'])} KV")
+    if info.get("session"):
+        bits.append(f"session {info['session']!r}")
+    return f" ({', '.join(bits)})" if bits else ""
+
+
 def entry_row(e: dict) -> dict:
     """A ``cache_entries()`` row for ENTRY_COLUMNS."""
     row = dict(e)
@@ -96,20 +110,54 @@ def kv_row(r: dict) -> dict:
     return row
 
 
-def stat_lines(stats: dict) -> list[str]:
-    """``%cache stats``: one aligned ``key  value`` line per counter."""
-    width = max(len(k) for k in stats)
-    lines = []
+# %cache stats: every key of Engine.stats() in one group, by its prefix (the first match; "engine" takes
+# the rest). Order: what a reader looks for first.
+STAT_GROUPS = (
+    ("engine", ("blas", "models", "default_model", "sessions", "cache_dir", "ssd_disabled_reason", "engine_")),
+    ("RAM", ("ram_", "memory_", "pressure_", "hits", "misses", "evictions", "supersessions", "oversized",
+             "handovers", "demotions")),
+    ("SSD", ("ssd_", "prefetch")),
+    ("writes", ("write", "pending_", "dirty_", "failed_", "bytes_written", "inflight_", "dropped_unwritable")),
+    ("remote", ("remote_",)),
+    ("objects", ("object_",)),
+    ("vision", ("vision_",)),
+)
+
+
+def stat_group(key: str) -> str:
+    return next((g for g, prefixes in STAT_GROUPS if key.startswith(prefixes)), "engine")
+
+
+def _stat_value(k: str, v):
+    if isinstance(v, bool) or v is None:
+        return v
+    if k.endswith("_bytes") or k == "bytes_written":
+        return f"{format_bytes(v)} ({v})"
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    return v
+
+
+def stat_lines(stats: dict, every: bool = False) -> list[str]:
+    """``%cache stats``: the counters in groups (engine, RAM, SSD, writes, remote, objects, vision), one
+    aligned ``key  value`` line each. Unless `every`, a group with nothing but zeros is left out and
+    so is each zero counter, and a last line says what was left out (``--all`` shows it)."""
+    groups: dict = {g: [] for g, _ in STAT_GROUPS}
     for k, v in stats.items():
-        if isinstance(v, bool) or v is None:
-            shown = v
-        elif k.endswith("_bytes") or k == "bytes_written":
-            shown = f"{format_bytes(v)} ({v})"
-        elif isinstance(v, float):
-            shown = f"{v:.3f}"
-        else:
-            shown = v
-        lines.append(f"{k.ljust(width)}  {shown}")
+        groups[stat_group(k)].append((k, v))
+    width = max((len(k) for k in stats), default=0)
+    lines, empty, hidden = [], [], 0
+    for group, items in groups.items():
+        shown = items if every else [(k, v) for k, v in items if v or group == "engine"]
+        if not shown:
+            empty += [group] if items else []
+            continue
+        hidden += len(items) - len(shown)
+        lines.append(f"{group}:")
+        lines += [f"  {k.ljust(width)}  {_stat_value(k, v)}" for k, v in shown]
+    if empty or hidden:
+        left = ([f"{', '.join(empty)}: nothing yet"] if empty else []) + ([f"{hidden} zero counters"] if hidden else [])
+        lines.append(f"({' · '.join(left)} not shown: %cache stats --all shows every counter)")
     return lines
 
 

@@ -57,6 +57,21 @@ def test_batch_over_a_list(ip, capsys):
     assert (again["ram"] == again["prompt"].map(lambda p: len(engine(ip).encode_prompt(p)) - 1)).all()
 
 
+def test_batch_table_shows_speeds_as_the_footer_does(ip, capsys):
+    """ttft in ms and tok/s, one decimal (not 1.043469 s): numbers still, exact ones in the results."""
+    pd = pytest.importorskip("pandas")
+    ip.user_ns.update(qs=["Who built it?", "When was it lit?"])
+    df = run(ip, capsys, f"{GEN} --batch qs\n{DOC} {{item}}")[0].result
+    assert "ttft_s" not in df.columns and {"ttft_ms", "tok_s"} <= set(df.columns)
+    for row, r in zip(df.itertuples(), df.attrs["results"]):
+        assert row.ttft_ms == round(r.stats["ttft_s"] * 1000, 1)
+        assert row.tok_s == round(r.stats["decode_tokens_per_s"], 1)
+    shown = df[["ttft_ms", "tok_s"]].to_string()
+    assert all(len(cell.split(".")[-1]) == 1 for cell in shown.split() if cell.replace(".", "").isdigit()
+               and "." in cell), shown
+    assert pd.api.types.is_float_dtype(df["ttft_ms"])
+
+
 def test_batch_over_a_dataframe_column_and_samples(ip, capsys):
     pd = pytest.importorskip("pandas")
     ip.user_ns["df"] = pd.DataFrame({"question": ["Who?", "What?"], "tone": ["short", "long"]},

@@ -355,6 +355,25 @@ def test_session_errors(ip, capsys):
 # --- %cache ---
 
 
+def test_cache_stats_are_grouped_and_all_shows_every_counter(ip, capsys):
+    run(ip, capsys, f"{GEN}\nfill the cache")
+    run(ip, capsys, "%cache flush")
+    stats = engine(ip).stats()
+    out = run(ip, capsys, "%cache stats")[1]
+    heads = [line[:-1] for line in out.splitlines() if line.endswith(":") and not line.startswith(" ")]
+    assert heads[:4] == ["engine", "RAM", "SSD", "writes"], heads
+    assert "remote" not in heads and "vision" not in heads  # nothing there yet
+    assert "remote, objects, vision: nothing yet" in out and "zero counters" in out and "--all" in out
+    assert "  remote_hits" not in out, out
+    assert "  ram_entries" in out and "  ssd_files" in out, out
+    every = run(ip, capsys, "%cache stats --all")[1]
+    keys = [line.split()[0] for line in every.splitlines() if line.startswith("  ")]
+    assert sorted(keys) == sorted(stats) and len(keys) == len(stats)  # complete, each key once
+    assert [h[:-1] for h in every.splitlines() if h.endswith(":") and not h.startswith(" ")] == [
+        "engine", "RAM", "SSD", "writes", "remote", "objects", "vision"]
+    assert len(out.splitlines()) < len(every.splitlines())
+
+
 def test_cache_stats_ls_flush_clear(ip, capsys):
     run(ip, capsys, f"{GEN}\nfill the cache")
     res, out, _ = run(ip, capsys, "%cache stats")

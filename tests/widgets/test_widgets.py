@@ -531,6 +531,28 @@ def test_dashboard_ram_over_budget_and_ssd_off():
     db.close()
 
 
+def test_ram_bar_under_the_adaptive_budget_is_drawn_against_what_the_guard_allows():
+    """No budget: the working set against the high-water mark, calm until near it (not a full red bar)."""
+    mib = 1 << 20
+    eng = StubStatsEngine(ram_used_bytes=int(20.7 * mib), ram_budget_bytes=None, ram_entries=3,
+                          memory_working_bytes=300 * mib, memory_high_water_bytes=1000 * mib)
+    db = ResidencyDashboard(eng, throttle_s=0)
+    assert db.ram_bar.bar_style == "info" and db.ram_bar.max == 1000 * mib and db.ram_bar.value == 300 * mib
+    label = db.ram_label.value
+    assert "20.7 MiB cached" in label and "kernel 300.0 MiB of the 1000.0 MiB the memory guard allows" in label
+    assert "no budget" not in label and "3 entries" in label
+    eng.s.update(memory_working_bytes=950 * mib)  # near the water mark: a warning
+    db.refresh()
+    assert db.ram_bar.bar_style == "warning"
+    eng.s.update(memory_working_bytes=1200 * mib)  # past it: the guard reclaims
+    db.refresh()
+    assert db.ram_bar.bar_style == "danger" and db.ram_bar.value == db.ram_bar.max
+    eng.s.update(memory_working_bytes=None, memory_high_water_bytes=None)  # before the first reading
+    db.refresh()
+    assert db.ram_bar.bar_style == "info" and "memory not measured yet" in db.ram_label.value
+    db.close()
+
+
 def test_labels_show_shared_directories_failing_writes_and_ram_only():
     from mlxcache_kernel.widgets.dashboard_render import ssd_label, write_label
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sqlite3
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(k TEXT PRIMARY KEY, v TEXT NOT NULL);
@@ -40,6 +40,13 @@ CREATE TABLE IF NOT EXISTS procs(owner TEXT PRIMARY KEY, tag TEXT NOT NULL, pid 
     host TEXT NOT NULL, boot TEXT NOT NULL, pidns TEXT NOT NULL, start INTEGER, started REAL NOT NULL,
     pending_writes INTEGER NOT NULL DEFAULT 0, pending_bytes INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS totals(k TEXT PRIMARY KEY, v INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS writers(namespace TEXT NOT NULL, key TEXT NOT NULL, owner TEXT NOT NULL,
+    pid INTEGER NOT NULL, host TEXT NOT NULL, time REAL NOT NULL, bytes INTEGER NOT NULL, PRIMARY KEY(namespace, key));
+CREATE INDEX IF NOT EXISTS files_view ON files(namespace, last_used, key, length, file_bytes, block_bytes, kv_bytes,
+    pinned, created);
+CREATE INDEX IF NOT EXISTS writers_owner ON writers(owner, pid, host, bytes);
+CREATE TRIGGER IF NOT EXISTS files_writer AFTER DELETE ON files BEGIN
+    DELETE FROM writers WHERE namespace = OLD.namespace AND key = OLD.key; END;
 CREATE TRIGGER IF NOT EXISTS files_in AFTER INSERT ON files BEGIN
     UPDATE totals SET v = v + NEW.file_bytes WHERE k = 'file_bytes'; END;
 CREATE TRIGGER IF NOT EXISTS files_out AFTER DELETE ON files BEGIN
@@ -60,7 +67,9 @@ CREATE TRIGGER IF NOT EXISTS blocks_out AFTER DELETE ON blocks BEGIN
 """
 # Schema 2 kept pids in its process, claim and lease tables: they go (a build that
 # old must not share the directory with this one); inflight rows learn their owner.
-_MIGRATE = """
+# Schema 4 adds `writers` (which process committed each file) and `files_view`, an index that holds
+# what the panel reads of every file, so its scans never read the rows' token blobs: nothing goes.
+_MIGRATE_2 = """
 DROP TABLE IF EXISTS processes; DROP TABLE IF EXISTS pending; DROP TABLE IF EXISTS leases;
 DROP TRIGGER IF EXISTS files_in; DROP TRIGGER IF EXISTS files_out; DROP TRIGGER IF EXISTS files_size;
 DROP TRIGGER IF EXISTS blocks_in; DROP TRIGGER IF EXISTS blocks_out; DROP INDEX IF EXISTS files_lru
@@ -85,7 +94,11 @@ def _statements(script: str) -> list[str]:
 
 def migrate(db: sqlite3.Connection) -> None:
     """Create or bring up to date every table (inside the caller's transaction)."""
-    for statement in _statements(_MIGRATE + ";" + _SCHEMA):
+    try:
+        version = int(db.execute("SELECT v FROM meta WHERE k='schema'").fetchone()[0])
+    except (sqlite3.OperationalError, TypeError):
+        version = 0
+    for statement in _statements((_MIGRATE_2 + ";" if version < 3 else "") + _SCHEMA):
         db.execute(statement)
     have = {r[1] for r in db.execute("PRAGMA table_info(files)")}
     if "block_bytes" not in have:  # a schema 1 catalogue: format 1 files only

@@ -15,6 +15,7 @@ agree on. Its tables:
     pins     names (named checkpoints) holding files
     inflight resume records of generations, with their owner and boundary file
     procs    the processes using the directory (liveness.py says who is alive)
+    writers  which process committed each file (pid, host: kept after it exits)
     changes  a log of files added and removed: every process follows it, so a
              file one kernel commits is found by every other on its next lookup
     totals   bytes of files and blocks, kept by triggers (no scans for the cap; likewise
@@ -136,10 +137,15 @@ class Catalog(Presence):
         row.path = str(self.root / row.path)  # (a path stored whole, by an older build, stays whole)
         return row
 
-    def add_file(self, db: sqlite3.Connection, row: FileRow) -> list[str]:
-        """Record a file and its block references (replacing the row of the same tokens);
+    def add_file(self, db: sqlite3.Connection, row: FileRow, written: bool = False) -> list[str]:
+        """Record a file and its block references (replacing the row of the same tokens), and
+        with `written` this process as its writer (`writers`; a file reconcile finds has none);
         returns the blocks only the replaced version referenced (candidates for `free_blocks`)."""
         old = self.drop_file(db, row.namespace, row.key, log=False)
+        if written:
+            db.execute("INSERT OR REPLACE INTO writers VALUES(?,?,?,?,?,?,?)", (
+                row.namespace, row.key, self.owner, self.identity.pid, self.identity.host, time.time(),
+                row.file_bytes + row.block_bytes))
         path = Path(row.path)
         stored = str(path.relative_to(self.root)) if path.is_relative_to(self.root) else str(path)
         db.execute(f"INSERT INTO files({_COLUMNS}) VALUES({','.join('?' * 14)})", (*row.values()[:2], stored,

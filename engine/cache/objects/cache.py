@@ -51,8 +51,8 @@ import time
 from ..catalog.database import CatalogBusy
 from ..durability import WriteState
 from ..ssd.store import CheckpointUnavailable
-from .stored import (FILE_KEY as _FILE_KEY, NO_TOKENS as _NO_TOKENS, REVISION, ObjectRead, ObjectValue,  # noqa: F401
-                     is_object_namespace, namespace_of)
+from .naming import is_object_namespace, namespace_of  # noqa: F401 (callers' names)
+from .stored import (FILE_KEY as _FILE_KEY, NO_TOKENS as _NO_TOKENS, REVISION, ObjectRead, ObjectValue)  # noqa: F401
 from .values import describe, digest, flatten
 
 LABEL_MAX = 200

@@ -299,7 +299,7 @@ class CheckpointStore(Upkeep):
                     raise LostClaims(f"{path.name}: blocks this write relied on were freed meanwhile; "
                                      "written again later")
                 old = self.catalog.file(*k, db=db)
-                freed = self.catalog.add_file(db, _row(path, h))
+                freed = self.catalog.add_file(db, _row(path, h), written=True)
                 if write_id is not None:
                     freed += self.catalog.release(db, write_id)
                 after.blocks = self.catalog.free_blocks(db, freed)
