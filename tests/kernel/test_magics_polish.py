@@ -19,7 +19,7 @@ from mlxcache_kernel.magics.help import CHEAT_SHEET, EXAMPLES
 
 
 def _gen(**stats) -> CellResult:
-    result = SimpleNamespace(text="hi", tokens=[1, 2], stats={"ttft_s": 0.05, "decode_tokens_per_s": 12.5, **stats})
+    result = SimpleNamespace(text="hi", tokens=[1, 2], logprobs=None, stats={"ttft_s": 0.05, "decode_tokens_per_s": 12.5, **stats})
     return CellResult(result, prompt="p", model="default", session=None, use_cache=True)
 
 
@@ -139,7 +139,8 @@ def test_cache_ls_newest_first_bounded_and_filtered(ip, capsys, monkeypatch):
     assert _previews(out) == [i for i in range(29, -1, -1) if i % 3 == 0]
     out = run(ip, capsys, "%cache ls --session nobody")[1]
     assert out.strip() == "no entries of session 'nobody'"
-    assert "only apply to %cache ls" in usage_error(ip, capsys, "%cache stats --all")
+    assert "only apply to %cache ls" in usage_error(ip, capsys, "%cache stats --model m")
+    assert "only applies to %cache ls and %cache stats" in usage_error(ip, capsys, "%cache flush --all")
 
 
 # --- 5. an undefined {name} ---

@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..faults import fault
 from .blocks import CorruptBlock
@@ -30,15 +30,14 @@ from .format import CorruptCheckpoint, Header, NewerFormat, read_header
 from .index import IndexEntry
 from .tensor_read import MissingBlock, allocate_all, fill
 
-if TYPE_CHECKING:
-    from .store import CheckpointStore
+from .store_side import ReadSide
 
 class CheckpointUnavailable(Exception):
     """A checkpoint could not be restored; treat it as a cache miss."""
 
 
 class PendingRead:
-    def __init__(self, store: "CheckpointStore", entry: IndexEntry, *, touch: bool = True):
+    def __init__(self, store: ReadSide, entry: IndexEntry, *, touch: bool = True):
         """Open `entry` (owner thread); raises CheckpointUnavailable. touch=False: a
         speculative read (prefetch) that does not count as a use of the file."""
         t0 = time.perf_counter()

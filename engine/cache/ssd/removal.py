@@ -17,19 +17,18 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 from ...system import fsync_dir, unlink_quietly
 from ..catalog.database import CatalogBusy
 from ..faults import fault
 from . import blocks
 
-if TYPE_CHECKING:
-    from .store import CheckpointStore
+from .store_side import RemovalSide
 
 
 class AfterCommit:
-    def __init__(self, store: "CheckpointStore", label: str):
+    def __init__(self, store: RemovalSide, label: str):
         self.store, self.label = store, label
         self.files: list[Path] = []  # unlink
         self.blocks: list[tuple[str, int]] = []  # (name, bytes) freed: unlink, then unfree
@@ -76,7 +75,7 @@ class AfterCommit:
 
 
 @contextmanager
-def changing(store: "CheckpointStore", label: str, wait: float | None = None) -> Iterator[tuple]:
+def changing(store: RemovalSide, label: str, wait: float | None = None) -> Iterator[tuple]:
     """`with changing(store, "gc") as (db, after):` a transaction whose removals run after its COMMIT."""
     after = AfterCommit(store, label)
     with store.catalog.transaction(label, wait) as db:
