@@ -138,6 +138,9 @@ def _stat_value(k: str, v):
     return v
 
 
+ALWAYS_SHOWN = {"pending_writes"}  # zero is news here: every write is durable
+
+
 def stat_lines(stats: dict, every: bool = False) -> list[str]:
     """``%cache stats``: the counters in groups (engine, RAM, SSD, writes, remote, objects, vision), one
     aligned ``key  value`` line each. Unless `every`, a group with nothing but zeros is left out and
@@ -148,7 +151,7 @@ def stat_lines(stats: dict, every: bool = False) -> list[str]:
     width = max((len(k) for k in stats), default=0)
     lines, empty, hidden = [], [], 0
     for group, items in groups.items():
-        shown = items if every else [(k, v) for k, v in items if v or group == "engine"]
+        shown = items if every else [(k, v) for k, v in items if v or group == "engine" or k in ALWAYS_SHOWN]
         if not shown:
             empty += [group] if items else []
             continue

@@ -23,7 +23,7 @@ from lab_browser import ARTIFACTS, CELL_TIMEOUT_MS, DOC_IMAGES, Browser, lab_ser
 pytestmark = pytest.mark.browser
 
 TEXT = "about lighthouses, harbours and the keepers who tended them through the winter storms " * 2
-RESTORED_CHECK = ("from mlxcache_kernel import get_engine\neng = get_engine(); eng.cache.wait_reads(30); eng.poll()\n"
+RESTORED_CHECK = ("from mlxcache_kernel import get_engine\neng = get_engine(); eng.cache.loading.wait_reads(30); eng.poll()\n"
                   "print('RESTORED', sorted(n for e in eng.cache.entries() for n in e.pinned))")
 
 
