@@ -126,8 +126,9 @@ class BatchRun:
         self.loans: list = []  # held until the run ends: nothing hands their buffers to another borrower meanwhile
         unbatchable = (["a vision-language model's"] if getattr(model, "vision", None) is not None
                        else not_batchable(model.new_caches()))
-        self.notice = (f"mlx-lm cannot batch {', '.join(unbatchable)} caches: the {len(self.rows)} rows run one "
-                       "after another" if unbatchable else None)
+        why = (f"mlx-lm cannot batch {', '.join(unbatchable)} caches" if unbatchable else
+               f"rows convert their KV at exactly token {model.kv_start}" if model.kv_start else None)
+        self.notice = f"{why}: the {len(self.rows)} rows run one after another" if why else None
         # rows of plain-KV models attend to a shared prefix once (batch_rows.py); others merge in mlx-lm's batch
         self.shared_prefix = self.notice is None and shares_prefix(model.new_caches())
         self.mode = "serial" if self.notice else "shared-prefix" if self.shared_prefix else "batched"
@@ -234,7 +235,7 @@ class BatchRun:
     def _prefill(self, caches: list, tokens: Sequence[int]) -> None:
         if tokens:
             progress = self.on_progress
-            prefill(self.model.model, caches, list(tokens), chunk=self.services.prefill_chunk,
+            prefill(self.model.forward, caches, list(tokens), chunk=self.services.prefill_chunk,
                     progress=(lambda done, total: progress("prefill", done, total)) if progress else None)
 
     # --- decoding ---

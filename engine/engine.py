@@ -126,8 +126,11 @@ class Engine:
     # --- models ---
 
     def load_model(self, path_or_id, name: str = "default", *, kv_bits: int | None = None,
-                   kv_group_size: int = 64, adapter_path=None, image_attention: str | None = None) -> dict:
-        """Load a model; kv_bits (4 or 8) quantizes its KV cache (RAM and SSD hold the quantized bytes).
+                   kv_group_size: int = 64, adapter_path=None, image_attention: str | None = None,
+                   kv_start: int | None = None) -> dict:
+        """Load a model; kv_bits (4 or 8) quantizes its KV cache (RAM and SSD hold the quantized bytes)
+        once a sequence passes kv_start tokens (default 5000, as mlx-lm's --quantized-kv-start; 0:
+        from the first token). A checkpoint past the start serves only prompts at least that long.
         adapter_path: an mlx-lm LoRA adapter directory applied to it; its weights and config are part
         of the cache namespace (the base model and each adapter keep caches of their own).
 
@@ -139,7 +142,7 @@ class Engine:
         background (up to the prefetch budget); "prefetch" in the result says how many.
         """
         loaded = self.models.load(path_or_id, name, kv_bits=kv_bits, kv_group_size=kv_group_size,
-                                  adapter_path=adapter_path, image_attention=image_attention)
+                                  adapter_path=adapter_path, image_attention=image_attention, kv_start=kv_start)
         self.cache.register_namespace(loaded.namespace, loaded.identity)
         self.events.emit("model_loaded", name=name, path=str(loaded.path), namespace=loaded.namespace)
         if loaded.cache_notice:

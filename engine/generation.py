@@ -91,6 +91,7 @@ class Generation:
         self.times: list[float] = []  # when each token was emitted
         self.stream = TextStream(req.model.tokenizer, req.params.stop)
         self.pending: list | None = None  # prompt tokens the first decode step forwards (None: the last one)
+        self.converts_in_decode = False  # (set by run)
 
     def run(self) -> GenerationResult:
         req, cache = self.req, self.cache
@@ -100,8 +101,10 @@ class Generation:
         self.services.inflight.start(self.rid)
         loan = self._resume() if req.use_cache else None
         if loan is None and req.use_cache:
-            # move=True: an entry this generation will supersede hands over its buffers
-            loan = cache.take(req.tokens, req.ns, session=req.session, progress=req.on_progress, move=True)
+            # move=True: an entry this generation will supersede hands over its buffers (not one
+            # in full precision that a run converting its KV past kv_start cannot supersede)
+            crosses = bool(req.model.kv_start) and len(req.tokens) + req.params.max_tokens >= req.model.kv_start
+            loan = cache.take(req.tokens, req.ns, session=req.session, progress=req.on_progress, move=not crosses)
         caches = loan.caches if loan else req.model.new_caches()
         cached = min(loan.length, len(req.tokens)) if loan else 0
         t_lookup = time.perf_counter() - t0
@@ -109,7 +112,11 @@ class Generation:
         # A short rest of the prompt goes in one forward with the first token's (the prompt's last
         # token apart would cost another pass over the weights); windows and recurrent state need
         # the state just before the last token for their prompt snapshot: prefilled apart.
-        one_pass = (0 < len(head) <= ONE_PASS_TOKENS and req.media is None and always_cuttable(caches))
+        # A run whose decode crosses kv_start keeps its prompt state in full precision apart (a
+        # rerun of the cell needs it: the final state is quantized and serves only lengths >= start)
+        self.converts_in_decode = bool(req.model.kv_start) and cached < len(req.tokens) < req.model.kv_start
+        one_pass = (0 < len(head) <= ONE_PASS_TOKENS and req.media is None and always_cuttable(caches)
+                    and not self.converts_in_decode)
         self.pending = head if one_pass else None
         suffix = [] if (self.emitted or one_pass) else head[:-1]
         try:
@@ -122,7 +129,7 @@ class Generation:
                         req.media.prefill(caches, cached, len(req.tokens) - 1, chunk=self.services.prefill_chunk,
                                           progress=report)
                     else:
-                        prefill(req.model.model, caches, suffix, chunk=self.services.prefill_chunk, progress=report)
+                        prefill(req.model.forward, caches, suffix, chunk=self.services.prefill_chunk, progress=report)
                 prefill_s = time.perf_counter() - t1
                 self.services.memory.check("prefill")
                 if req.use_cache and not self.emitted:
@@ -210,7 +217,7 @@ class Generation:
             return
         pending = self.pending or (emitted[-1:] if emitted else req.tokens[-1:])
         self.decode_ran = True
-        model = req.media.forward if req.media is not None else req.model.model
+        model = req.media.forward if req.media is not None else req.model.forward
         decode(model, caches, pending, req.params, eos_ids=req.model.eos_token_ids,
                first_step=len(emitted), on_token=on_token, into=self.decoded, sync_at=boundary_due)
         if len(self.times) < len(self.decoded.tokens):  # the eos token is not passed to on_token
@@ -229,7 +236,8 @@ class Generation:
         covers it (`queue_dirty` after the final put).
         """
         boundary = self.req.tokens[:-1]
-        if not boundary or always_cuttable(caches) or self.cache.get_exact(boundary, self.req.ns) is not None:
+        if (not boundary or (always_cuttable(caches) and not self.converts_in_decode)
+                or self.cache.get_exact(boundary, self.req.ns) is not None):
             return
         self.cache.put(Checkpoint.capture(boundary, caches, copy=True), self.req.ns, defer_write=True)
 

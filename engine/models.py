@@ -12,10 +12,12 @@ import json
 import os
 import threading
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from .kv.caches import hit_summary, kv_scheme, new_caches, unsupported
+from .kv.quantize_start import QuantizeFrom
 from .user_names import check_user_name
 from .system import make_private_dir, write_json_atomic
 
@@ -152,12 +154,21 @@ class LoadedModel:
     info: dict = field(default_factory=dict)
     kv_bits: int | None = None
     kv_group_size: int = 64
+    kv_start: int = 0  # with kv_bits: KV in full precision for the first kv_start tokens
     cache_notice: str | None = None  # why this model runs uncached (an unknown cache class), else None
     vision: Any = None  # a vision-language model's image adapter (vlm.Family), else None
 
     def new_caches(self) -> list:
-        """Empty live caches in this model's KV scheme."""
-        return new_caches(self.model, self.kv_bits, self.kv_group_size)
+        """Empty live caches in this model's KV scheme (full precision until kv_start)."""
+        return new_caches(self.model, self.kv_bits if not self.kv_start else None, self.kv_group_size)
+
+    @cached_property
+    def forward(self):
+        """The model as generations call it: with a delayed KV quantization, converting the caches
+        at exactly kv_start (kv/quantize_start.py)."""
+        if self.kv_bits is None or not self.kv_start:
+            return self.model
+        return QuantizeFrom(self.model, self.kv_start, self.kv_bits, self.kv_group_size)
 
     @property
     def eos_token_ids(self) -> set:
@@ -195,15 +206,24 @@ def resolve_model_path(path_or_id: str | os.PathLike) -> Path:
     return resolve_model_path(local)
 
 
-KV_BITS = (None, 4, 8)
-KV_GROUP_SIZES = (32, 64, 128)
+KV_BITS, KV_GROUP_SIZES = (None, 4, 8), (32, 64, 128)
+KV_START_DEFAULT = 5000  # mlx-lm's --quantized-kv-start default
 
 
-def check_kv_scheme(kv_bits, kv_group_size) -> None:
+def check_kv_scheme(kv_bits, kv_group_size, kv_start=None) -> int:
+    """Checks the KV quantization options; returns the token KV quantization starts at (kv_start,
+    mlx-lm's default with kv_bits, 0 without)."""
     if kv_bits not in KV_BITS:
         raise ModelError(f"kv_bits must be one of 4, 8 or None (float KV), got {kv_bits!r}")
     if kv_group_size not in KV_GROUP_SIZES:
         raise ModelError(f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, got {kv_group_size!r}")
+    if kv_start is None:
+        return KV_START_DEFAULT if kv_bits is not None else 0
+    if kv_bits is None:
+        raise ModelError(f"kv_start={kv_start!r} needs kv_bits (4 or 8): without it the KV stays in full precision")
+    if isinstance(kv_start, bool) or not isinstance(kv_start, int) or kv_start < 0:
+        raise ModelError(f"kv_start must be a whole number of tokens >= 0, got {kv_start!r}")
+    return kv_start
 
 
 ADAPTER_FILES = ("adapter_config.json", "adapters.safetensors")  # mlx-lm's LoRA adapter format
@@ -233,9 +253,12 @@ def adapter_identity(path: Path, memo: IdentityMemo) -> dict:
 
 
 def load_model(path_or_id, name: str, memo: IdentityMemo, kv_bits: int | None = None,
-               kv_group_size: int = 64, adapter_path=None, image_attention: str | None = None) -> LoadedModel:
+               kv_group_size: int = 64, adapter_path=None, image_attention: str | None = None,
+               kv_start: int | None = None) -> LoadedModel:
     """adapter_path: an mlx-lm LoRA adapter directory (text models); image_attention: how a
-    vision-language model's image tokens attend (vlm.py); None: its default."""
+    vision-language model's image tokens attend (vlm.py); None: its default. kv_start: with
+    kv_bits, the KV stays in full precision for this many tokens (default mlx-lm's 5000; 0:
+    quantized from the first token)."""
     import mlx.core as mx
     import mlx_lm
     from mlx.utils import tree_flatten
@@ -243,13 +266,15 @@ def load_model(path_or_id, name: str, memo: IdentityMemo, kv_bits: int | None = 
 
     from .vlm import VisionUnavailable, is_vlm_config, load_vlm
 
-    check_kv_scheme(kv_bits, kv_group_size)
+    kv_start = check_kv_scheme(kv_bits, kv_group_size, kv_start)
     path = resolve_model_path(path_or_id)
     adapter = resolve_adapter_path(adapter_path) if adapter_path is not None else None
     config = json.loads((path / "config.json").read_text())
     vision, extras = None, {}
     if not is_vlm_config(config) and image_attention is not None:
         raise ModelError("image_attention applies to vision-language models only")
+    if is_vlm_config(config) and kv_start:
+        raise ModelError("a delayed KV quantization (kv_start > 0) applies to text models; use kv_start=0 here")
     if is_vlm_config(config) and adapter is not None:
         raise ModelError("adapters in mlx-lm's format apply to text models, not to vision-language models")
     try:
@@ -268,8 +293,8 @@ def load_model(path_or_id, name: str, memo: IdentityMemo, kv_bits: int | None = 
         except Exception as e:
             raise ModelError(f"could not apply the adapter {adapter} to {path}: {type(e).__name__}: {e}") from None
     dtype = str(model.parameters_dtype()) if hasattr(model, "parameters_dtype") else _weight_dtype(model)
-    caches = new_caches(model, kv_bits, kv_group_size)
-    scheme = kv_scheme(caches, dtype.removeprefix("mlx.core."), kv_bits, kv_group_size)
+    caches = new_caches(model, kv_bits if not kv_start else None, kv_group_size)
+    scheme = kv_scheme(caches, dtype.removeprefix("mlx.core."), kv_bits, kv_group_size, kv_start)
     identity = {**model_identity(path, memo, scheme), **extras}
     if adapter is not None:  # base models keep the identity (and the cache) they had
         identity["adapter"] = adapter_identity(adapter, memo)
@@ -281,6 +306,7 @@ def load_model(path_or_id, name: str, memo: IdentityMemo, kv_bits: int | None = 
         "adapter": str(adapter) if adapter is not None else None,
         "layers": len(caches),
         "kv_scheme": scheme,
+        "kv_start": kv_start if kv_bits is not None else None,
         "parameters_bytes": sum(int(v.nbytes) for _, v in tree_flatten(model.parameters())),
         "cache_notice": notice,
         "cache_hit": hit_summary(caches),
@@ -289,7 +315,7 @@ def load_model(path_or_id, name: str, memo: IdentityMemo, kv_bits: int | None = 
     mx.eval(model.parameters())
     _warm_up(model, caches)
     return LoadedModel(name, path, model, tokenizer, config, identity, namespace_of(identity), info,
-                       kv_bits, kv_group_size, notice, vision)
+                       kv_bits, kv_group_size, kv_start, notice, vision)
 
 
 def _warm_up(model, caches: list) -> None:

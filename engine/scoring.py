@@ -114,11 +114,11 @@ def score_rows(services, model, ctx: list, conts: list, *, use_cache: bool) -> t
         cached = loan.length if loan is not None else 0
         caches = loan.caches if loan is not None else model.new_caches()
         if cached < prefix_len:  # the context's rest, once for every continuation
-            prefill(model.model, caches, ctx[cached:prefix_len], chunk=services.prefill_chunk)
+            prefill(model.forward, caches, ctx[cached:prefix_len], chunk=services.prefill_chunk)
             services.metrics.record_prefill(ns, prefix_len - cached, 0.0)
         inputs = [[ctx[-1]] + c[:-1] for c in conts]
         stats = {"context_tokens": len(ctx), "cached_tokens": cached, "source": loan.source if loan else None}
-        if prefix_len and shares_prefix(caches):
+        if prefix_len and shares_prefix(caches) and not model.kv_start:  # (a delayed quantization: one by one)
             cp = Checkpoint.capture(ctx[:prefix_len], caches)
             if use_cache and cached < prefix_len:
                 cache.put(cp, ns)
@@ -159,7 +159,7 @@ def _batched(model, cp: Checkpoint, inputs: list, conts: list, chunk: int) -> li
 
 
 def _one(model, caches: list, inputs: list, cont: list) -> tuple:
-    return _read(log_softmax(model.model(mx.array(inputs)[None], cache=caches))[0], cont)
+    return _read(log_softmax(model.forward(mx.array(inputs)[None], cache=caches))[0], cont)
 
 
 def _read(lp: mx.array, cont: list) -> tuple:

@@ -242,8 +242,9 @@ class BorrowedQuantizedKVCache(BorrowedKVCache):
     """The same over mlx-lm's `QuantizedKVCache` state: (packed, scales, biases) of the keys, then
     of the values. `bits` and `group_size` route mlx-lm's attention to its quantized path."""
 
-    def __init__(self, lent=(), *, group_size: int, bits: int):
-        self.group_size, self.bits = group_size, bits
+    def __init__(self, lent=(), *, group_size: int, bits: int, quantized_from: int = 0):
+        """quantized_from: the length its lender's run converted at (kv/quantize_start.py), or 0."""
+        self.group_size, self.bits, self.quantized_from = group_size, bits, quantized_from
         super().__init__(lent)  # (quantized rows do not batch)
 
     def _encode(self, keys, values):

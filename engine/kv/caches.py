@@ -48,10 +48,13 @@ def not_batchable(caches: list) -> list[str]:
                                                  else [kind_of(c)])})
 
 
-def kv_scheme(caches: list, dtype: str, kv_bits: int | None = None, kv_group_size: int = 64) -> str:
-    """What the model's KV state is made of: cache classes, weight dtype, quantization."""
+def kv_scheme(caches: list, dtype: str, kv_bits: int | None = None, kv_group_size: int = 64, kv_start: int = 0) -> str:
+    """What the model's KV state is made of: cache classes, weight dtype, quantization (and from
+    which token on: a part of the model's namespace, as the numbers differ)."""
     scheme = "+".join(sorted({kind_of(c) for c in caches})) + ":" + dtype
-    return scheme if kv_bits is None else f"{scheme}:q{kv_bits}g{kv_group_size}"
+    if kv_bits is None:
+        return scheme
+    return f"{scheme}:q{kv_bits}g{kv_group_size}" + (f"@{kv_start}" if kv_start else "")
 
 
 def mlx_lm_caches(caches: list | None, layers: int) -> list:

@@ -24,6 +24,7 @@ from mlx_lm.models import cache as lm_cache
 from .borrowed import BorrowedKVCache, BorrowedQuantizedKVCache, cut_segments, to_merge
 from .layers import LayerState, fresh as _fresh, own as _own, seq as _seq
 
+
 class UnsupportedCache(TypeError):
     """A cache class no codec knows: the model generates, uncached."""
 
@@ -93,18 +94,14 @@ class Codec:
         return c
 
     def empty_like(self, c: Any) -> Any:
-        """An empty mlx-lm cache configured as `c` (which may be another package's class of the
-        same name, as mlx-vlm's), or `c` itself where there is none to make."""
+        """An empty mlx-lm cache configured as `c` (maybe mlx-vlm's class of that name), or `c`."""
         return c
 
 
 class PlainKV(Codec):
-    """`KVCache`: keys/values grow by slice assignment into a padded buffer.
-
-    Borrowers get a `BorrowedKVCache` over the layer's segments: a loan copies
-    nothing; the first append copies the prefix into the borrower's own buffer
-    (borrowed.py); what it publishes shares the lent segments and adds its own.
-    """
+    """`KVCache`: keys/values grow by slice assignment into a padded buffer. Borrowers get a
+    `BorrowedKVCache` over the layer's segments: a loan copies nothing; the first append copies
+    the prefix into the borrower's own buffer; what it publishes shares the lent segments."""
 
     kind, roles = "KVCache", ("keys", "values")
     always_cuttable = True
@@ -162,7 +159,8 @@ class QuantizedKV(Codec):
 
     def capture(self, c, copy=False):
         n = int(c.offset)
-        meta = {"offset": n, "group_size": int(c.group_size), "bits": int(c.bits)}
+        since = int(getattr(c, "quantized_from", 0))  # converted at that length (kv/quantize_start.py)
+        meta = {"offset": n, "group_size": int(c.group_size), "bits": int(c.bits), **({"from": since} if since else {})}
         if isinstance(c, BorrowedQuantizedKVCache):
             shared, own, parents = borrowed_parts(c)
             segments = tuple(shared) + (_own(own, parents, copy) if own else ())
@@ -175,7 +173,11 @@ class QuantizedKV(Codec):
 
     def lend(self, layer, n):
         m = layer.meta
-        return BorrowedQuantizedKVCache(cut_segments(layer.segments, n), group_size=m["group_size"], bits=m["bits"])
+        return BorrowedQuantizedKVCache(cut_segments(layer.segments, n), group_size=m["group_size"], bits=m["bits"],
+                                        quantized_from=m.get("from", 0))
+
+    def min_reusable_offset(self, meta):
+        return int(meta.get("from", 0))  # shorter prefixes were full precision in the run that made it
 
     def trimmable(self, meta):
         return True

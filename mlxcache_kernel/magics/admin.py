@@ -37,8 +37,9 @@ class AdminMagics(EngineMagics):
     @argument("target", nargs="?", help="load: a model directory, hub id or 'smollm2' (default: the configured "
                                         "default model); use/unload/info: a name")
     @argument("--name", "-n", default=None, help="load: the name to register the model under (default: 'default')")
-    @argument("--kv-bits", type=int, choices=[4, 8], default=None,
-              help="load: quantize the KV cache to 4 or 8 bits (RAM and SSD hold the quantized bytes)")
+    @argument("--kv-bits", type=int, choices=[4, 8], default=None, help="load: quantize the KV cache to 4 or 8 bits")
+    @argument("--kv-start", type=int, default=None, help="load, with --kv-bits: the first N tokens' KV stays in "
+              "full precision (default 5000, as mlx-lm's --quantized-kv-start; 0: none)")
     @argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
               help="load: values per quantization group (default 64)")
     @argument("--adapter", default=None, help="load: an mlx-lm LoRA adapter directory applied to the model "
@@ -52,7 +53,7 @@ class AdminMagics(EngineMagics):
 
         %model load [PATH] [--name N] load a model directory or hub id ('smollm2' = the bundled
                                       SmolLM2-135M-Instruct; no PATH = the configured default model)
-                 [--kv-bits 8]        quantized KV cache (4 or 8 bits; --kv-group-size 32|64|128)
+                 [--kv-bits 8 [--kv-start N]]  KV quantized to 4|8 bits from token N (default 5000)
                  [--adapter DIR]      with an mlx-lm LoRA adapter (adapters.safetensors + adapter_config.json)
         %model list                   resident models (* marks the default)
         %model use N                  make N the default for %%generate
@@ -61,13 +62,15 @@ class AdminMagics(EngineMagics):
         """
         args = parse_args(self.model, line)
         eng = self.engine
-        if (args.name or args.kv_bits or args.adapter) and args.action != "load":
-            raise UsageError(f"--name, --kv-bits and --adapter only apply to %model load, not %model {args.action}")
+        if (args.name or args.kv_bits or args.kv_start is not None or args.adapter) and args.action != "load":
+            raise UsageError(f"--name, --kv-bits, --kv-start and --adapter only apply to %model load, "
+                             f"not %model {args.action}")
         if args.action == "list":
             no_target(args.target, "model list")
             self._model_list()
         elif args.action == "load":
-            extra = {"image_attention": args.image_attention} if args.image_attention else {}
+            extra = {k: v for k, v in (("image_attention", args.image_attention), ("kv_start", args.kv_start))
+                     if v is not None}
             self._model_load(args.target, args.name or "default", kv_bits=args.kv_bits,
                              kv_group_size=args.kv_group_size, adapter_path=args.adapter, **extra)
         elif args.action == "info":

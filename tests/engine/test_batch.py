@@ -58,7 +58,7 @@ WORKER = """
 import json, sys
 from mlxcache_kernel.engine import Engine
 eng = Engine(cache_dir={cache!r}, prefetch_budget_bytes=0)  # the first lookups read the files themselves
-eng.load_model({model!r}, name="m", kv_bits={kv_bits!r}, kv_group_size=32)
+eng.load_model({model!r}, name="m", kv_bits={kv_bits!r}, kv_group_size=32, kv_start={kv_start!r})
 out = {{}}
 for mode, kw in {modes!r}.items():
     out[mode] = [[r.tokens, r.stats["cache_source"], r.stats["cached_tokens"]]
@@ -74,7 +74,7 @@ def test_batch_from_the_cache_is_the_batch_without_it(arch_model, tmp_path):
     cache = tmp_path / "c"
     expected = {}
     with Engine(cache_dir=cache, prefetch_budget_bytes=0) as eng:
-        eng.load_model(path, name="m", kv_bits=kv_bits, kv_group_size=32)
+        eng.load_model(path, name="m", kv_bits=kv_bits, kv_group_size=32, kv_start=0 if kv_bits else None)
         notices = []
         eng.events.subscribe(lambda e: notices.append(e) if e.get("type") == "notice" else None)
         for mode, kw in MODES.items():
@@ -102,7 +102,8 @@ def test_batch_from_the_cache_is_the_batch_without_it(arch_model, tmp_path):
                     ("ram", len(p) - 1, 1), arch
         assert bool(notices) == serial_kind and all("cannot batch" in n["message"] for n in notices), notices
         assert eng.flush(timeout=60)["pending"] == 0
-    script = WORKER.format(cache=str(cache), model=str(path), kv_bits=kv_bits, modes=MODES, prompts=PROMPTS)
+    script = WORKER.format(cache=str(cache), model=str(path), kv_bits=kv_bits, kv_start=0 if kv_bits else None,
+                           modes=MODES, prompts=PROMPTS)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     runs = json.loads(out.stdout.strip().splitlines()[-1])

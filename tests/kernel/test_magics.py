@@ -130,8 +130,11 @@ def test_model_load_list_use_unload(ip, capsys):
     assert res.success and engine(ip).models.default == "second"
     res, out, _ = run(ip, capsys, "%model info second")
     assert "namespace" in out and "identity.artifact" in out
-    res, out, _ = run(ip, capsys, f"%model load {path} --name q8 --kv-bits 8 --kv-group-size 32")
+    res, out, _ = run(ip, capsys, f"%model load {path} --name q8 --kv-bits 8 --kv-group-size 32 --kv-start 0")
     assert res.success and "QuantizedKVCache:float32:q8g32" in out
+    res, out, _ = run(ip, capsys, f"%model load {path} --name q8late --kv-bits 8 --kv-group-size 32 --kv-start 40")
+    assert res.success and "KVCache:float32:q8g32@40" in out and engine(ip).models.get("q8late").kv_start == 40
+    run(ip, capsys, "%model unload q8late")
     assert engine(ip).model_info("q8")["namespace"] != engine(ip).model_info("second")["namespace"]
     run(ip, capsys, "%model unload q8")
     res, out, _ = run(ip, capsys, "%model unload default")
@@ -148,9 +151,11 @@ def test_model_errors(ip, capsys, tmp_path):
     assert "unknown model 'ghost'" in usage_error(ip, capsys, "%model use ghost")
     assert "unknown model 'ghost'" in usage_error(ip, capsys, "%model unload ghost")
     assert "needs a model name" in usage_error(ip, capsys, "%model use")
-    assert "--name, --kv-bits and --adapter only apply" in usage_error(ip, capsys, "%model list --name x")
-    assert "--name, --kv-bits and --adapter only apply" in usage_error(ip, capsys, "%model info --kv-bits 8")
+    assert "--name, --kv-bits, --kv-start and --adapter only apply" in usage_error(ip, capsys, "%model list --name x")
+    assert "--name, --kv-bits, --kv-start and --adapter only apply" in usage_error(ip, capsys, "%model info --kv-bits 8")
     assert "invalid choice" in usage_error(ip, capsys, f"%model load {ip.tiny_model_dir} --kv-bits 3")
+    assert "needs kv_bits" in usage_error(ip, capsys, f"%model load {ip.tiny_model_dir} --name k --kv-start 40")
+    assert ">= 0" in usage_error(ip, capsys, f"%model load {ip.tiny_model_dir} --name k --kv-bits 8 --kv-start -1")
     assert "unrecognized" in usage_error(ip, capsys, "%model list --bogus")
     assert "takes no name" in usage_error(ip, capsys, "%model list extra")
     assert "takes no name" in usage_error(ip, capsys, "%session list extra")

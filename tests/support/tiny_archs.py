@@ -307,8 +307,9 @@ def _config(arch: str, vocab: int) -> dict:
     raise ValueError(f"unknown arch {arch!r}; supported: {', '.join([*ARCHS, *FAMILIES])}")
 
 
-def build_arch_model(arch: str, path: Path, *, seed: int = 0, scale: float = 4.0) -> Path:
-    """Write a tiny random ``arch`` model directory at ``path`` (float32) and return it.
+def build_arch_model(arch: str, path: Path, *, seed: int = 0, scale: float = 4.0, **config_overrides) -> Path:
+    """Write a tiny random ``arch`` model directory at ``path`` (float32) and return it
+    (`config_overrides`: config.json keys changed, e.g. head_dim=32 for KV quantized in groups of 32).
 
     Matrix weights (ndim >= 2: linear, embedding, expert and conv weights) are
     the architecture's default init times ``scale``; vectors (norms, biases,
@@ -324,7 +325,7 @@ def build_arch_model(arch: str, path: Path, *, seed: int = 0, scale: float = 4.0
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(path)
-    config = _config(arch, vocab)
+    config = {**_config(arch, vocab), **config_overrides}
     (path / "config.json").write_text(json.dumps(config, indent=1))
     module = importlib.import_module(f"mlx_lm.models.{arch}")
     mx.random.seed(seed)

@@ -37,7 +37,7 @@ def wide_model_dir(tmp_path_factory):
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_kv_hits_equal_their_own_cold_runs(wide_model_dir, tmp_path, bits):
     eng = Engine(cache_dir=tmp_path / "c")
-    info = eng.load_model(wide_model_dir, name="q", kv_bits=bits, kv_group_size=32)
+    info = eng.load_model(wide_model_dir, name="q", kv_bits=bits, kv_group_size=32, kv_start=0)
     assert info["kv_scheme"].startswith("QuantizedKVCache:") and info["kv_scheme"].endswith(f":q{bits}g32")
     for params in (SamplingParams(max_tokens=16), SamplingParams(max_tokens=16, temperature=0.7, seed=5)):
         cold = eng.generate_tokens(DOC, params, use_cache=False).tokens
@@ -52,21 +52,21 @@ def test_quantized_kv_hits_equal_their_own_cold_runs(wide_model_dir, tmp_path, b
     eng.close()
     # the SSD tier holds the quantized bytes: a new engine restores them
     with Engine(cache_dir=tmp_path / "c", prefetch_budget_bytes=0) as again:  # the lookup restores
-        again.load_model(wide_model_dir, name="q", kv_bits=bits, kv_group_size=32)
+        again.load_model(wide_model_dir, name="q", kv_bits=bits, kv_group_size=32, kv_start=0)
         r = again.generate_tokens(DOC, SamplingParams(max_tokens=16))
         assert r.stats["cache_source"] == "ssd" and r.tokens == cold_greedy(wide_model_dir, tmp_path, bits)
 
 
 def cold_greedy(model_dir, tmp_path, bits):
     with Engine(cache_dir=tmp_path / "ref", ssd=False) as ref:
-        ref.load_model(model_dir, name="q", kv_bits=bits, kv_group_size=32)
+        ref.load_model(model_dir, name="q", kv_bits=bits, kv_group_size=32, kv_start=0)
         return ref.generate_tokens(DOC, SamplingParams(max_tokens=16), use_cache=False).tokens
 
 
 def test_float_entries_never_serve_a_quantized_load(wide_model_dir, tmp_path):
     eng = Engine(cache_dir=tmp_path / "c")
     f = eng.load_model(wide_model_dir, name="f")
-    q = eng.load_model(wide_model_dir, name="q8", kv_bits=8, kv_group_size=32)
+    q = eng.load_model(wide_model_dir, name="q8", kv_bits=8, kv_group_size=32, kv_start=0)
     assert f["namespace"] != q["namespace"]
     eng.generate_tokens(DOC, SamplingParams(max_tokens=4), model="f")
     r = eng.generate_tokens(DOC, SamplingParams(max_tokens=4), model="q8")
@@ -74,7 +74,7 @@ def test_float_entries_never_serve_a_quantized_load(wide_model_dir, tmp_path):
     eng.flush()
     eng.close()
     with Engine(cache_dir=tmp_path / "c", prefetch_budget_bytes=0) as again:  # the lookup restores  # nor from SSD
-        again.load_model(wide_model_dir, name="q4", kv_bits=4, kv_group_size=32)
+        again.load_model(wide_model_dir, name="q4", kv_bits=4, kv_group_size=32, kv_start=0)
         assert again.generate_tokens(DOC, SamplingParams(max_tokens=4)).stats["cache_source"] is None
 
 

@@ -1,0 +1,59 @@
+"""KV quantized from token N on (mlx-lm's ``--kv-bits`` with ``--quantized-kv-start``), at exactly N.
+
+mlx-lm converts a cache after any model call that left its offset at or past the start, so
+where it converts depends on how the prompt was chunked and where a hit left off. Here every
+forward that would cross N is split at N and the caches convert right there: a cold run, a
+hit from a full-precision checkpoint below N and a hit from a quantized one at or past N hold
+the same numbers. A converted layer remembers N (`quantized_from`); its checkpoints then
+serve only lengths >= N (their minimum reusable offset, codecs.QuantizedKV), and a shorter
+prompt takes an earlier full-precision checkpoint or prefills.
+
+Kinds without a quantized form (sliding windows, recurrent state, lists of caches) stay in
+full precision, as they do with kv_bits from the first token.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .codecs import codec, kind_of
+
+
+def convert(c, start: int, bits: int, group_size: int):
+    """Layer `c` (at offset >= start) with its KV quantized, or `c` itself where its kind has no
+    quantized form (or it is quantized already)."""
+    q = codec(kind_of(c)).quantized(c, bits, group_size)
+    if q is c:
+        return c
+    n = int(c.offset)
+    if n:
+        q.keys = mx.quantize(c.keys[..., :n, :], group_size=group_size, bits=bits)
+        q.values = mx.quantize(c.values[..., :n, :], group_size=group_size, bits=bits)
+    q.offset, q.quantized_from = n, start
+    return q
+
+
+class QuantizeFrom:
+    """`model` as a callable that converts the caches it is given when they reach `start`."""
+
+    def __init__(self, model, start: int, bits: int, group_size: int):
+        self.model, self.start, self.bits, self.group_size = model, start, bits, group_size
+
+    def __call__(self, inputs: mx.array, cache: list, **kwargs) -> mx.array:
+        at = self.start - min(int(c.offset) for c in cache)  # positions before the conversion
+        if at <= 0 or at > inputs.shape[1]:
+            self.convert(cache)  # (a no-op once converted, and below the start)
+            return self.model(inputs, cache=cache, **kwargs)
+        if at == inputs.shape[1]:
+            out = self.model(inputs, cache=cache, **kwargs)
+            self.convert(cache)
+            return out
+        first = self.model(inputs[:, :at], cache=cache, **kwargs)
+        self.convert(cache)
+        return mx.concatenate([first, self.model(inputs[:, at:], cache=cache, **kwargs)], axis=1)
+
+    def convert(self, cache: list) -> None:
+        """Convert, in place in the list, every layer that has reached the start."""
+        for i, c in enumerate(cache):
+            if int(c.offset) >= self.start:
+                cache[i] = convert(c, self.start, self.bits, self.group_size)

@@ -1,0 +1,181 @@
+"""A delayed KV quantization (kv_bits with kv_start, mlx-lm's --quantized-kv-start): the caches
+convert at exactly kv_start whatever the chunking or where a hit left off, so a cold run and
+every hit agree; a checkpoint past the start serves only prompts at least that long."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from tiny_archs import build_arch_model
+
+from mlxcache_kernel.engine import Engine, ModelError, SamplingParams
+from mlxcache_kernel.engine.kv.quantize_start import QuantizeFrom
+
+START = 40
+GREEDY, SEEDED = SamplingParams(max_tokens=12), SamplingParams(max_tokens=12, temperature=0.8, seed=3)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(seed).integers(3, 259, n)]
+
+
+DOC = ids(90, 11)
+
+
+@pytest.fixture(scope="module")
+def wide_model_dir(tmp_path_factory):
+    from tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "wide", hidden=128)  # head_dim 32
+
+
+def engine(tmp_path, model_dir, *, chunk: int = 512, start: int = START, name: str = "c", **kw) -> Engine:
+    eng = Engine(cache_dir=tmp_path / name, prefill_chunk=chunk, **kw)
+    eng.load_model(model_dir, name="q", kv_bits=8, kv_group_size=32, kv_start=start)
+    return eng
+
+
+def cold(tmp_path, model_dir, prompt, params, chunk=512) -> list:
+    with engine(tmp_path, model_dir, chunk=chunk, name=f"cold{chunk}", ssd=False) as eng:
+        return eng.generate_tokens(prompt, params, use_cache=False).tokens
+
+
+NEW_PROCESS = """
+import json
+from mlxcache_kernel.engine import Engine, SamplingParams
+with Engine(cache_dir={cache!r}, prefetch_budget_bytes=0) as eng:
+    eng.load_model({model!r}, name="q", kv_bits=8, kv_group_size=32, kv_start={start})
+    r = eng.generate_tokens({doc!r}, SamplingParams.of(**{params!r}))
+    cp = max(eng.cache.entries(), key=lambda e: len(e.tokens)).checkpoint
+    print(json.dumps({{"source": r.stats["cache_source"], "tokens": r.tokens,
+                      "min_reusable_offset": cp.min_reusable_offset}}))
+"""
+
+
+def longest(eng: Engine):
+    return max(eng.cache.entries(), key=lambda e: len(e.tokens)).checkpoint
+
+
+def test_the_conversion_happens_at_exactly_the_start_whatever_the_chunking(wide_model_dir, tmp_path):
+    for params in (GREEDY, SEEDED):
+        runs = {chunk: cold(tmp_path, wide_model_dir, DOC, params, chunk) for chunk in (1, 7, 512)}
+        assert runs[1] == runs[7] == runs[512], runs
+    # mlx-lm would convert after the chunk that passes the start (at 42 with chunks of 7): here the
+    # forward is split at 40, so the model's output equals a run converted by hand at 40
+    with engine(tmp_path, wide_model_dir, ssd=False, name="hand") as eng:
+        m = eng.models.get("q")
+        by_hand = m.new_caches()
+        m.model(mx.array(DOC[:START])[None], cache=by_hand)
+        QuantizeFrom(m.model, START, 8, 32).convert(by_hand)
+        want = m.model(mx.array(DOC[START:50])[None], cache=by_hand)
+        caches = m.new_caches()
+        m.model(mx.array(DOC[:35])[None], cache=caches)
+        got = m.forward(mx.array(DOC[35:50])[None], cache=caches)[:, 5:]
+        assert all(getattr(c, "bits", None) == 8 and c.offset == 50 for c in caches)
+        assert mx.allclose(got, want, atol=1e-3).item()  # (chunks of 35 + 15 vs 40 + 10 in float32)
+
+
+def test_hits_below_and_past_the_start_equal_a_cold_run(wide_model_dir, tmp_path):
+    below, past = DOC[:30], DOC[:60]
+    for params in (GREEDY, SEEDED):
+        want = cold(tmp_path, wide_model_dir, DOC, params)
+        with engine(tmp_path, wide_model_dir, name=f"hits{params.seed}") as eng:
+            eng.generate_tokens(below, SamplingParams(max_tokens=1))  # a full-precision checkpoint below
+            [fp] = [e.checkpoint for e in eng.cache.entries()]
+            assert fp.min_reusable_offset == 0 and {l.kind for l in fp.layers} == {"KVCache"}
+            r = eng.generate_tokens(DOC, params)  # a hit from below, crossing the start
+            assert r.stats["cached_tokens"] == len(below) and r.tokens == want
+            cp = longest(eng)
+            assert cp.min_reusable_offset == START and {l.kind for l in cp.layers} == {"QuantizedKVCache"}
+            assert all(l.meta["from"] == START for l in cp.layers)
+            # the full-precision ancestor stays: the quantized descendant cannot serve it
+            assert any(e.checkpoint.min_reusable_offset == 0 and len(e.tokens) >= len(below) - 1
+                       for e in eng.cache.entries()), [(len(e.tokens), e.checkpoint.min_reusable_offset)
+                                                       for e in eng.cache.entries()]
+            eng.generate_tokens(past, SamplingParams(max_tokens=1))
+            r2 = eng.generate_tokens(DOC, params)  # a hit from a quantized checkpoint past the start
+            assert r2.stats["cached_tokens"] >= len(past) and r2.tokens == want
+            eng.flush()
+        # from SSD, in a new process (the offset is in the file and the catalogue)
+        script = NEW_PROCESS.format(cache=str(tmp_path / f"hits{params.seed}"), model=str(wide_model_dir),
+                                    start=START, doc=DOC, params=params.as_dict())
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        got = json.loads(out.stdout.strip().splitlines()[-1])
+        assert got == {"source": "ssd", "tokens": want, "min_reusable_offset": START}
+
+
+def test_a_prompt_shorter_than_the_start_never_takes_a_quantized_checkpoint(wide_model_dir, tmp_path):
+    short = DOC[:START - 5] + ids(8, 2)  # shares 35 tokens with DOC, ends before the start
+    want = cold(tmp_path, wide_model_dir, short, GREEDY)
+    with engine(tmp_path, wide_model_dir, name="short") as eng:
+        eng.generate_tokens(DOC, GREEDY)  # only quantized checkpoints (from 40) in the cache
+        assert all(e.checkpoint.min_reusable_offset == START for e in eng.cache.entries())
+        r = eng.generate_tokens(short, GREEDY)
+        assert r.stats["cached_tokens"] == 0 and r.tokens == want
+        eng.flush()
+    with engine(tmp_path, wide_model_dir, name="short", prefetch_budget_bytes=0) as again:
+        r = again.generate_tokens(short[:-1] + [5], GREEDY)  # SSD holds both kinds now
+        assert r.tokens == cold(tmp_path, wide_model_dir, short[:-1] + [5], GREEDY)
+
+
+def test_a_decode_that_crosses_the_start_converts_there(wide_model_dir, tmp_path):
+    prompt = DOC[:START - 4]  # the 4th generated token's forward reaches the start
+    params = SamplingParams(max_tokens=10)
+    want = cold(tmp_path, wide_model_dir, prompt, params)
+    with engine(tmp_path, wide_model_dir, name="decode") as eng:
+        r = eng.generate_tokens(prompt, params)
+        assert r.tokens == want
+        cp = longest(eng)
+        assert cp.min_reusable_offset == START and len(cp.tokens) >= START
+        again = eng.generate_tokens(prompt, params)  # served by the full-precision prompt state
+        assert again.tokens == want and again.stats["cached_tokens"] > 0
+
+
+def test_sliding_window_layers_stay_in_full_precision_and_hits_are_exact(tmp_path):
+    path = build_arch_model("gemma3_text", tmp_path / "gemma3", head_dim=32)
+    eng = Engine(cache_dir=tmp_path / "g")
+    info = eng.load_model(path, name="g", kv_bits=8, kv_group_size=32, kv_start=START)
+    assert info["kv_start"] == START and info["kv_scheme"].endswith(f"q8g32@{START}")
+    with Engine(cache_dir=tmp_path / "gcold", ssd=False) as ref:
+        ref.load_model(path, name="g", kv_bits=8, kv_group_size=32, kv_start=START)
+        want = ref.generate_tokens(DOC, GREEDY, use_cache=False).tokens
+    assert eng.generate_tokens(DOC, GREEDY).tokens == want
+    r = eng.generate_tokens(DOC, GREEDY)
+    assert r.stats["cached_tokens"] > START and r.tokens == want
+    kinds = {l.kind for l in longest(eng).layers}
+    assert kinds == {"RotatingKVCache", "QuantizedKVCache"}
+    eng.close()
+
+
+def test_batches_and_scores_of_a_delayed_quantization_equal_single_runs(wide_model_dir, tmp_path):
+    prompts = [DOC[:30] + ids(20, s) for s in range(3)]  # each crosses the start
+    singles = [cold(tmp_path, wide_model_dir, p, GREEDY) for p in prompts]
+    conts = [ids(6, s) for s in range(3)]
+    with engine(tmp_path, wide_model_dir, name="batch") as eng:
+        eng.generate_tokens(DOC[:30], SamplingParams(max_tokens=1))  # a shared full-precision prefix
+        rows = eng.generate_batch(prompts, max_tokens=12)
+        assert [r.tokens for r in rows] == singles
+        assert all(r.stats["cached_tokens"] >= 30 for r in rows)
+        hit = eng.score(DOC[:60], conts)
+        cold_scores = eng.score(DOC[:60], conts, use_cache=False)
+        assert [s.greedy for s in hit] == [s.greedy for s in cold_scores]
+        assert max(abs(a - b) for s, t in zip(hit, cold_scores)
+                   for a, b in zip(s.token_logprobs, t.token_logprobs)) < 1e-3  # (8-bit KV: chunking moves more)
+
+
+def test_bad_kv_start_is_a_clear_error(wide_model_dir, tmp_path):
+    with Engine(cache_dir=tmp_path / "bad", ssd=False) as eng:
+        with pytest.raises(ModelError, match="needs kv_bits"):
+            eng.load_model(wide_model_dir, kv_start=100)
+        with pytest.raises(ModelError, match=">= 0"):
+            eng.load_model(wide_model_dir, kv_bits=8, kv_group_size=32, kv_start=-1)
+        with pytest.raises(ModelError, match=">= 0"):
+            eng.load_model(wide_model_dir, kv_bits=8, kv_group_size=32, kv_start=1.5)
+        assert eng.load_model(wide_model_dir, kv_bits=8, kv_group_size=32)["kv_start"] == 5000  # mlx-lm's default
+        assert eng.load_model(wide_model_dir, name="f")["kv_start"] is None
