@@ -39,6 +39,7 @@ def kv_info(cp: Checkpoint, layer: int | None = None) -> list[dict]:
                     "dtype": str(a.dtype).removeprefix("mlx.core."),
                     "bytes": int(a.nbytes),
                     "offset": state.meta.get("offset"),
+                    "quantized": _quantized(state.meta),
                     "blake3": blake3.blake3(host.reshape(-1).view(np.uint8)).hexdigest()[:16],
                     "mean": mean,
                     "std": std,
@@ -48,6 +49,14 @@ def kv_info(cp: Checkpoint, layer: int | None = None) -> list[dict]:
                 }
             )
     return rows
+
+
+def _quantized(meta: dict) -> str:
+    """How a layer's KV is quantized: "q8g64", "q8g64 from 5000" (converted at that length: its
+    checkpoints serve no shorter prefix), or "" in full precision."""
+    if "bits" not in meta:
+        return ""
+    return f"q{meta['bits']}g{meta['group_size']}" + (f" from {meta['from']}" if meta.get("from") else "")
 
 
 def kv_export(cp: Checkpoint, layer: int | None = None) -> dict[str, np.ndarray]:

@@ -14,6 +14,7 @@ import pytest
 from tiny_archs import build_arch_model
 
 from mlxcache_kernel.engine import Engine, ModelError, SamplingParams
+from mlxcache_kernel.engine.kv.inspect import kv_info
 from mlxcache_kernel.engine.kv.quantize_start import QuantizeFrom
 
 START = 40
@@ -93,6 +94,8 @@ def test_hits_below_and_past_the_start_equal_a_cold_run(wide_model_dir, tmp_path
             cp = longest(eng)
             assert cp.min_reusable_offset == START and {l.kind for l in cp.layers} == {"QuantizedKVCache"}
             assert all(l.meta["from"] == START for l in cp.layers)
+            assert {r["quantized"] for r in kv_info(cp)} == {f"q8g32 from {START}"}  # what %kv inspect shows
+            assert {r["quantized"] for r in kv_info(fp)} == {""}
             # the full-precision ancestor stays: the quantized descendant cannot serve it
             assert any(e.checkpoint.min_reusable_offset == 0 and len(e.tokens) >= len(below) - 1
                        for e in eng.cache.entries()), [(len(e.tokens), e.checkpoint.min_reusable_offset)
