@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .kv.caches import hit_summary, kv_scheme, new_caches, unsupported
-from .kv.quantize_start import QuantizeFrom
+from .kv.quantize_start import QuantizeFrom, check_quantizable
 from .user_names import check_user_name
 from .system import make_private_dir, write_json_atomic
 
@@ -256,9 +256,8 @@ def load_model(path_or_id, name: str, memo: IdentityMemo, kv_bits: int | None = 
                kv_group_size: int = 64, adapter_path=None, image_attention: str | None = None,
                kv_start: int | None = None) -> LoadedModel:
     """adapter_path: an mlx-lm LoRA adapter directory (text models); image_attention: how a
-    vision-language model's image tokens attend (vlm.py); None: its default. kv_start: with
-    kv_bits, the KV stays in full precision for this many tokens (default mlx-lm's 5000; 0:
-    quantized from the first token)."""
+    vision-language model's image tokens attend (vlm.py); None: its default. kv_start: with kv_bits,
+    the KV stays in full precision for this many tokens (default mlx-lm's 5000; 0: none)."""
     import mlx.core as mx
     import mlx_lm
     from mlx.utils import tree_flatten
@@ -313,15 +312,16 @@ def load_model(path_or_id, name: str, memo: IdentityMemo, kv_bits: int | None = 
         **({"vision": {"family": type(vision).__name__, "image_attention": vision.policy}} if vision else {}),
     }
     mx.eval(model.parameters())
+    if kv_bits is not None and (why := check_quantizable(model, new_caches(model), kv_bits, kv_group_size)):
+        raise ModelError(why)
     _warm_up(model, caches)
     return LoadedModel(name, path, model, tokenizer, config, identity, namespace_of(identity), info,
                        kv_bits, kv_group_size, kv_start, notice, vision)
 
 
 def _warm_up(model, caches: list) -> None:
-    """One token through the model, thrown away: the first generation after a load (a
-    restart's first rerun, often a prefetched RAM hit) then does not pay the first call's
-    setup (measured: about 10 ms of a 90 ms hit on SmolLM2, CPU)."""
+    """One token through the model, thrown away: the first generation after a load (a restart's first
+    rerun, often a prefetched RAM hit) then does not pay the first call's setup (~10 ms of 90 ms)."""
     import mlx.core as mx
 
     try:

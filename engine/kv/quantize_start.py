@@ -57,3 +57,15 @@ class QuantizeFrom:
         for i, c in enumerate(cache):
             if int(c.offset) >= self.start:
                 cache[i] = convert(c, self.start, self.bits, self.group_size)
+
+
+def check_quantizable(model, caches: list, bits: int, group_size: int) -> str | None:
+    """Why this model's KV cannot be quantized so (its head dimension and the group size), or None:
+    one token through fresh full-precision `caches`, then converted."""
+    try:
+        mx.eval(model(mx.array([[0]]), cache=caches))
+        QuantizeFrom(model, 1, bits, group_size).convert(caches)
+        mx.eval([c.state for c in caches])
+    except ValueError as e:
+        return f"kv_bits={bits} with kv_group_size={group_size} does not fit this model's KV: {e}"
+    return None

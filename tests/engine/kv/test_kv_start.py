@@ -181,4 +181,7 @@ def test_bad_kv_start_is_a_clear_error(wide_model_dir, tmp_path):
         with pytest.raises(ModelError, match=">= 0"):
             eng.load_model(wide_model_dir, kv_bits=8, kv_group_size=32, kv_start=1.5)
         assert eng.load_model(wide_model_dir, kv_bits=8, kv_group_size=32)["kv_start"] == 5000  # mlx-lm's default
+        for start in (0, 40):  # head_dim 32 cannot quantize in groups of 64: said at load, not mid-generation
+            with pytest.raises(ModelError, match="kv_group_size=64 does not fit this model's KV"):
+                eng.load_model(wide_model_dir, name="g64", kv_bits=8, kv_group_size=64, kv_start=start)
         assert eng.load_model(wide_model_dir, name="f")["kv_start"] is None
