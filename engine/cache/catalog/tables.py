@@ -272,6 +272,17 @@ class Catalog(Presence):
             with self.transaction("unfree") as db:
                 db.executemany("DELETE FROM freeing WHERE name=? AND owner=?", [(n, self.owner) for n in names])
 
+    def own_freeing(self, db: sqlite3.Connection, names: Iterable[str]) -> set:
+        """Those of `names` still marked `freeing` by us and recorded by no row: the fence before
+        an unlink or a move (removal.py). A mark a sweep took over is not ours any more."""
+        return {n for n in names if db.execute("SELECT 1 FROM freeing f WHERE name=? AND owner=? AND NOT EXISTS "
+                                               "(SELECT 1 FROM blocks WHERE name=f.name)", (n, self.owner)).fetchone()}
+
+    def indexed(self, paths: Iterable[Path]) -> set:
+        """Those of these manifest paths (<ns>/<key>.<tag>.ckpt) a row points at (a read)."""
+        return {p for p in paths if (r := self.query("SELECT path FROM files WHERE namespace=? AND key=?", (
+            p.parent.name, p.name.split(".")[0]))) and self.root / r[0][0] == p}
+
     def drop_block(self, db: sqlite3.Connection, name: str, freeing: bool) -> list[tuple]:
         """Forget a block found bad or gone, claimed or not; with `freeing` (its bad file goes
         after COMMIT, then `unfree`) no one writes it again meanwhile. Returns (namespace, key)
