@@ -244,11 +244,15 @@ class Upkeep:
                          rows)
 
     def quarantine_block(self, name: str, reason: str) -> None:
-        """A block failed verification: read it again, and if it is still bad move it aside;
-        the files using it are dropped (misses until the same KV is written again)."""
+        """A block failed verification: read it again from the disk, and only if that read verifies
+        that it is bad move it aside; the files using it are dropped (misses until the same KV
+        is written again)."""
         path = blocks.block_path(self.blocks_root, name)
-        if blocks.intact(path, name):
-            return  # it verifies now: a fault on the way, not on the disk
+        verdict = blocks.intact(path, name)  # read from the disk, not the page cache
+        if verdict != blocks.CORRUPT:  # it verifies now (a fault on the way, not on the disk), or an I/O
+            if verdict == blocks.UNREADABLE:  # error: a miss and a retry, never evidence (a pinned checkpoint stays)
+                self._emit({"type": "unreadable", "path": str(path), "reason": reason})
+            return
         self._move_aside(path, self.root / QUARANTINE / f"block.{name}.{time.time_ns()}", reason,
                          lambda db, after: self._lose_block(db, after, name, bad=True))
 

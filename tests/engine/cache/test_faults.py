@@ -60,12 +60,12 @@ SCENARIOS = {
         "close.commit", "close.committed",
     ],
     "quarantine": [
-        "lease.begin", "lease.commit", "lease.committed", "read.fill", "quarantine.begin", "quarantine.commit",
-        "quarantine.committed", "quarantine.unlink", "fence.begin", "quarantine.rename", "fence.commit",
-        "fence.committed", "quarantine.unlinked", "unfree.begin", "unfree.commit", "unfree.committed",
-        "unlease.begin", "unlease.commit", "unlease.committed", "unlease.unlink", "fence.begin", "fence.commit",
-        "fence.committed", "unlease.unlinked", "unfree.begin", "unfree.commit", "unfree.committed", "close.begin",
-        "close.commit", "close.committed",
+        "lease.begin", "lease.commit", "lease.committed", "read.fill", "block.confirm", "quarantine.begin",
+        "quarantine.commit", "quarantine.committed", "quarantine.unlink", "fence.begin", "quarantine.rename",
+        "fence.commit", "fence.committed", "quarantine.unlinked", "unfree.begin", "unfree.commit",
+        "unfree.committed", "unlease.begin", "unlease.commit", "unlease.committed", "unlease.unlink", "fence.begin",
+        "fence.commit", "fence.committed", "unlease.unlinked", "unfree.begin", "unfree.commit", "unfree.committed",
+        "close.begin", "close.commit", "close.committed",
     ],
     "restore": [
         "lease.begin", "lease.commit", "lease.committed", "read.fill", "unlease.begin", "unlease.commit",
@@ -130,7 +130,8 @@ def cases():
         for point in dict.fromkeys(points):
             if point.startswith("close.") and scenario != "write":
                 continue
-            actions = ["kill", "enospc"] + (["eio"] if point.endswith(".commit") or point == "read.fill" else [])
+            eio = point.endswith(".commit") or point in ("read.fill", "block.confirm")
+            actions = ["kill", "enospc"] + (["eio"] if eio else [])
             for action in actions:
                 yield pytest.param(scenario, point, action, id=f"{scenario}-{point}-{action}")
 
