@@ -228,8 +228,9 @@ class Catalog(Presence):
             freeing = {n for n in names - present if db.execute("SELECT 1 FROM freeing WHERE name=?", (n,)).fetchone()}
         return names - present, freeing
 
-    def being_freed(self, names: Iterable[str]) -> set:
-        return {n for n in names if self.query("SELECT 1 FROM freeing WHERE name=?", (n,))}
+    def being_freed(self, names: Iterable[str]) -> dict:
+        """Those of `names` marked `freeing` -> the owner of the mark (`describe(owner)` says who)."""
+        return {n: r[0][0] for n in names if (r := self.query("SELECT owner FROM freeing WHERE name=?", (n,)))}
 
     def add_blocks(self, sizes: dict[str, int], db: sqlite3.Connection | None = None) -> None:
         """Record blocks durable on disk (in the caller's transaction when given), except those

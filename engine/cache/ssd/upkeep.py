@@ -236,8 +236,10 @@ class Upkeep:
     def _quarantine(self, path: Path, reason: str, k: tuple | None = None) -> None:
         """Move a verified-bad file aside once its row is gone (a busy catalogue or a failed
         move leaves it, reported; it is not served meanwhile)."""
+        k = k or (path.parent.name, path.name.split(".")[0])  # (a bad header: the row its name would have)
+
         def rows(db, after):
-            row = self.catalog.file(*k, db=db) if k else None
+            row = self.catalog.file(*k, db=db)
             if row is not None and row.path == str(path):
                 after.blocks += self.catalog.free_blocks(db, self.catalog.drop_file(db, *k))
         self._move_aside(path, self.root / QUARANTINE / f"{path.parent.name}.{path.name}.{time.time_ns()}", reason,

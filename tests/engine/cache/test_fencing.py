@@ -7,13 +7,16 @@ anyone acknowledged restores identically, and after one gc nothing leaks."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from fault_worker import (NS, assert_nothing_leaks, build_template, expected_digest, open_store, read_digest,
                           tokens, write)
-from paused import Clock, Paused
+from paused import ENV, WORKER, Clock, Paused
 
 from mlxcache_kernel.engine.cache.catalog.database import CatalogBusy
 from mlxcache_kernel.engine.cache.ssd import blocks
@@ -138,4 +141,35 @@ def test_paused_inside_the_commit_transaction(root):
     s.gc()
     restores(s, "C", "C2")
     assert_nothing_leaks(s)
+    s.close()
+
+
+@pytest.mark.parametrize("action", ["enospc", "eio"])
+def test_own_freeing_marks_are_ended_when_the_unfree_commit_fails(root, action):
+    """The COMMIT that ends a clear's `freeing` marks fails (a full or failing disk): the clear
+    is still done, the marks do not outlive the failure (the keeper ends them), and the same
+    process's next write of those blocks goes through instead of waiting for itself."""
+    log = root.parent / "log"
+    r = subprocess.run([sys.executable, WORKER, str(root), "clear-rewrite", str(log)], capture_output=True, text=True,
+                       timeout=120, env={**ENV, "MLXCACHE_FAULT": f"unfree.commit:{action}"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [json.loads(x) for x in log.read_text().splitlines()] == [{"ack": "clear-rewrite"}]
+    s = open_store(root)
+    assert s.catalog.query("SELECT COUNT(*) FROM freeing")[0][0] == 0
+    restores(s, "C")
+    restores(s, "A")
+    s.gc()
+    assert_nothing_leaks(s)
+    s.close()
+
+
+def test_a_wait_for_freeing_marks_names_their_holder(root):
+    s = open_store(root)
+    with s.catalog.transaction() as db:
+        db.execute("INSERT INTO freeing VALUES(?, ?)", ("f" * 64, s.catalog.owner))
+        db.execute("INSERT INTO freeing VALUES(?, ?)", ("e" * 64, "0123456789abcdef"))
+    held = s.catalog.being_freed(["f" * 64, "e" * 64, "d" * 64])
+    assert sorted(held) == ["e" * 64, "f" * 64]
+    assert s.catalog.describe(held["f" * 64]).startswith("this process (pid ")
+    assert "no longer registered" in s.catalog.describe(held["e" * 64])
     s.close()
