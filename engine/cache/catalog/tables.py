@@ -24,13 +24,14 @@ agree on. Its tables:
 Rules every caller keeps (store.py, upkeep.py; objects and media will too):
 - A row goes first, its file after: a deletion drops rows (and records
   freed blocks in `freeing`) in one short transaction, then unlinks after
-  COMMIT, then `unfree`s. A commit checks its blocks and renames its new,
-  uniquely named file last inside the transaction that records it.
+  COMMIT, each block under the fence (`own_freeing`, removal.py), then
+  `unfree`s. A commit checks its blocks and renames its new, uniquely
+  named file last inside the transaction that records it.
 - A block leaves only when no file references it and no live process
   claims it. A live process's claims and leases never expire by age;
   they go when it releases them or when it is found dead (`sweep`).
-- Transactions hold no scans, unlinks or callbacks; writes on a cell's
-  thread are bounded or deferred to the keeper (`later`, `touch`).
+- Transactions hold no scans or callbacks, and no unlinks but the fence's
+  (a chunk); a cell's writes are bounded or deferred (`later`, `touch`).
 
 The calls, by table (`db`: inside the caller's `transaction(label)`; the
 rest open their own; CatalogBusy when the write lock does not come in time,
