@@ -46,6 +46,16 @@ MUTATIONS = [
      "old": 'return {n for n in names if db.execute("SELECT 1 FROM freeing f',
      "new": 'return set(names) or {n for n in names if db.execute("SELECT 1 FROM freeing f',
      "tests": ["tests/engine/cache/test_fencing.py"]},
+    {"name": "an I/O error on the confirming read taken for corruption",
+     "file": "engine/cache/ssd/blocks.py",
+     "old": "    except OSError:\n        return UNREADABLE",
+     "new": "    except OSError:\n        return CORRUPT",
+     "tests": ["tests/engine/cache/test_quarantine.py"]},
+    {"name": "own freeing marks left behind when unfree fails",
+     "file": "engine/cache/ssd/removal.py",
+     "old": "        store.catalog.later(retry)",
+     "new": "        raise",
+     "tests": ["tests/engine/cache/test_fencing.py"]},
 ]
 
 
