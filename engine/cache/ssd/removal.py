@@ -77,6 +77,8 @@ class AfterCommit:
             if not chunks:
                 raise
             store.catalog.later(lambda: self._again(chunks, block_moves, names))  # the fence did not come
+            for d in sorted(self.dirs):  # what was renamed so far (a commit's manifest) is durable before we return
+                fsync_dir(d)
         with store._lock:
             store._stats["blocks_freed"] += len(self.blocks)
             store._stats["evicted"] += self.evicted
