@@ -4,7 +4,7 @@ of deterministic numpy KV.
 
     python fault_worker.py ROOT SCENARIO LOG
 
-SCENARIO: write | replace | gc | clear | quarantine | restore (see OPS), or
+SCENARIO: write | replace | gc | clear | quarantine | restore | clear-rewrite (see OPS), or
 read:NAME (logs the digest of what it read). With
 MLXCACHE_FAULT set the process dies, or an error is raised, at that point
 (engine/cache/faults.py); an operation that fails is tried once more (the
@@ -152,6 +152,7 @@ OPS = {
     "clear": lambda s: s.clear(),  # all but the named A
     "quarantine": lambda s: read_bad(s, "C"),  # a block of C was damaged beforehand: a miss
     "restore": lambda s: read(s, "B"),
+    "clear-rewrite": lambda s: (s.clear(), write(s, "C")),  # the same blocks again, in the same process
 }
 
 

@@ -10,9 +10,10 @@ minute stalls nobody's heartbeat.
 
 A peer is judged
 - on the same kernel boot and in the same PID namespace (Linux, /proc
-  agreeing with our pid): by its pid and start time, at once (a reused pid
-  has another start time);
-- otherwise (another container's PID namespace, macOS): by its heartbeat,
+  agreeing with our pid; macOS, one boot): by its pid and start time, at
+  once (a reused pid has another start time; on macOS the start time comes
+  from sysctl KERN_PROC_PID, see ExternProcHead);
+- otherwise (another container's PID namespace, another boot id): by its heartbeat,
   dead only after MISSES observations of an unchanged counter, each at
   least HEARTBEAT_S after the previous on our monotonic clock, spanning at
   least DEAD_AFTER_S. Never by the age of a claim and never by a wall
@@ -24,6 +25,7 @@ filesystem, which the store refuses (system.network_filesystem).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 import struct
@@ -40,14 +42,64 @@ MISSES = 5
 
 
 def process_start(pid: int | str) -> int | None:
-    """When the process started, in clock ticks since boot (Linux); None when it is gone
-    (a zombie, killed and not yet reaped, is gone) or where /proc does not say."""
+    """When the process started: on Linux in clock ticks since boot (/proc/<pid>/stat), on
+    macOS in microseconds since the epoch (sysctl KERN_PROC_PID); None when it is gone (a
+    zombie, killed and not yet reaped, is gone) or where the OS does not say."""
+    if sys.platform == "darwin":
+        return _darwin_start(os.getpid() if pid == "self" else int(pid))
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
         return None if fields[0] in (b"Z", b"X") else int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
+
+
+class Timeval(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_int64), ("tv_usec", ctypes.c_int32)]  # (padded to 16 bytes)
+
+
+class ExternProcHead(ctypes.Structure):
+    """The start of macOS's `struct kinfo_proc` (<sys/sysctl.h>): its first member `kp_proc`, a
+    `struct extern_proc` (<sys/proc.h>), whose first members on a 64-bit macOS are
+        union p_un { struct { struct proc *__p_forw, *__p_back; } p_st1;
+                     struct timeval __p_starttime; }          offset 0 (16 bytes)
+        struct vmspace *p_vmspace                             offset 16
+        struct sigacts *p_sigacts                             offset 24
+        int p_flag                                            offset 32
+        char p_stat                                           offset 36 (SZOMB = 5: a zombie)
+        pid_t p_pid                                           offset 40
+    The whole struct kinfo_proc is KINFO_PROC_SIZE (648) bytes."""
+
+    _fields_ = [("p_starttime", Timeval), ("p_vmspace", ctypes.c_void_p), ("p_sigacts", ctypes.c_void_p),
+                ("p_flag", ctypes.c_int32), ("p_stat", ctypes.c_char), ("p_pid", ctypes.c_int32)]
+
+
+KINFO_PROC_SIZE = 648
+_CTL_KERN, _KERN_PROC, _KERN_PROC_PID, _SZOMB = 1, 14, 1, 5
+
+
+def parse_kinfo_proc(raw: bytes, pid: int) -> int | None:
+    """The start time (microseconds since the epoch) in sysctl's answer for `pid`; None for an
+    empty answer (no such process), another pid's or a zombie's."""
+    if len(raw) < ctypes.sizeof(ExternProcHead):
+        return None
+    head = ExternProcHead.from_buffer_copy(raw[: ctypes.sizeof(ExternProcHead)])
+    if head.p_pid != pid or head.p_stat == bytes([_SZOMB]):
+        return None
+    return head.p_starttime.tv_sec * 1_000_000 + head.p_starttime.tv_usec
+
+
+def _darwin_start(pid: int) -> int | None:
+    """sysctl({CTL_KERN, KERN_PROC, KERN_PROC_PID, pid}) into a struct kinfo_proc."""
+    try:
+        mib = (ctypes.c_int * 4)(_CTL_KERN, _KERN_PROC, _KERN_PROC_PID, pid)
+        buf, size = ctypes.create_string_buffer(KINFO_PROC_SIZE), ctypes.c_size_t(KINFO_PROC_SIZE)
+        if ctypes.CDLL(None, use_errno=True).sysctl(mib, 4, buf, ctypes.byref(size), None, ctypes.c_size_t(0)) != 0:
+            return None
+    except (OSError, AttributeError, ValueError):
+        return None
+    return parse_kinfo_proc(buf.raw[: size.value], pid)
 
 
 def _boot_id() -> str:
@@ -57,8 +109,6 @@ def _boot_id() -> str:
     except OSError:
         pass
     if sys.platform == "darwin":  # the boot time names this boot
-        import ctypes
-
         try:
             tv, size = (ctypes.c_int64 * 2)(), ctypes.c_size_t(16)  # struct timeval: the seconds come first
             if ctypes.CDLL(None).sysctlbyname(b"kern.boottime", tv, ctypes.byref(size), None, 0) == 0:

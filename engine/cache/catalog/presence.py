@@ -128,6 +128,16 @@ class Presence(Database):
             unregistered = set()
         return dead, orphans + sorted(o for o in unregistered if not self.peers.beating(o))
 
+    def describe(self, owner: str) -> str:
+        """Who `owner` is, for an error message: this process, or another by pid and host."""
+        row = [r for r in self._procs() if r["owner"] == owner]
+        if owner == self.owner:
+            return f"this process (pid {self.identity.pid})"
+        if not row:
+            return f"a process no longer registered (owner {owner[:8]}; the next sweep ends its marks)"
+        alive = "alive" if self.peers.alive(row[0]) else "found dead, not yet swept"
+        return f"process {row[0]['pid']} on {row[0]['host']} ({alive})"
+
     def forget_owners(self, owners: list[str]) -> None:
         """Dead owners are swept: their heartbeat files go, and what we saw of them."""
         for owner in owners:

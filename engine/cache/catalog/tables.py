@@ -24,13 +24,14 @@ agree on. Its tables:
 Rules every caller keeps (store.py, upkeep.py; objects and media will too):
 - A row goes first, its file after: a deletion drops rows (and records
   freed blocks in `freeing`) in one short transaction, then unlinks after
-  COMMIT, then `unfree`s. A commit checks its blocks and renames its new,
-  uniquely named file last inside the transaction that records it.
+  COMMIT, each block under the fence (`own_freeing`, removal.py), then
+  `unfree`s. A commit checks its blocks and renames its new, uniquely
+  named file last inside the transaction that records it.
 - A block leaves only when no file references it and no live process
   claims it. A live process's claims and leases never expire by age;
   they go when it releases them or when it is found dead (`sweep`).
-- Transactions hold no scans, unlinks or callbacks; writes on a cell's
-  thread are bounded or deferred to the keeper (`later`, `touch`).
+- Transactions hold no scans or callbacks, and no unlinks but the fence's
+  (a chunk); a cell's writes are bounded or deferred (`later`, `touch`).
 
 The calls, by table (`db`: inside the caller's `transaction(label)`; the
 rest open their own; CatalogBusy when the write lock does not come in time,
@@ -228,8 +229,9 @@ class Catalog(Presence):
             freeing = {n for n in names - present if db.execute("SELECT 1 FROM freeing WHERE name=?", (n,)).fetchone()}
         return names - present, freeing
 
-    def being_freed(self, names: Iterable[str]) -> set:
-        return {n for n in names if self.query("SELECT 1 FROM freeing WHERE name=?", (n,))}
+    def being_freed(self, names: Iterable[str]) -> dict:
+        """Those of `names` marked `freeing` -> the owner of the mark (`describe(owner)` says who)."""
+        return {n: r[0][0] for n in names if (r := self.query("SELECT owner FROM freeing WHERE name=?", (n,)))}
 
     def add_blocks(self, sizes: dict[str, int], db: sqlite3.Connection | None = None) -> None:
         """Record blocks durable on disk (in the caller's transaction when given), except those
@@ -271,6 +273,17 @@ class Catalog(Presence):
         if names:
             with self.transaction("unfree") as db:
                 db.executemany("DELETE FROM freeing WHERE name=? AND owner=?", [(n, self.owner) for n in names])
+
+    def own_freeing(self, db: sqlite3.Connection, names: Iterable[str]) -> set:
+        """Those of `names` still marked `freeing` by us and recorded by no row: the fence before
+        an unlink or a move (removal.py). A mark a sweep took over is not ours any more."""
+        return {n for n in names if db.execute("SELECT 1 FROM freeing f WHERE name=? AND owner=? AND NOT EXISTS "
+                                               "(SELECT 1 FROM blocks WHERE name=f.name)", (n, self.owner)).fetchone()}
+
+    def indexed(self, paths: Iterable[Path]) -> set:
+        """Those of these manifest paths (<ns>/<key>.<tag>.ckpt) a row points at (a read)."""
+        return {p for p in paths if (r := self.query("SELECT path FROM files WHERE namespace=? AND key=?", (
+            p.parent.name, p.name.split(".")[0]))) and self.root / r[0][0] == p}
 
     def drop_block(self, db: sqlite3.Connection, name: str, freeing: bool) -> list[tuple]:
         """Forget a block found bad or gone, claimed or not; with `freeing` (its bad file goes

@@ -21,11 +21,14 @@ Bytes only: no MLX, no catalogue (store.py decides what exists).
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import functools
 import json
 import mmap
 import os
 import struct
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,16 +237,55 @@ def read_into(path: Path, name: str, head: bytes, dst: Sequence[np.ndarray]) -> 
     _verify_and_copy(buf, name, head, dst)
 
 
-def intact(path: Path, name: str) -> bool:
-    """Whether the file at `path` holds what block `name` names (read whole and hashed again)."""
+GOOD, CORRUPT, UNREADABLE = "good", "corrupt", "unreadable"  # the answers of intact()
+
+
+def intact(path: Path, name: str) -> str:
+    """Whether the file at `path` holds what block `name` names, read whole from the disk (not
+    the page cache: a bad copy there is not the disk's) and hashed again: GOOD; CORRUPT,
+    verified (it holds other bytes); or UNREADABLE (an I/O error, or gone): a miss and a
+    retry, never evidence of corruption. Fault point `block.confirm`."""
     try:
-        with open(path, "rb") as f:
-            h = blake3.blake3()
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
+        fault("block.confirm")
+        digest = _uncached_digest(path)
     except OSError:
-        return False
-    return h.hexdigest() == name
+        return UNREADABLE
+    return GOOD if digest == name else CORRUPT
+
+
+def _uncached_digest(path: Path) -> str:
+    """BLAKE3 of the file as the disk holds it: O_DIRECT where the filesystem allows it (into a
+    page-aligned buffer), else after POSIX_FADV_DONTNEED drops its clean cached pages; on
+    macOS with F_NOCACHE."""
+    direct = getattr(os, "O_DIRECT", 0)
+    try:
+        fd = os.open(path, os.O_RDONLY | direct)
+    except OSError as exc:
+        if not direct or exc.errno != errno.EINVAL:  # (tmpfs, some FUSE: no direct I/O)
+            raise
+        fd, direct = os.open(path, os.O_RDONLY), 0
+    buf = mmap.mmap(-1, 1 << 20)  # page-aligned, as O_DIRECT needs
+    try:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if sys.platform == "darwin":
+            fcntl.fcntl(fd, getattr(fcntl, "F_NOCACHE", 48), 1)
+        h = blake3.blake3()
+        while True:
+            try:
+                n = os.readv(fd, [buf])
+            except OSError as exc:
+                if not direct or exc.errno != errno.EINVAL:
+                    raise
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~direct)  # read it through the
+                direct = 0  # page cache then, its pages dropped above
+                continue
+            if not n:
+                return h.hexdigest()
+            h.update(memoryview(buf)[:n])
+    finally:
+        os.close(fd)
+        buf.close()
 
 
 def fill_from_value(value, name: str, head: bytes, dst: Sequence[np.ndarray]) -> None:

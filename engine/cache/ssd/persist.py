@@ -64,12 +64,14 @@ def _same_as_stored(store: CheckpointStore, job, refs: list[BlockRef]) -> fmt.Fi
     return info if same else None
 
 
-def _wait_freed(store: CheckpointStore, names: set) -> None:
-    """Blocks another process is unlinking right now: write them only once it is done."""
+def _wait_freed(store: CheckpointStore, names: dict) -> None:
+    """Blocks a process (another, or this one's keeper) is unlinking right now: write them only
+    once it is done. The error names whoever holds the marks."""
     deadline = time.monotonic() + FREEING_WAIT_S
     while names:
         if time.monotonic() > deadline:
-            raise CatalogBusy(f"{len(names)} blocks are still being removed by another process")
+            holders = sorted({store.catalog.describe(o) for o in names.values()})
+            raise CatalogBusy(f"{len(names)} blocks are still being removed by {', '.join(holders)}")
         time.sleep(0.01)
         names = store.catalog.being_freed(names)
 
@@ -96,7 +98,7 @@ def persist(store: CheckpointStore, job, *, pause: Callable[[], None] | None = N
     committed = False
     try:
         fault("write.claimed")
-        _wait_freed(store, freeing)
+        _wait_freed(store, store.catalog.being_freed(freeing))
         to_write = {r.name: (r, head, data) for r, head, data in planned
                     if r.name in missing or not blocks.block_path(store.blocks_root, r.name).exists()}
         total = sum(r.nbytes for r, _, _ in to_write.values())

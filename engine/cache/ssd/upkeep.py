@@ -236,19 +236,25 @@ class Upkeep:
     def _quarantine(self, path: Path, reason: str, k: tuple | None = None) -> None:
         """Move a verified-bad file aside once its row is gone (a busy catalogue or a failed
         move leaves it, reported; it is not served meanwhile)."""
+        k = k or (path.parent.name, path.name.split(".")[0])  # (a bad header: the row its name would have)
+
         def rows(db, after):
-            row = self.catalog.file(*k, db=db) if k else None
+            row = self.catalog.file(*k, db=db)
             if row is not None and row.path == str(path):
                 after.blocks += self.catalog.free_blocks(db, self.catalog.drop_file(db, *k))
         self._move_aside(path, self.root / QUARANTINE / f"{path.parent.name}.{path.name}.{time.time_ns()}", reason,
                          rows)
 
     def quarantine_block(self, name: str, reason: str) -> None:
-        """A block failed verification: read it again, and if it is still bad move it aside;
-        the files using it are dropped (misses until the same KV is written again)."""
+        """A block failed verification: read it again from the disk, and only if that read verifies
+        that it is bad move it aside; the files using it are dropped (misses until the same KV
+        is written again)."""
         path = blocks.block_path(self.blocks_root, name)
-        if blocks.intact(path, name):
-            return  # it verifies now: a fault on the way, not on the disk
+        verdict = blocks.intact(path, name)  # read from the disk, not the page cache
+        if verdict != blocks.CORRUPT:  # it verifies now (a fault on the way, not on the disk), or an I/O
+            if verdict == blocks.UNREADABLE:  # error: a miss and a retry, never evidence (a pinned checkpoint stays)
+                self._emit({"type": "unreadable", "path": str(path), "reason": reason})
+            return
         self._move_aside(path, self.root / QUARANTINE / f"block.{name}.{time.time_ns()}", reason,
                          lambda db, after: self._lose_block(db, after, name, bad=True))
 

@@ -9,9 +9,7 @@ records of dead requests expire; a peer that thought us dead does not keep us ou
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -26,20 +24,8 @@ from mlxcache_kernel.engine import Engine, SamplingParams, system
 from mlxcache_kernel.engine.cache.ssd import blocks
 from mlxcache_kernel.engine.cache.ssd import format as fmt
 from mlxcache_kernel.engine.kv.tokens import token_key
+from paused import ENV, WORKER, Clock, Paused
 from repo_paths import SUPPORT
-
-WORKER = str(SUPPORT / "fault_worker.py")
-ENV = {**os.environ, "PYTHONPATH": str(SUPPORT)}
-
-
-class Clock:
-    """A monotonic clock a test moves forward (a laptop that slept, a clock that jumped)."""
-
-    def __init__(self):
-        self.offset = 0.0
-
-    def __call__(self) -> float:
-        return time.monotonic() + self.offset
 
 
 @pytest.fixture(scope="module")
@@ -53,31 +39,6 @@ def template(tmp_path_factory) -> Path:
 def root(template, tmp_path) -> Path:
     shutil.copytree(template, tmp_path / "c")
     return tmp_path / "c"
-
-
-class Paused:
-    """fault_worker.py running SCENARIO, paused (alive, beating) at POINT until resumed."""
-
-    def __init__(self, root: Path, scenario: str, point: str, *, boot: str | None = None, unshare: bool = False):
-        self.flag, self.log = root.parent / f"{point}.waiting", root.parent / f"{scenario}.log"
-        env = {**ENV, "MLXCACHE_FAULT": f"{point}:wait={self.flag}"} | ({"MLXCACHE_BOOT_ID": boot} if boot else {})
-        cmd = [sys.executable, WORKER, str(root), scenario, str(self.log)]
-        self.p = subprocess.Popen((["unshare", "--pid", "--fork"] if unshare else []) + cmd, env=env, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-        deadline = time.monotonic() + 120
-        while not self.flag.exists():
-            assert self.p.poll() is None, self.p.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "the worker never reached its point"
-            time.sleep(0.02)
-
-    def resume(self) -> list[dict]:
-        os.unlink(self.flag)
-        assert self.p.wait(120) == 0, self.p.communicate()[1][-3000:]
-        return [json.loads(line) for line in self.log.read_text().splitlines()]
-
-    def kill(self) -> None:
-        os.killpg(self.p.pid, signal.SIGKILL)
-        self.p.wait(60)
 
 
 def others(store) -> list[str]:

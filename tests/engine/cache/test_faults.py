@@ -13,7 +13,6 @@ totals are exact.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sqlite3
 import subprocess
@@ -27,10 +26,7 @@ from fault_worker import (CHECKPOINTS, assert_nothing_leaks, build_template, exp
 from mlxcache_kernel.engine.cache.ssd import blocks
 from mlxcache_kernel.engine.cache.ssd import format as fmt
 from mlxcache_kernel.engine.kv.tokens import token_key
-from repo_paths import SUPPORT
-
-WORKER = str(SUPPORT / "fault_worker.py")
-ENV = {**os.environ, "PYTHONPATH": str(SUPPORT)}
+from paused import ENV, WORKER
 BACKGROUND = ("keep.", "prune.", "sweep.")  # the keeper thread's own steps: when they run depends on the clock
 
 # Every point each scenario reaches once its store is open, in order (checked against a trace).
@@ -47,25 +43,29 @@ SCENARIOS = {
         "reserve.begin", "reserve.commit", "reserve.committed", "write.claimed", "block.written", "block.synced",
         "block.renamed", "block.written", "block.synced", "block.renamed", "write.blocks_synced", "record.begin",
         "record.commit", "record.committed", "manifest.written", "manifest.synced", "commit.begin", "commit.rename",
-        "commit.renamed", "commit.commit", "commit.committed", "commit.unlink", "commit.unlinked", "unfree.begin",
-        "unfree.commit", "unfree.committed", "publish.begin", "publish.commit", "publish.committed",
-        "publish.unlink", "publish.unlinked", "close.begin", "close.commit", "close.committed",
+        "commit.renamed", "commit.commit", "commit.committed", "commit.unlink", "fence.begin", "fence.commit",
+        "fence.committed", "commit.unlinked", "unfree.begin", "unfree.commit", "unfree.committed", "publish.begin",
+        "publish.commit", "publish.committed", "publish.unlink", "publish.unlinked", "close.begin", "close.commit",
+        "close.committed",
     ],
     "gc": [
         "reconcile.begin", "reconcile.commit", "reconcile.committed", "reconcile.unlink", "reconcile.unlinked",
-        "gc.begin", "gc.commit", "gc.committed", "gc.unlink", "gc.unlinked", "unfree.begin", "unfree.commit",
-        "unfree.committed", "close.begin", "close.commit", "close.committed",
+        "gc.begin", "gc.commit", "gc.committed", "gc.unlink", "fence.begin", "fence.commit", "fence.committed",
+        "gc.unlinked", "unfree.begin", "unfree.commit", "unfree.committed", "close.begin", "close.commit",
+        "close.committed",
     ],
     "clear": [
-        "clear.begin", "clear.commit", "clear.committed", "clear.unlink", "clear.unlinked", "unfree.begin",
-        "unfree.commit", "unfree.committed", "close.begin", "close.commit", "close.committed",
+        "clear.begin", "clear.commit", "clear.committed", "clear.unlink", "fence.begin", "fence.commit",
+        "fence.committed", "clear.unlinked", "unfree.begin", "unfree.commit", "unfree.committed", "close.begin",
+        "close.commit", "close.committed",
     ],
     "quarantine": [
-        "lease.begin", "lease.commit", "lease.committed", "read.fill", "quarantine.begin", "quarantine.commit",
-        "quarantine.committed", "quarantine.rename", "quarantine.unlink", "quarantine.unlinked", "unfree.begin",
-        "unfree.commit", "unfree.committed", "unlease.begin", "unlease.commit", "unlease.committed",
-        "unlease.unlink", "unlease.unlinked", "unfree.begin", "unfree.commit", "unfree.committed", "close.begin",
-        "close.commit", "close.committed",
+        "lease.begin", "lease.commit", "lease.committed", "read.fill", "block.confirm", "quarantine.begin",
+        "quarantine.commit", "quarantine.committed", "quarantine.unlink", "fence.begin", "quarantine.rename",
+        "fence.commit", "fence.committed", "quarantine.unlinked", "unfree.begin", "unfree.commit",
+        "unfree.committed", "unlease.begin", "unlease.commit", "unlease.committed", "unlease.unlink", "fence.begin",
+        "fence.commit", "fence.committed", "unlease.unlinked", "unfree.begin", "unfree.commit", "unfree.committed",
+        "close.begin", "close.commit", "close.committed",
     ],
     "restore": [
         "lease.begin", "lease.commit", "lease.committed", "read.fill", "unlease.begin", "unlease.commit",
@@ -130,7 +130,8 @@ def cases():
         for point in dict.fromkeys(points):
             if point.startswith("close.") and scenario != "write":
                 continue
-            actions = ["kill", "enospc"] + (["eio"] if point.endswith(".commit") or point == "read.fill" else [])
+            eio = point.endswith(".commit") or point in ("read.fill", "block.confirm")
+            actions = ["kill", "enospc"] + (["eio"] if eio else [])
             for action in actions:
                 yield pytest.param(scenario, point, action, id=f"{scenario}-{point}-{action}")
 
