@@ -185,8 +185,57 @@ def build_template(root: Path) -> None:
     assert r.returncode == -9, r.stderr
 
 
+def prepare(template: Path, d: Path, scenario: str) -> Path:
+    """A copy of the template at d/c for `scenario` (for "quarantine", a block of C goes bad on the disk)."""
+    import shutil
+
+    from mlxcache_kernel.engine.cache.ssd import blocks
+
+    root = d / "c"
+    shutil.copytree(template, root)
+    if scenario == "quarantine":
+        path = blocks.block_path(root / "blocks", bad_block(root))
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 0x5A
+        path.write_bytes(bytes(raw))
+    return root
+
+
+def bad_block(root: Path) -> str:
+    """The block of C the quarantine scenario damages."""
+    import sqlite3
+
+    from mlxcache_kernel.engine.kv.tokens import token_key
+
+    db = sqlite3.connect(root / "catalog.db")
+    try:
+        path = db.execute("SELECT path FROM files WHERE key=?", (token_key(tokens("C")),)).fetchone()[0]
+    finally:
+        db.close()
+    return fmt.read_header(root / path).blocks[0].name
+
+
+def _power_loss(root: str):
+    """MLXCACHE_POWERLOSS=DIR: record what becomes durable (power_loss.py);
+    MLXCACHE_POWERLOSS_MUTATE=ssd.blocks.fsync_file,...: those functions of the engine do nothing."""
+    out = os.environ.get("MLXCACHE_POWERLOSS")
+    if not out:
+        return None
+    import importlib
+
+    from power_loss import install
+
+    for target in filter(None, os.environ.get("MLXCACHE_POWERLOSS_MUTATE", "").split(",")):
+        module, _, name = target.rpartition(".")
+        module = importlib.import_module(f"mlxcache_kernel.engine.cache.{module}")
+        assert callable(getattr(module, name)), target
+        setattr(module, name, lambda *a, **k: None)
+    return install(root, out)
+
+
 def main() -> None:
     root, scenario, log = sys.argv[1], sys.argv[2], sys.argv[3]
+    recorder = _power_loss(root)
     store = open_store(root)
     trace = os.environ.get("MLXCACHE_FAULT_TRACE")
     if trace:
@@ -206,6 +255,8 @@ def main() -> None:
             out.flush()
             os.fsync(out.fileno())
             if "ack" in result:
+                if recorder is not None:
+                    recorder.ack()
                 break
     store.close()
 

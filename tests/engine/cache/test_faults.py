@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from fault_worker import (CHECKPOINTS, assert_nothing_leaks, build_template, expected_digest, open_store,
-                          read_digest, tokens)
+from fault_worker import (CHECKPOINTS, assert_nothing_leaks, bad_block, build_template, expected_digest, open_store,
+                          prepare, read_digest, tokens)
 
 from mlxcache_kernel.engine.cache.ssd import blocks
-from mlxcache_kernel.engine.cache.ssd import format as fmt
 from mlxcache_kernel.engine.kv.tokens import token_key
 from repo_paths import SUPPORT
 
@@ -98,26 +96,6 @@ def traces(template, tmp_path_factory) -> dict:
         before, op = (part.split() for part in trace.read_text().split("--- op\n", 1))
         out[scenario] = ([p for p in before if not p.startswith(BACKGROUND)], [p for p in op if not p.startswith(BACKGROUND)])
     return out
-
-
-def prepare(template: Path, d: Path, scenario: str) -> Path:
-    root = d / "c"
-    shutil.copytree(template, root)
-    if scenario == "quarantine":  # a block of C goes bad on the disk
-        path = blocks.block_path(root / "blocks", bad_block(root))
-        raw = bytearray(path.read_bytes())
-        raw[len(raw) // 2] ^= 0x5A
-        path.write_bytes(bytes(raw))
-    return root
-
-
-def bad_block(root: Path) -> str:
-    db = sqlite3.connect(root / "catalog.db")
-    try:
-        path = db.execute("SELECT path FROM files WHERE key=?", (token_key(tokens("C")),)).fetchone()[0]
-    finally:
-        db.close()
-    return fmt.read_header(root / path).blocks[0].name
 
 
 def cases():
