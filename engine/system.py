@@ -12,6 +12,8 @@ import sys
 import threading
 from pathlib import Path
 
+from .cache.faults import fault
+
 # macOS: fsync stops at the drive's cache; F_FULLFSYNC reaches the medium.
 _FULLFSYNC = getattr(__import__("fcntl"), "F_FULLFSYNC", None) if sys.platform == "darwin" else None
 # Filesystems where SQLite's WAL (shared memory between processes) is not safe,
@@ -96,8 +98,9 @@ def fsync_file(fd: int) -> None:
     os.fsync(fd)
 
 
-def fsync_dir(path) -> None:
-    """Make renames, new files and deletions in `path` durable."""
+def fsync_dir(path, point: str = "dir.fsync") -> None:
+    """Make renames, new files and deletions in `path` durable (`point`: its fault point)."""
+    fault(point)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fsync_file(fd)

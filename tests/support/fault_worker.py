@@ -4,7 +4,7 @@ of deterministic numpy KV.
 
     python fault_worker.py ROOT SCENARIO LOG
 
-SCENARIO: write | replace | gc | clear | quarantine | restore (see OPS), or
+SCENARIO: write | replace | gc | clear | quarantine | restore | temps | deferred (see OPS), or
 read:NAME (logs the digest of what it read). With
 MLXCACHE_FAULT set the process dies, or an error is raised, at that point
 (engine/cache/faults.py); an operation that fails is tried once more (the
@@ -145,6 +145,23 @@ def read_logged(store: CheckpointStore, name: str) -> str:
     return digest_of(buffers)
 
 
+def temps(store: CheckpointStore) -> None:
+    """Temp files of a dead writer (its tag is no live process's) beside blocks and a manifest, then gc."""
+    for d in (store.blocks_root, store.root / NS):
+        (d / f".{'7' * 64}.blk.deadbeef0000.{len(os.listdir(d))}.tmp").write_bytes(b"half a block")
+    store.gc()
+
+
+def deferred(store: CheckpointStore) -> None:
+    """clear, then the keeper's deferred directory fsyncs, run here (a failed one is kept for
+    the next turn: run again)."""
+    store.clear()
+    store._fsync_unsynced()
+    if store._unsynced:
+        store._fsync_unsynced()
+    assert not store._unsynced
+
+
 OPS = {
     "write": lambda s: write(s, "E"),  # new blocks and a manifest; supersedes B
     "replace": lambda s: write(s, "C2"),  # C's tokens, other bytes: the old version's blocks go
@@ -152,6 +169,8 @@ OPS = {
     "clear": lambda s: s.clear(),  # all but the named A
     "quarantine": lambda s: read_bad(s, "C"),  # a block of C was damaged beforehand: a miss
     "restore": lambda s: read(s, "B"),
+    "temps": temps,
+    "deferred": deferred,  # (its fsyncs are the keeper's: test_faults.py runs them apart)
 }
 
 

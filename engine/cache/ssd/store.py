@@ -330,13 +330,19 @@ class CheckpointStore(Upkeep):
             self.catalog.later(self._fsync_unsynced)
 
     def _fsync_unsynced(self) -> None:
+        """The keeper's deferred directory fsyncs; one that fails is tried again at its next turn
+        (a deletion a power cut undoes meanwhile is found again by reconcile or gc)."""
         with self._lock:
             dirs, self._unsynced = self._unsynced, set()
+        failed = set()
         for d in sorted(dirs):
             try:
-                fsync_dir(d)
+                fsync_dir(d, "keep.fsync")
+            except FileNotFoundError:
+                pass
             except OSError:
-                pass  # (a deletion a crash undoes is found again by reconcile or gc)
+                failed.add(d)
+        self.fsync_later(failed)
 
     def count_write(self, written: int, deduplicated: int) -> None:
         with self._lock:

@@ -45,8 +45,9 @@ from repo_paths import SUPPORT
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the recorder reads fds back through /proc")
 
 WORKER = str(SUPPORT / "fault_worker.py")
-SCENARIOS = ("write", "replace", "gc", "clear", "quarantine", "restore")
-REQUIRED = {"write": "CD", "replace": "BD", "gc": "BCD", "clear": "", "quarantine": "BD", "restore": "BCD"}
+SCENARIOS = ("write", "replace", "gc", "clear", "quarantine", "restore", "temps", "deferred")
+REQUIRED = {"write": "CD", "replace": "BD", "gc": "BCD", "clear": "", "quarantine": "BD", "restore": "BCD",
+            "temps": "BCD", "deferred": ""}
 
 
 @pytest.fixture(scope="module")
