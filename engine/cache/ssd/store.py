@@ -37,6 +37,7 @@ from ..catalog.tables import Catalog, FileRow
 from ..catalog.database import CatalogBusy, CatalogCorrupt
 from ..faults import fault
 from . import format as fmt
+from .capacity import enforce_budget, evict_rest
 from .format import CorruptCheckpoint, FileInfo, Header, NewerFormat
 from .index import FileIndex, IndexEntry
 from .pending_read import CheckpointUnavailable, PendingRead
@@ -361,7 +362,8 @@ class CheckpointStore(Upkeep):
             self.catalog.apply_touches(db)  # the cap sees this process's latest uses
             for ns, key in older:
                 self._delete(db, after, ns, key, "superseded")
-            self._enforce_budget(db, after, keep=k)
+            since = enforce_budget(self, db, after, keep=k)  # (capacity.py: a chunk per transaction)
+        evict_rest(self, k, since)
         self.sync()
         with self._lock:
             e = self._entries.get(k)
@@ -377,22 +379,6 @@ class CheckpointStore(Upkeep):
         after.evicted += 1
         after.events.append({"type": "evict", "path": row.path, "reason": reason, "nbytes": row.file_bytes})
         return True
-
-    def _enforce_budget(self, db, after: AfterCommit, keep: tuple | None = None) -> None:
-        """Delete least recently used files until every process's unique bytes fit the budget
-        (the totals are kept by triggers: no scan per file)."""
-        if self.ssd_budget_bytes is None:
-            return
-        since = (float("-inf"), 0)
-        while self.catalog.total_bytes(db) > self.ssd_budget_bytes:
-            page = self.catalog.least_recent(db, since)
-            if not page:
-                return
-            for ns, key, since in page:
-                if (ns, key) != keep:
-                    self._delete(db, after, ns, key, "capacity")
-                if self.catalog.total_bytes(db) <= self.ssd_budget_bytes:
-                    return
 
     def remove(self, keys, reason: str = "removed", label: str = "remove") -> int:
         """Delete the files of these (namespace, key) that no name pins and no reader leases
