@@ -224,6 +224,10 @@ class Database:
     def _began(self, db: sqlite3.Connection) -> None:
         """Hook: the first statements of every write transaction (presence.py registers the process)."""
 
+    def _holder(self) -> str:
+        """Hook (presence.py): who holds the write lock, as words for `late` ("" if unknown)."""
+        return ""
+
     def _committed(self) -> None:
         if self.late is not None:
             self.late = None
@@ -239,7 +243,7 @@ class Database:
             return exc
         busy = CatalogBusy(f"the catalogue {self.path} is locked by another process (waited {waited:.1f} s)")
         if getattr(_thread, "wait", None) is None and self.late is None:  # a cell's thread: say so once
-            self.late = (f"{busy}: SSD reads and writes wait, RAM and prefill serve meanwhile "
+            self.late = (f"{busy}{self._holder()}: SSD reads and writes wait, RAM and prefill serve meanwhile "
                          "(a stuck process, or an open `sqlite3 catalog.db` transaction?)")
             if self.on_late is not None:
                 self.on_late(self.late)
