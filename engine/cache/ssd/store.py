@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ...kv.tokens import token_key
-from ...system import fsync_dir, make_private_dir, network_filesystem, unlink_quietly
+from ...system import fsync_dir, make_private_dir, unlink_quietly, unsupported_filesystem
 from ..catalog.tables import Catalog, FileRow
 from ..catalog.database import CatalogBusy, CatalogCorrupt
 from ..faults import fault
@@ -54,7 +54,8 @@ class LostClaims(Exception):
 
 
 class UnsupportedFilesystem(OSError):
-    """The directory is on a network filesystem: SQLite's WAL needs a local disk."""
+    """The directory is not on a filesystem known to be local (system.LOCAL_FILESYSTEMS) and the
+    user did not name its type: SQLite's WAL needs a local disk."""
 
 
 def validate_namespace(namespace: str) -> str:
@@ -72,12 +73,15 @@ def _row(path: Path, h: Header) -> FileRow:
 
 class CheckpointStore(Upkeep):
     def __init__(self, root, *, ssd_budget_bytes: int | None = None, on_event: Callable[[dict], None] | None = None,
-                 on_removed: Callable[[str, tuple], None] | None = None, clock: Callable[[], float] = time.monotonic):
-        """clock: the monotonic clock liveness is judged by (tests age peers with their own)."""
-        kind = network_filesystem(root)
-        if kind is not None:
-            raise UnsupportedFilesystem(f"{root} is on a network filesystem ({kind}): the SSD tier needs a local "
-                                        "disk (SQLite's WAL shares memory between processes)")
+                 on_removed: Callable[[str, tuple], None] | None = None, clock: Callable[[], float] = time.monotonic,
+                 filesystems: Sequence[str] = ()):
+        """clock: the monotonic clock liveness is judged by (tests age peers with their own);
+        filesystems: types to use besides the local ones (the user's ssd_filesystems)."""
+        why = unsupported_filesystem(root, tuple(filesystems))
+        if why is not None:
+            raise UnsupportedFilesystem(f"{root} is on {why}; the SSD tier needs a local disk (SQLite's WAL shares "
+                                        "memory between processes): name the type in ssd_filesystems to use it "
+                                        "knowingly")
         self.root = make_private_dir(root)
         make_private_dir(self.root / QUARANTINE)
         make_private_dir(self.root / HEARTBEATS)
