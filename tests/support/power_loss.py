@@ -18,8 +18,10 @@ system.fsync_file, fsync_dir) and the calls that can free an inode (`os.unlink`,
              committing connection ran with PRAGMA synchronous=FULL or EXTRA
     synced   the WAL was synced: Database.checkpoint() returned, or the store closed (SQLite
              checkpoints when the last connection closes)
+    presync  an fsync is about to run: every listing of the tree (for the eager model)
     ack      the worker acknowledged its operation (fault_worker.py)
-    point    a fault point was reached (names the crash points in messages)
+    point    a fault point was reached (names the crash points in messages), with every
+             listing of the tree at that moment (for the eager model below)
 
 The model of durability (the pessimistic one POSIX allows; what ext4, xfs and btrfs may do
 on a power cut):
@@ -39,6 +41,11 @@ on a power cut):
   recovery keeps a prefix of the transactions). The -shm is rebuilt at open. So the
   catalogue after a cut at event k is any committed snapshot from the last durable one to
   the last one committed before k.
+
+`crash_states(out, eager=True)` is a second model, ext4's data=writeback: every name
+operation up to the cut reached the disk (as a journal commits metadata), file bytes only
+those fsynced. It catches a rename before the data's fsync, which the first model cannot
+tell from a rename after it.
 
 Linux only (the fd is read back through /proc/self/fd; macOS syncs with F_FULLFSYNC, not
 os.fsync).
@@ -125,6 +132,16 @@ class Recorder:
 
     # --- the start ---
 
+    def _tree(self) -> dict:
+        out = {}
+        for d, _, _ in os.walk(self.root):
+            rel = self._rel(d)
+            try:
+                out[rel] = self._listing(Path(d), rel == "")
+            except FileNotFoundError:
+                pass
+        return out
+
     def start(self) -> None:
         dirs, files = {}, {}
         for d, _, names in os.walk(self.root):
@@ -138,6 +155,7 @@ class Recorder:
     # --- the wrapped calls ---
 
     def fsync(self, fd: int, real) -> None:
+        self._emit({"e": "presync", "now": self._tree()})  # (a cut just before it, in the eager model)
         real(fd)
         st = os.fstat(fd)
         target = os.readlink(f"/proc/self/fd/{fd}")
@@ -170,7 +188,7 @@ class Recorder:
             v = self._snapshot_db()
             self._emit({"e": "commit", "v": v, "full": bool(getattr(self._full, "value", False)), "at": name})
         else:
-            self._emit({"e": "point", "name": name})
+            self._emit({"e": "point", "name": name, "now": self._tree()})
 
     def synced(self) -> None:
         self._emit({"e": "synced"})
@@ -245,8 +263,9 @@ class CrashState:
         return dest
 
 
-def crash_states(out: Path) -> list[CrashState]:
-    """Every distinct state a power cut between two recorded events (or after the last) leaves."""
+def crash_states(out: Path, eager: bool = False) -> list[CrashState]:
+    """Every distinct state a power cut between two recorded events (or after the last) leaves
+    (eager: with every name operation up to there on the disk, see the module's docstring)."""
     events = [json.loads(line) for line in (Path(out) / "events.jsonl").read_text().splitlines()]
     init = events[0]
     assert init["e"] == "init", "the recording does not start with the directory's state"
@@ -266,7 +285,7 @@ def crash_states(out: Path) -> list[CrashState]:
         kind = ev["e"]
         if kind == "file":
             files[f"{ev['id'][0]}:{ev['id'][1]}"] = ev["blob"]
-        elif kind == "dir":
+        elif kind == "dir" and not eager:
             dirs[ev["path"]] = tuple(sorted((n, tuple(e)) for n, e in ev["entries"].items()))
         elif kind == "commit":
             latest = ev["v"]
@@ -277,6 +296,10 @@ def crash_states(out: Path) -> list[CrashState]:
             durable = latest
         elif kind == "ack":
             acked = True
+        elif kind == "presync" and eager:
+            dirs = {k: tuple(sorted((n, tuple(e)) for n, e in v.items())) for k, v in ev["now"].items()}
         elif kind == "point":
             at = ev["name"]
+            if eager:
+                dirs = {k: tuple(sorted((n, tuple(e)) for n, e in v.items())) for k, v in ev["now"].items()}
     return states
