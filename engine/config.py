@@ -184,6 +184,11 @@ class EngineConfig:
                                                "used SSD checkpoints (same units; auto: a quarter of the RAM budget; "
                                                "0: off)", none_word="auto", off_value=0)
     ssd: bool = option(True, "bool", "SSD tier", "keep an SSD tier (0: RAM only)")
+    ssd_filesystems: str | None = option(None, "text", "SSD filesystems", "filesystem types the SSD tier may use "
+                                         "besides the local ones it knows (ext4, xfs, btrfs, zfs, f2fs, bcachefs, "
+                                         "tmpfs, overlay; apfs, hfs), comma-separated, as mountinfo or statfs name "
+                                         "them (virtiofs, fuse.mergerfs, ...): knowingly, SQLite's WAL may not be "
+                                         "coherent there")
     write_behind: bool = option(True, "bool", "write-behind", "persist checkpoints in the background as they are "
                                 "published")
     idle_demote_s: float | None = option(None, "float", "idle demotion", "demote RAM entries unused this many seconds "

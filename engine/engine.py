@@ -82,7 +82,8 @@ class Engine:
         budget = config.ram_budget_bytes  # None: the memory guard adapts
         kw = dict(ssd_budget_bytes=config.ssd_budget_bytes, write_behind=config.write_behind,
                   idle_demote_s=config.idle_demote_s, emit=self.events.emit, retention=make_policy(config.retention),
-                  prefetch_budget_bytes=config.prefetch_budget_bytes)
+                  prefetch_budget_bytes=config.prefetch_budget_bytes,
+                  ssd_filesystems=tuple(t.strip() for t in (config.ssd_filesystems or "").split(",") if t.strip()))
         try:
             make_private_dir(self.cache_dir)
             self.cache = TieredPromptCache(ram_budget_bytes=budget, ssd_dir=self.cache_dir / "checkpoints"

@@ -12,14 +12,25 @@ import sys
 import threading
 from pathlib import Path
 
+from .cache.faults import fault
+
 # macOS: fsync stops at the drive's cache; F_FULLFSYNC reaches the medium.
 _FULLFSYNC = getattr(__import__("fcntl"), "F_FULLFSYNC", None) if sys.platform == "darwin" else None
-# Filesystems where SQLite's WAL (shared memory between processes) is not safe,
-# or that another host may share: the SSD tier refuses them.
-NETWORK_FILESYSTEMS = frozenset({
+# The filesystems the SSD tier uses unless told otherwise: local ones, where fsync reaches the
+# disk in order and SQLite's WAL (a shared-memory file mapped by every process) is coherent.
+# overlay: a container's own root (its upper layer is a local disk of this host; containers do
+# not share it, they share bind mounts, which show the filesystem below). tmpfs: local memory
+# (durable until reboot), /tmp or /dev/shm on many machines and CI runners. Not listed, so
+# refused unless named in ssd_filesystems: network and cluster filesystems (nfs, cifs, ceph,
+# ...), the shares of VMs and Docker Desktop (virtiofs, fakeowner, 9p, vboxsf, prl_fs,
+# vmhgfs), any FUSE filesystem (mergerfs, sshfs, ntfs-3g ...), and FAT/exFAT (no journal).
+LOCAL_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "bcachefs", "tmpfs", "overlay"})
+LOCAL_FILESYSTEMS_DARWIN = frozenset({"apfs", "hfs"})  # and the volume marked local (MNT_LOCAL)
+NETWORK_FILESYSTEMS = frozenset({  # (only to word the refusal)
     "nfs", "nfs4", "cifs", "smb3", "smbfs", "afpfs", "webdav", "davfs", "9p", "afs", "coda", "ncpfs", "ceph",
-    "glusterfs", "lustre", "gpfs", "ocfs2", "gfs2", "beegfs", "fuse.sshfs", "fuse.glusterfs", "fuse.cephfs",
-    "fuse.s3fs", "fuse.rclone", "fuse.gcsfuse", "fuse.juicefs", "fuse.davfs2",
+    "glusterfs", "lustre", "gpfs", "ocfs2", "gfs2", "beegfs", "virtiofs", "fakeowner", "vboxsf", "prl_fs",
+    "vmhgfs", "fuse.sshfs", "fuse.glusterfs", "fuse.cephfs", "fuse.s3fs", "fuse.rclone", "fuse.gcsfuse",
+    "fuse.juicefs", "fuse.davfs2",
 })
 MOUNTINFO = "/proc/self/mountinfo"
 _tag = os.urandom(6).hex()
@@ -96,8 +107,9 @@ def fsync_file(fd: int) -> None:
     os.fsync(fd)
 
 
-def fsync_dir(path) -> None:
-    """Make renames, new files and deletions in `path` durable."""
+def fsync_dir(path, point: str = "dir.fsync") -> None:
+    """Make renames, new files and deletions in `path` durable (`point`: its fault point)."""
+    fault(point)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fsync_file(fd)
@@ -134,13 +146,33 @@ def filesystem_type(path, mountinfo: str | None = None) -> str | None:
     return kind
 
 
-def network_filesystem(path, mountinfo: str | None = None) -> str | None:
-    """The filesystem type when `path` is on a network (or cluster) filesystem, else None."""
+def unsupported_filesystem(path, allowed=(), mountinfo: str | None = None) -> str | None:
+    """Why the SSD tier must not use the filesystem holding `path` (the type, and what it
+    is), or None where it may: a local filesystem (LOCAL_FILESYSTEMS, on macOS
+    LOCAL_FILESYSTEMS_DARWIN on a local volume), or one whose type is in `allowed` (the user
+    opted in by name; "unknown" where the type cannot be read). Other systems: not checked."""
     if sys.platform == "darwin":
         found = _darwin_statfs(_existing(path))
-        return None if found is None or found[1] else found[0]
-    kind = filesystem_type(path, mountinfo)
-    return kind if kind in NETWORK_FILESYSTEMS else None
+        kind, local = (found[0], found[1]) if found is not None else ("unknown", False)
+        if kind in allowed or (kind in LOCAL_FILESYSTEMS_DARWIN and local):
+            return None
+        what = "a volume that is not local" if kind in LOCAL_FILESYSTEMS_DARWIN else _what(kind)
+    elif sys.platform.startswith("linux"):
+        kind = filesystem_type(path, mountinfo) or "unknown"
+        if kind in allowed or kind in LOCAL_FILESYSTEMS:
+            return None
+        what = _what(kind)
+    else:
+        return None
+    return f"{kind} ({what})"
+
+
+def _what(kind: str) -> str:
+    if kind == "unknown":
+        return "its type could not be read"
+    if kind in NETWORK_FILESYSTEMS:
+        return "a network or shared filesystem: SQLite's WAL is not coherent across it"
+    return "not a filesystem the SSD tier knows to be local"
 
 
 def _existing(path) -> str:

@@ -14,7 +14,8 @@ environment names that point (read once, at import).
     @N          the Nth time the point is reached (default: the first); once
 
 MLXCACHE_FAULT_TRACE=PATH appends every point reached to PATH, one per line
-(how a test lists the points of a scenario).
+(how a test lists the points of a scenario). `observe(fn)` calls fn(point, db) at
+every point reached (the power-loss recorder, tests/support/power_loss.py).
 """
 
 from __future__ import annotations
@@ -24,16 +25,26 @@ import os
 import signal
 import sqlite3
 import time
+from typing import Callable
 
 _spec = os.environ.get("MLXCACHE_FAULT") or None
 _trace = os.environ.get("MLXCACHE_FAULT_TRACE") or None
 _seen: dict[str, int] = {}
+_observer: Callable[[str, sqlite3.Connection | None], None] | None = None
+
+
+def observe(fn: Callable[[str, sqlite3.Connection | None], None] | None) -> None:
+    """Call fn(point, db) at every fault point this process reaches (None: stop)."""
+    global _observer
+    _observer = fn
 
 
 def fault(point: str, db: sqlite3.Connection | None = None) -> None:
     """Fail, die or pause here if MLXCACHE_FAULT names this point (`db`: at a COMMIT)."""
-    if _spec is None and _trace is None:
+    if _spec is None and _trace is None and _observer is None:
         return
+    if _observer is not None:
+        _observer(point, db)
     if _trace is not None:
         with open(_trace, "a") as f:
             f.write(point + "\n")

@@ -50,7 +50,7 @@ class TieredPromptCache:
     def __init__(self, *, ram_budget_bytes: int | None, ssd_dir: Path | None, ssd_budget_bytes: int | None = None,
                  write_behind: bool = True, idle_demote_s: float | None = None,
                  emit: Callable[..., object] | None = None, retention: RetentionPolicy | None = None,
-                 prefetch_budget_bytes: int | None = None):
+                 prefetch_budget_bytes: int | None = None, ssd_filesystems: tuple = ()):
         self.emit = emit or (lambda *a, **k: None)
         self.counters: dict = {}  # every part's counters, for stats
         self.pressure = None  # the engine's PressureGuard (memory.py), checked at each lookup
@@ -62,7 +62,7 @@ class TieredPromptCache:
         self._removed_early: list = []  # files the store found gone before durability existed
         if ssd_dir is not None:
             self.store = CheckpointStore(Path(ssd_dir), ssd_budget_bytes=ssd_budget_bytes, on_event=self._store_event,
-                                         on_removed=self._file_removed)
+                                         on_removed=self._file_removed, filesystems=ssd_filesystems)
             self.writer = CheckpointWriter(self.store, under_pressure=self.under_pressure, gate=self.gate)
         self.durability = Durability(self.ram, self.store, self.writer, counters=self.counters, emit=self.emit,
                                      write_behind=write_behind, idle_demote_s=idle_demote_s)

@@ -4,7 +4,7 @@ of deterministic numpy KV.
 
     python fault_worker.py ROOT SCENARIO LOG
 
-SCENARIO: write | replace | gc | clear | quarantine | restore | clear-rewrite (see OPS), or
+SCENARIO: write | replace | gc | clear | quarantine | restore | clear-rewrite | temps | deferred (see OPS), or
 read:NAME (logs the digest of what it read). With
 MLXCACHE_FAULT set the process dies, or an error is raised, at that point
 (engine/cache/faults.py); an operation that fails is tried once more (the
@@ -145,6 +145,23 @@ def read_logged(store: CheckpointStore, name: str) -> str:
     return digest_of(buffers)
 
 
+def temps(store: CheckpointStore) -> None:
+    """Temp files of a dead writer (its tag is no live process's) beside blocks and a manifest, then gc."""
+    for d in (store.blocks_root, store.root / NS):
+        (d / f".{'7' * 64}.blk.deadbeef0000.{len(os.listdir(d))}.tmp").write_bytes(b"half a block")
+    store.gc()
+
+
+def deferred(store: CheckpointStore) -> None:
+    """clear, then the keeper's deferred directory fsyncs, run here (a failed one is kept for
+    the next turn: run again)."""
+    store.clear()
+    store._fsync_unsynced()
+    if store._unsynced:
+        store._fsync_unsynced()
+    assert not store._unsynced
+
+
 OPS = {
     "write": lambda s: write(s, "E"),  # new blocks and a manifest; supersedes B
     "replace": lambda s: write(s, "C2"),  # C's tokens, other bytes: the old version's blocks go
@@ -153,6 +170,8 @@ OPS = {
     "quarantine": lambda s: read_bad(s, "C"),  # a block of C was damaged beforehand: a miss
     "restore": lambda s: read(s, "B"),
     "clear-rewrite": lambda s: (s.clear(), write(s, "C")),  # the same blocks again, in the same process
+    "temps": temps,
+    "deferred": deferred,  # (its fsyncs are the keeper's: test_faults.py runs them apart)
 }
 
 
@@ -186,8 +205,57 @@ def build_template(root: Path) -> None:
     assert r.returncode == -9, r.stderr
 
 
+def prepare(template: Path, d: Path, scenario: str) -> Path:
+    """A copy of the template at d/c for `scenario` (for "quarantine", a block of C goes bad on the disk)."""
+    import shutil
+
+    from mlxcache_kernel.engine.cache.ssd import blocks
+
+    root = d / "c"
+    shutil.copytree(template, root)
+    if scenario == "quarantine":
+        path = blocks.block_path(root / "blocks", bad_block(root))
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 0x5A
+        path.write_bytes(bytes(raw))
+    return root
+
+
+def bad_block(root: Path) -> str:
+    """The block of C the quarantine scenario damages."""
+    import sqlite3
+
+    from mlxcache_kernel.engine.kv.tokens import token_key
+
+    db = sqlite3.connect(root / "catalog.db")
+    try:
+        path = db.execute("SELECT path FROM files WHERE key=?", (token_key(tokens("C")),)).fetchone()[0]
+    finally:
+        db.close()
+    return fmt.read_header(root / path).blocks[0].name
+
+
+def _power_loss(root: str):
+    """MLXCACHE_POWERLOSS=DIR: record what becomes durable (power_loss.py);
+    MLXCACHE_POWERLOSS_MUTATE=ssd.blocks.fsync_file,...: those functions of the engine do nothing."""
+    out = os.environ.get("MLXCACHE_POWERLOSS")
+    if not out:
+        return None
+    import importlib
+
+    from power_loss import install
+
+    for target in filter(None, os.environ.get("MLXCACHE_POWERLOSS_MUTATE", "").split(",")):
+        module, _, name = target.rpartition(".")
+        module = importlib.import_module(f"mlxcache_kernel.engine.cache.{module}")
+        assert callable(getattr(module, name)), target
+        setattr(module, name, lambda *a, **k: None)
+    return install(root, out)
+
+
 def main() -> None:
     root, scenario, log = sys.argv[1], sys.argv[2], sys.argv[3]
+    recorder = _power_loss(root)
     store = open_store(root)
     trace = os.environ.get("MLXCACHE_FAULT_TRACE")
     if trace:
@@ -207,6 +275,8 @@ def main() -> None:
             out.flush()
             os.fsync(out.fileno())
             if "ack" in result:
+                if recorder is not None:
+                    recorder.ack()
                 break
     store.close()
 

@@ -20,7 +20,7 @@ A peer is judged
   clock: a clock that jumps (or a test's injected one) counts one miss.
 
 A process on another host can only share the directory over a network
-filesystem, which the store refuses (system.network_filesystem).
+filesystem, which the store refuses (system.unsupported_filesystem).
 """
 
 from __future__ import annotations
@@ -100,6 +100,15 @@ def _darwin_start(pid: int) -> int | None:
     except (OSError, AttributeError, ValueError):
         return None
     return parse_kinfo_proc(buf.raw[: size.value], pid)
+
+def process_state(pid: int) -> str | None:
+    """The state letter /proc shows for `pid` ("R", "S", "T" stopped, "t" stopped by a
+    tracer, ...); None when it is gone or where /proc does not say."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError, UnicodeDecodeError):
+        return None
 
 
 def _boot_id() -> str:

@@ -16,6 +16,7 @@ keeper thread that does the catalogue writes a cell's thread must not wait for.
 from __future__ import annotations
 
 import collections
+import json
 import os
 import sqlite3
 import time
@@ -24,9 +25,10 @@ from typing import Callable
 
 from ...system import process_tag
 from .database import CatalogBusy, Database
-from .liveness import HEARTBEAT_S, Heart, Identity, Keeper, Peers
+from .liveness import HEARTBEAT_S, Heart, Identity, Keeper, Peers, process_state
 
 SWEEP_S = 5.0  # how often the keeper looks for dead processes
+HOLDER, HOLDER_BYTES = "catalog.holder", 512  # who took the write lock last: named while others wait for it
 _PROC_COLUMNS = ("owner", "tag", "pid", "host", "boot", "pidns", "start", "started", "pending_writes", "pending_bytes")
 
 
@@ -43,6 +45,7 @@ class Presence(Database):
         self._registered = False
         self._later: collections.deque = collections.deque()
         self._next_sweep = 0.0
+        self._holder_fd: int | None = None
         self.heart = Heart(self.beats, self.owner)
         try:
             super().__init__(path)
@@ -52,11 +55,42 @@ class Presence(Database):
         self.keeper = Keeper(self._keep)
 
     def _began(self, db: sqlite3.Connection) -> None:
+        self._hold()
         if not self._registered:
             me = self.identity
             db.execute("INSERT OR IGNORE INTO procs VALUES(?,?,?,?,?,?,?,?,0,0)",
                        (self.owner, self.tag, me.pid, me.host, me.boot, me.pidns, me.start, time.time()))
             self._local.registering = True
+
+    def _hold(self) -> None:
+        """Say in HOLDER that we hold the write lock now (one pwrite, never fsynced: only a
+        process waiting for the lock reads it, and only the last to take the lock holds it)."""
+        me = self.identity
+        record = json.dumps({"owner": self.owner, "pid": me.pid, "host": me.host, "boot": me.boot,
+                             "pidns": me.pidns, "since": time.time()}).encode()
+        try:
+            if self._holder_fd is None:
+                self._holder_fd = os.open(self.root / HOLDER, os.O_RDWR | os.O_CREAT, 0o600)
+            os.pwrite(self._holder_fd, record.ljust(HOLDER_BYTES), 0)
+        except OSError:
+            pass  # (a full disk: the wait is reported without the holder)
+
+    def _holder(self) -> str:
+        """Who holds the write lock while we wait for it, and whether that process is stopped."""
+        try:
+            with open(self.root / HOLDER, "rb") as f:
+                rec = json.loads(f.read(HOLDER_BYTES).rstrip() or b"null")
+            pid, host, since = int(rec["pid"]), str(rec["host"]), float(rec["since"])
+        except (OSError, ValueError, TypeError, KeyError):
+            return ""
+        if rec.get("owner") == self.owner:
+            return " (by another thread of this process)"
+        state = ""
+        if self.identity.same_pids(rec):
+            letter = process_state(pid)
+            state = (", which is stopped (SIGSTOP, Ctrl-Z or a debugger: the lock is free once it resumes "
+                     "or is killed)" if letter in ("T", "t") else ", which is gone" if letter is None else "")
+        return f" (held by pid {pid} on {host}{state}, since {max(0.0, time.time() - since):.0f} s)"
 
     def _committed(self) -> None:
         if getattr(self._local, "registering", False):
@@ -160,3 +194,6 @@ class Presence(Database):
         except Exception:  # busy, a full or failing disk: our rows stay, peers find us dead and sweep them
             pass
         super().close()
+        if self._holder_fd is not None:
+            os.close(self._holder_fd)
+            self._holder_fd = None

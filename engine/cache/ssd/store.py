@@ -32,11 +32,12 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ...kv.tokens import token_key
-from ...system import fsync_dir, make_private_dir, network_filesystem, unlink_quietly
+from ...system import fsync_dir, make_private_dir, unlink_quietly, unsupported_filesystem
 from ..catalog.tables import Catalog, FileRow
 from ..catalog.database import CatalogBusy, CatalogCorrupt
 from ..faults import fault
 from . import format as fmt
+from .capacity import enforce_budget, evict_rest
 from .format import CorruptCheckpoint, FileInfo, Header, NewerFormat
 from .index import FileIndex, IndexEntry
 from .pending_read import CheckpointUnavailable, PendingRead
@@ -53,7 +54,8 @@ class LostClaims(Exception):
 
 
 class UnsupportedFilesystem(OSError):
-    """The directory is on a network filesystem: SQLite's WAL needs a local disk."""
+    """The directory is not on a filesystem known to be local (system.LOCAL_FILESYSTEMS) and the
+    user did not name its type: SQLite's WAL needs a local disk."""
 
 
 def validate_namespace(namespace: str) -> str:
@@ -71,12 +73,15 @@ def _row(path: Path, h: Header) -> FileRow:
 
 class CheckpointStore(Upkeep):
     def __init__(self, root, *, ssd_budget_bytes: int | None = None, on_event: Callable[[dict], None] | None = None,
-                 on_removed: Callable[[str, tuple], None] | None = None, clock: Callable[[], float] = time.monotonic):
-        """clock: the monotonic clock liveness is judged by (tests age peers with their own)."""
-        kind = network_filesystem(root)
-        if kind is not None:
-            raise UnsupportedFilesystem(f"{root} is on a network filesystem ({kind}): the SSD tier needs a local "
-                                        "disk (SQLite's WAL shares memory between processes)")
+                 on_removed: Callable[[str, tuple], None] | None = None, clock: Callable[[], float] = time.monotonic,
+                 filesystems: Sequence[str] = ()):
+        """clock: the monotonic clock liveness is judged by (tests age peers with their own);
+        filesystems: types to use besides the local ones (the user's ssd_filesystems)."""
+        why = unsupported_filesystem(root, tuple(filesystems))
+        if why is not None:
+            raise UnsupportedFilesystem(f"{root} is on {why}; the SSD tier needs a local disk (SQLite's WAL shares "
+                                        "memory between processes): name the type in ssd_filesystems to use it "
+                                        "knowingly")
         self.root = make_private_dir(root)
         make_private_dir(self.root / QUARANTINE)
         make_private_dir(self.root / HEARTBEATS)
@@ -330,13 +335,19 @@ class CheckpointStore(Upkeep):
             self.catalog.later(self._fsync_unsynced)
 
     def _fsync_unsynced(self) -> None:
+        """The keeper's deferred directory fsyncs; one that fails is tried again at its next turn
+        (a deletion a power cut undoes meanwhile is found again by reconcile or gc)."""
         with self._lock:
             dirs, self._unsynced = self._unsynced, set()
+        failed = set()
         for d in sorted(dirs):
             try:
-                fsync_dir(d)
+                fsync_dir(d, "keep.fsync")
+            except FileNotFoundError:
+                pass
             except OSError:
-                pass  # (a deletion a crash undoes is found again by reconcile or gc)
+                failed.add(d)
+        self.fsync_later(failed)
 
     def count_write(self, written: int, deduplicated: int) -> None:
         with self._lock:
@@ -355,7 +366,8 @@ class CheckpointStore(Upkeep):
             self.catalog.apply_touches(db)  # the cap sees this process's latest uses
             for ns, key in older:
                 self._delete(db, after, ns, key, "superseded")
-            self._enforce_budget(db, after, keep=k)
+            since = enforce_budget(self, db, after, keep=k)  # (capacity.py: a chunk per transaction)
+        evict_rest(self, k, since)
         self.sync()
         with self._lock:
             e = self._entries.get(k)
@@ -371,22 +383,6 @@ class CheckpointStore(Upkeep):
         after.evicted += 1
         after.events.append({"type": "evict", "path": row.path, "reason": reason, "nbytes": row.file_bytes})
         return True
-
-    def _enforce_budget(self, db, after: AfterCommit, keep: tuple | None = None) -> None:
-        """Delete least recently used files until every process's unique bytes fit the budget
-        (the totals are kept by triggers: no scan per file)."""
-        if self.ssd_budget_bytes is None:
-            return
-        since = (float("-inf"), 0)
-        while self.catalog.total_bytes(db) > self.ssd_budget_bytes:
-            page = self.catalog.least_recent(db, since)
-            if not page:
-                return
-            for ns, key, since in page:
-                if (ns, key) != keep:
-                    self._delete(db, after, ns, key, "capacity")
-                if self.catalog.total_bytes(db) <= self.ssd_budget_bytes:
-                    return
 
     def remove(self, keys, reason: str = "removed", label: str = "remove") -> int:
         """Delete the files of these (namespace, key) that no name pins and no reader leases

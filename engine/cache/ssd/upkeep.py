@@ -24,6 +24,7 @@ from ...kv.tokens import legacy_token_key, token_key
 from ...system import fsync_dir
 from ..catalog.database import CatalogBusy
 from ..catalog.liveness import pid_alive
+from ..faults import fault
 from . import blocks
 from . import format as fmt
 from .blocks import CorruptBlock
@@ -174,13 +175,18 @@ class Upkeep:
                     stale.append(d / name)
             except OSError:
                 pass
-        for p in [] if dry_run else stale:
-            try:
-                os.unlink(p)
-            except OSError:
-                pass
-        if stale and not dry_run:
+        if not stale or dry_run:
+            return stale
+        try:  # best effort: a temp file left, or a removal a power cut undoes, is found stale again
+            fault("stale.unlink")
+            for p in stale:
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
             fsync_dir(d)
+        except OSError:
+            pass
         return stale
 
     def _drop_vanished(self, k: tuple, path, unreadable: bool = False) -> None:

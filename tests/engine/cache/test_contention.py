@@ -180,11 +180,11 @@ def test_a_network_filesystem_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(system, "MOUNTINFO", str(mountinfo))
     with pytest.warns(UserWarning, match="RAM-only"):
         eng = Engine(cache_dir=cache)
-    assert "network filesystem (nfs4)" in eng.stats()["ssd_disabled_reason"]
+    assert "nfs4 (a network or shared filesystem" in eng.stats()["ssd_disabled_reason"]
     assert not (cache / "checkpoints" / "catalog.db").exists()
     eng.close()
     monkeypatch.undo()
-    assert system.network_filesystem(tmp_path) is None and system.filesystem_type(tmp_path)  # this machine's disk
+    assert system.unsupported_filesystem(tmp_path) is None and system.filesystem_type(tmp_path)  # this machine's disk
 
 
 def test_a_lookup_falls_back_to_a_shorter_checkpoint_when_a_block_is_lost(tiny_model_dir, tmp_path):

@@ -13,6 +13,7 @@ totals are exact.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sqlite3
 import subprocess
@@ -20,11 +21,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from fault_worker import (CHECKPOINTS, assert_nothing_leaks, build_template, expected_digest, open_store,
-                          read_digest, tokens)
+from fault_worker import (CHECKPOINTS, assert_nothing_leaks, bad_block, build_template, expected_digest, open_store,
+                          prepare, read_digest, tokens)
 
 from mlxcache_kernel.engine.cache.ssd import blocks
-from mlxcache_kernel.engine.cache.ssd import format as fmt
 from mlxcache_kernel.engine.kv.tokens import token_key
 from paused import ENV, WORKER
 BACKGROUND = ("keep.", "prune.", "sweep.")  # the keeper thread's own steps: when they run depends on the clock
@@ -33,20 +33,20 @@ BACKGROUND = ("keep.", "prune.", "sweep.")  # the keeper thread's own steps: whe
 SCENARIOS = {
     "write": [
         "reserve.begin", "reserve.commit", "reserve.committed", "write.claimed", "block.written", "block.synced",
-        "block.renamed", "block.written", "block.synced", "block.renamed", "write.blocks_synced", "record.begin",
-        "record.commit", "record.committed", "manifest.written", "manifest.synced", "commit.begin", "commit.rename",
-        "commit.renamed", "commit.commit", "commit.committed", "commit.unlink", "commit.unlinked", "publish.begin",
-        "publish.commit", "publish.committed", "publish.unlink", "publish.unlinked", "close.begin", "close.commit",
-        "close.committed",
+        "block.renamed", "block.written", "block.synced", "block.renamed", "dir.fsync", "write.blocks_synced",
+        "record.begin", "record.commit", "record.committed", "manifest.written", "manifest.synced", "commit.begin",
+        "commit.rename", "commit.renamed", "commit.commit", "commit.committed", "commit.unlink", "commit.unlinked",
+        "dir.fsync", "publish.begin", "publish.commit", "publish.committed", "publish.unlink", "publish.unlinked",
+        "close.begin", "close.commit", "close.committed",
     ],
     "replace": [
         "reserve.begin", "reserve.commit", "reserve.committed", "write.claimed", "block.written", "block.synced",
-        "block.renamed", "block.written", "block.synced", "block.renamed", "write.blocks_synced", "record.begin",
-        "record.commit", "record.committed", "manifest.written", "manifest.synced", "commit.begin", "commit.rename",
-        "commit.renamed", "commit.commit", "commit.committed", "commit.unlink", "fence.begin", "fence.commit",
-        "fence.committed", "commit.unlinked", "unfree.begin", "unfree.commit", "unfree.committed", "publish.begin",
-        "publish.commit", "publish.committed", "publish.unlink", "publish.unlinked", "close.begin", "close.commit",
-        "close.committed",
+        "block.renamed", "block.written", "block.synced", "block.renamed", "dir.fsync", "write.blocks_synced",
+        "record.begin", "record.commit", "record.committed", "manifest.written", "manifest.synced", "commit.begin",
+        "commit.rename", "commit.renamed", "commit.commit", "commit.committed", "commit.unlink", "fence.begin",
+        "fence.commit", "fence.committed", "commit.unlinked", "dir.fsync", "unfree.begin", "unfree.commit",
+        "unfree.committed", "publish.begin", "publish.commit", "publish.committed", "publish.unlink",
+        "publish.unlinked", "close.begin", "close.commit", "close.committed",
     ],
     "gc": [
         "reconcile.begin", "reconcile.commit", "reconcile.committed", "reconcile.unlink", "reconcile.unlinked",
@@ -62,16 +62,23 @@ SCENARIOS = {
     "quarantine": [
         "lease.begin", "lease.commit", "lease.committed", "read.fill", "block.confirm", "quarantine.begin",
         "quarantine.commit", "quarantine.committed", "quarantine.unlink", "fence.begin", "quarantine.rename",
-        "fence.commit", "fence.committed", "quarantine.unlinked", "unfree.begin", "unfree.commit",
-        "unfree.committed", "unlease.begin", "unlease.commit", "unlease.committed", "unlease.unlink", "fence.begin",
-        "fence.commit", "fence.committed", "unlease.unlinked", "unfree.begin", "unfree.commit", "unfree.committed",
-        "close.begin", "close.commit", "close.committed",
+        "fence.commit", "fence.committed", "quarantine.unlinked", "dir.fsync", "dir.fsync", "unfree.begin",
+        "unfree.commit", "unfree.committed", "unlease.begin", "unlease.commit", "unlease.committed",
+        "unlease.unlink", "fence.begin", "fence.commit", "fence.committed", "unlease.unlinked", "unfree.begin",
+        "unfree.commit", "unfree.committed", "close.begin", "close.commit", "close.committed",
     ],
     "restore": [
         "lease.begin", "lease.commit", "lease.committed", "read.fill", "unlease.begin", "unlease.commit",
         "unlease.committed", "unlease.unlink", "unlease.unlinked", "close.begin", "close.commit", "close.committed",
     ],
+    "temps": [
+        "stale.unlink", "dir.fsync", "stale.unlink", "dir.fsync", "reconcile.begin", "reconcile.commit",
+        "reconcile.committed", "reconcile.unlink", "reconcile.unlinked", "gc.begin", "gc.commit", "gc.committed",
+        "gc.unlink", "fence.begin", "fence.commit", "fence.committed", "gc.unlinked", "unfree.begin",
+        "unfree.commit", "unfree.committed", "close.begin", "close.commit", "close.committed",
+    ],
 }
+EVERY = ("dir.fsync", "stale.unlink")  # points that are another step each time reached: each one is tried
 
 
 def run_worker(root: Path, scenario: str, log: Path, **env) -> subprocess.CompletedProcess:
@@ -100,40 +107,22 @@ def traces(template, tmp_path_factory) -> dict:
     return out
 
 
-def prepare(template: Path, d: Path, scenario: str) -> Path:
-    root = d / "c"
-    shutil.copytree(template, root)
-    if scenario == "quarantine":  # a block of C goes bad on the disk
-        path = blocks.block_path(root / "blocks", bad_block(root))
-        raw = bytearray(path.read_bytes())
-        raw[len(raw) // 2] ^= 0x5A
-        path.write_bytes(bytes(raw))
-    return root
-
-
-def bad_block(root: Path) -> str:
-    db = sqlite3.connect(root / "catalog.db")
-    try:
-        path = db.execute("SELECT path FROM files WHERE key=?", (token_key(tokens("C")),)).fetchone()[0]
-    finally:
-        db.close()
-    return fmt.read_header(root / path).blocks[0].name
-
-
 def cases():
-    """Each point once per scenario: killed, and ENOSPC there; EIO too where it differs (a
-    COMMIT, which SQLite does not roll back then, and a read). A replace repeats the write's
-    steps up to its manifest: only its own are run; closing, once."""
+    """Each point once per scenario (each time reached for those in EVERY): killed, and ENOSPC
+    there; EIO too where it differs (a COMMIT, which SQLite does not roll back then, a read, a
+    directory fsync). A replace repeats the write's steps up to its manifest: only its own are
+    run; closing, once."""
     for scenario, points in SCENARIOS.items():
-        if scenario == "replace":
-            points = points[points.index("manifest.synced") + 1 :]
-        for point in dict.fromkeys(points):
-            if point.startswith("close.") and scenario != "write":
+        skip = points.index("manifest.synced") + 1 if scenario == "replace" else 0
+        for i, point in enumerate(points):
+            nth = points[:i].count(point) + 1
+            if i < skip or (nth > 1 and point not in EVERY) or (point.startswith("close.") and scenario != "write"):
                 continue
-            eio = point.endswith(".commit") or point in ("read.fill", "block.confirm")
+            eio = point.endswith(".commit") or point in ("read.fill", "block.confirm", "dir.fsync")
             actions = ["kill", "enospc"] + (["eio"] if eio else [])
             for action in actions:
-                yield pytest.param(scenario, point, action, id=f"{scenario}-{point}-{action}")
+                yield pytest.param(scenario, point, action, nth, id=f"{scenario}-{point}-{action}" + (
+                    f"-{nth}" if nth > 1 else ""))
 
 
 def test_every_point_is_listed(traces):
@@ -142,16 +131,31 @@ def test_every_point_is_listed(traces):
         assert traces[scenario][1] == points, f"{scenario} now reaches: {traces[scenario][1]}"
 
 
-@pytest.mark.parametrize("scenario, point, action", list(cases()))
-def test_fault(template, traces, tmp_path, scenario, point, action):
+@pytest.mark.parametrize("scenario, point, action, nth", list(cases()))
+def test_fault(template, traces, tmp_path, scenario, point, action, nth):
     before, _ = traces[scenario]  # (the points reached while the store opened count too)
     root = prepare(template, tmp_path, scenario)
     log = tmp_path / "log"
-    env = {"MLXCACHE_FAULT": f"{point}:{action}@{before.count(point) + 1}"}  # the operation's first time there
+    env = {"MLXCACHE_FAULT": f"{point}:{action}@{before.count(point) + nth}"}  # the operation's nth time there
     r = run_worker(root, scenario, log, **env)
     assert r.returncode == (-9 if action == "kill" else 0), r.stderr[-3000:]
     acked = any("ack" in json.loads(line) for line in log.read_text().splitlines()) if log.exists() else False
     check(root, scenario, acked, bad=bad_block(template) if scenario == "quarantine" else None)
+
+
+@pytest.mark.parametrize("action", ["kill", "enospc", "eio"])
+def test_deferred_fsync_fault(template, tmp_path, action):
+    """The keeper's deferred directory fsync (after a clear; run in the operation, not left to
+    the keeper's clock): a failed one is kept and tried again."""
+    root = prepare(template, tmp_path, "deferred")
+    trace, log = tmp_path / "trace", tmp_path / "log"
+    r = run_worker(root, "deferred", log, MLXCACHE_FAULT=f"keep.fsync:{action}", MLXCACHE_FAULT_TRACE=str(trace))
+    assert r.returncode == (-9 if action == "kill" else 0), r.stderr[-3000:]
+    tried = trace.read_text().split("--- op\n", 1)[1].split().count("keep.fsync")
+    assert tried >= (1 if action == "kill" else 3), f"keep.fsync reached {tried} times"  # two directories, one again
+    acked = any("ack" in json.loads(line) for line in log.read_text().splitlines()) if log.exists() else False
+    assert acked or action == "kill"
+    check(root, "deferred", acked)
 
 
 def check(root: Path, scenario: str, acked: bool, bad: str | None = None) -> None:
@@ -166,7 +170,8 @@ def check(root: Path, scenario: str, acked: bool, bad: str | None = None) -> Non
 
         want = {n: expected_digest(n) for n in CHECKPOINTS}
         assert state("A") == want["A"] and "named" in s.catalog.pins(), "the named checkpoint is lost"
-        required = {"write": "CD", "replace": "BD", "gc": "BCD", "clear": "", "quarantine": "BD", "restore": "BCD"}
+        required = {"write": "CD", "replace": "BD", "gc": "BCD", "clear": "", "quarantine": "BD", "restore": "BCD",
+                    "temps": "BCD", "deferred": ""}
         for name in required[scenario]:
             assert state(name) == want[name], f"{name} lost or changed"
         if scenario == "write":
@@ -175,7 +180,7 @@ def check(root: Path, scenario: str, acked: bool, bad: str | None = None) -> Non
             assert state("B") == want["B"] or e is not None, "B went before E replaced it"
         if scenario == "replace":
             assert state("C") == want["C2"] if acked else state("C") in (want["C"], want["C2"])
-        if scenario == "clear":
+        if scenario in ("clear", "deferred"):
             for name in "BCD":
                 assert state(name) in ((None,) if acked else (None, want[name]))
         quarantined = {p.name for p in (root / "quarantine").iterdir()}

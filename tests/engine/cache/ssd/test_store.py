@@ -14,6 +14,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from mlxcache_kernel.engine.kv.checkpoint import Checkpoint
+from mlxcache_kernel.engine.cache.ssd import capacity
 from mlxcache_kernel.engine.cache.ssd import format as fmt
 from mlxcache_kernel.engine.cache.ssd.restore import restore
 from mlxcache_kernel.engine.cache.ssd.store import CheckpointStore, CheckpointUnavailable
@@ -212,6 +213,20 @@ def test_capacity_lru(tmp_path):
     assert left == {0, 2000, 3000}  # entry 1 was least recently used
     assert ev[-1]["type"] == "evict" and ev[-1]["reason"] == "capacity"
     assert s.stats()["bytes"] <= 3 * size
+
+
+def test_the_cap_evicts_in_chunks_of_short_transactions(tmp_path, monkeypatch):
+    monkeypatch.setattr(capacity, "EVICT_CHUNK", 8)
+    s = new_store(tmp_path)
+    cps = [make_checkpoint([1000 * i + j for j in range(4)], layers=1, heads=1, head_dim=2, seed=i) for i in range(31)]
+    entries = [commit(s, cp) for cp in cps[:30]]
+    s.ssd_budget_bytes = budget = entries[0].file_bytes * 3 // 2  # room for one file
+    s.catalog.holds = []
+    commit(s, cps[30])
+    labels = [label for label, _ in s.catalog.holds]
+    assert labels.count("publish") == 1 and labels.count("evict") == 3, labels  # 29 go: 8 + 8 + 8 + 5
+    assert [e.tokens[0] for e in s.entries()] == [30000]
+    assert len(os.listdir(tmp_path / "ns")) == 1 and s.stats()["bytes"] <= budget
 
 
 def test_supersession(tmp_path):
