@@ -13,8 +13,6 @@ totals are exact.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import sqlite3
 import subprocess
 import sys
