@@ -45,10 +45,11 @@ def clear(cache: TieredPromptCache, inflight: InflightRecords, events: EventBus,
     return {"ram_entries": ram - kept, "kept_not_durable": kept, "ssd_files": files_removed}
 
 
-def gc(cache: TieredPromptCache, names: NamedCheckpoints, inflight: InflightRecords, *, dry_run: bool) -> dict:
-    """Quarantined and stale files, resume records without their checkpoint (removed unless
-    dry_run), and the names whose state is gone (listed)."""
-    report = {**cache.gc_files(dry_run), "dangling_names": [], "inflight_removed": 0}
+def gc(cache: TieredPromptCache, names: NamedCheckpoints, inflight: InflightRecords, *, dry_run: bool,
+       quarantine: bool = False) -> dict:
+    """Stale files (quarantined ones with `quarantine`), resume records without their checkpoint
+    (removed unless dry_run), and the names whose state is gone (listed)."""
+    report = {**cache.gc_files(dry_run, quarantine), "dangling_names": [], "inflight_removed": 0}
     for r in names.list():
         ns, tokens = r["namespace"], tuple(r["tokens"])
         if cache.get_exact(tokens, ns) is None and not cache.on_ssd(tokens, ns):

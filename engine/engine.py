@@ -317,11 +317,12 @@ class Engine:
             self.flush(timeout=30)
         return cache_admin.clear(self.cache, self.inflight, self.events, ssd=ssd)
 
-    def cache_gc(self, dry_run: bool = False) -> dict:
-        """Remove what nothing can use: quarantined files, stale temp files and resume records
-        without their checkpoint; report them (dry_run: only report). Names whose state is
-        gone are listed, not removed."""
-        return cache_admin.gc(self.cache, self.names, self.inflight, dry_run=dry_run)
+    def cache_gc(self, dry_run: bool = False, quarantine: bool = False) -> dict:
+        """Remove what nothing can use: stale temp files and resume records without their
+        checkpoint; report them (dry_run: only report). Quarantined files are evidence of
+        corruption, kept until the user asks (quarantine=True). Names whose state is gone are
+        listed, not removed."""
+        return cache_admin.gc(self.cache, self.names, self.inflight, dry_run=dry_run, quarantine=quarantine)
 
     def cache_verify(self) -> list[dict]:
         """Re-hash every SSD file; bad ones are quarantined and listed."""

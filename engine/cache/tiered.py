@@ -324,9 +324,11 @@ class TieredPromptCache:
 
     # --- maintenance ---
 
-    def gc_files(self, dry_run: bool = False) -> dict:
-        """Quarantined files and stale temp files: removed (or, dry_run, only listed)."""
-        return self.store.gc(dry_run) if self.store is not None else {"quarantine_removed": [], "temp_removed": []}
+    def gc_files(self, dry_run: bool = False, quarantine: bool = False) -> dict:
+        """Stale temp files and orphans (quarantined files too with `quarantine`): removed (or, dry_run, listed)."""
+        if self.store is None:
+            return {"quarantine_removed": [], "quarantine_kept": 0, "temp_removed": []}
+        return self.store.gc(dry_run, quarantine)
 
     def verify(self) -> list[dict]:
         """Re-hash every SSD file; bad ones are quarantined and listed."""

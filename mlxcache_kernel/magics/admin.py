@@ -233,24 +233,23 @@ class AdminMagics(EngineMagics):
     @kwds(epilog=examples("cache"))
     @argument("action", choices=["stats", "ls", "flush", "clear", "gc", "verify", "config", "help"],
               help="what to do")
-    @argument("--all", action="store_true", help="ls: every entry, not only the 20 newest; stats: every counter, "
-                                                 "zeros and empty groups too")
+    @argument("--all", action="store_true", help="ls: every entry, not only the 20 newest; stats: every counter")
     @argument("--model", "-m", default=None, help="ls: only entries of this model")
     @argument("--session", default=None, help="ls: only entries of this chat session")
     @argument("--ssd", action="store_true", help="clear: also delete the SSD tier's files")
     @argument("--timeout", type=float, default=None, help="flush: seconds to wait at most")
     @argument("--dry-run", action="store_true", help="gc: list what would be removed, remove nothing")
+    @argument("--quarantine", action="store_true", help="gc: also remove the quarantined files (kept as evidence)")
     @line_magic
     @usage_errors
     def cache(self, line):
         """The tiered prompt cache.
 
         %cache stats [--all]    counters by group (RAM, SSD, writes, ...); --all: zeros too
-        %cache ls [--all] [--model M] [--session S]
-                                RAM and SSD entries, newest first: the 20 newest (--all: every one)
+        %cache ls [--all] [--model M] [--session S]   RAM and SSD entries, the 20 newest (--all: every one)
         %cache flush [--timeout S]   wait until every queued write is durable
         %cache clear [--ssd]    drop RAM entries (and with --ssd the SSD files)
-        %cache gc [--dry-run]   remove quarantined, stale temporary and orphaned files (listed)
+        %cache gc [--dry-run] [--quarantine]   remove stale and orphaned files (--quarantine: the evidence too)
         %cache verify           re-hash every SSD file and report bad ones
         %cache config           the settings in effect
         %cache help             the cheat sheet of every magic
@@ -264,8 +263,8 @@ class AdminMagics(EngineMagics):
             raise UsageError("--ssd only applies to %cache clear")
         if args.timeout is not None and args.action != "flush":
             raise UsageError("--timeout only applies to %cache flush")
-        if args.dry_run and args.action != "gc":
-            raise UsageError("--dry-run only applies to %cache gc")
+        if (args.dry_run or args.quarantine) and args.action != "gc":
+            raise UsageError("--dry-run and --quarantine only apply to %cache gc")
         getattr(self, f"_cache_{args.action}")(args)
         return None
 
@@ -308,14 +307,15 @@ class AdminMagics(EngineMagics):
                   "(see %cache flush)")
 
     def _cache_gc(self, args) -> None:
-        r = self.engine.cache_gc(dry_run=args.dry_run)
-        verb = "would remove" if args.dry_run else "removed"
-        q, t = r["quarantine_removed"], r["temp_removed"]
+        r = self.engine.cache_gc(dry_run=args.dry_run, quarantine=args.quarantine)
+        q, t, verb = r["quarantine_removed"], r["temp_removed"], "would remove" if args.dry_run else "removed"
         print(f"gc{' (dry run)' if args.dry_run else ''}: {verb} {len(q)} quarantined file(s), {len(t)} stale temp "
               f"file(s), {len(r.get('blocks_removed', []))} unreferenced block(s), {len(r.get('files_removed', []))} "
               f"unusable checkpoint file(s), {r['inflight_removed']} resume record(s) without their checkpoint")
         for path in q + t:
             print(f"  {path}")
+        if r.get("quarantine_kept"):
+            print(f"kept {r['quarantine_kept']} quarantined file(s) as evidence (%cache gc --quarantine removes them)")
         if r["dangling_names"]:
             print(f"named checkpoints whose state is gone (remove with %checkpoint rm): {', '.join(r['dangling_names'])}")
 

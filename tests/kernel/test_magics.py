@@ -115,8 +115,11 @@ def test_interpolation_rules():
 # --- %model ---
 
 
-def test_model_load_list_use_unload(ip, capsys):
+def test_model_load_list_use_unload(ip, capsys, tmp_path):
+    from tiny_model import build_tiny_model
+
     path = ip.tiny_model_dir
+    wide = build_tiny_model(tmp_path / "wide", hidden=128)  # head_dim 32: KV quantizes in groups of 32
     res, out, _ = run(ip, capsys, f"%model load {path}")
     assert res.success and "loaded 'default' (default)" in out and "2 layers" in out
     res, out, _ = run(ip, capsys, f"%model load {path} --name second")
@@ -130,11 +133,12 @@ def test_model_load_list_use_unload(ip, capsys):
     assert res.success and engine(ip).models.default == "second"
     res, out, _ = run(ip, capsys, "%model info second")
     assert "namespace" in out and "identity.artifact" in out
-    res, out, _ = run(ip, capsys, f"%model load {path} --name q8 --kv-bits 8 --kv-group-size 32 --kv-start 0")
+    res, out, _ = run(ip, capsys, f"%model load {wide} --name q8 --kv-bits 8 --kv-group-size 32 --kv-start 0")
     assert res.success and "QuantizedKVCache:float32:q8g32" in out
-    res, out, _ = run(ip, capsys, f"%model load {path} --name q8late --kv-bits 8 --kv-group-size 32 --kv-start 40")
+    res, out, _ = run(ip, capsys, f"%model load {wide} --name q8late --kv-bits 8 --kv-group-size 32 --kv-start 40")
     assert res.success and "KVCache:float32:q8g32@40" in out and engine(ip).models.get("q8late").kv_start == 40
     run(ip, capsys, "%model unload q8late")
+    assert "does not fit this model's KV" in usage_error(ip, capsys, f"%model load {path} --name bad --kv-bits 8")
     assert engine(ip).model_info("q8")["namespace"] != engine(ip).model_info("second")["namespace"]
     run(ip, capsys, "%model unload q8")
     res, out, _ = run(ip, capsys, "%model unload default")
@@ -421,9 +425,13 @@ def test_cache_verify_and_gc(ip, capsys):
     res, out, _ = run(ip, capsys, "%cache gc --dry-run")
     assert res.success and out.startswith("gc (dry run):") and "quarantine" in out
     assert list((Path(engine(ip).cache_dir) / "checkpoints" / "quarantine").iterdir())
-    res, out, _ = run(ip, capsys, "%cache gc")
-    assert res.success and out.startswith("gc:") and "1 quarantined file" in out
+    res, out, _ = run(ip, capsys, "%cache gc")  # the evidence stays
+    assert res.success and out.startswith("gc:") and "kept 1 quarantined file(s) as evidence" in out
+    assert list((Path(engine(ip).cache_dir) / "checkpoints" / "quarantine").iterdir())
+    res, out, _ = run(ip, capsys, "%cache gc --quarantine")
+    assert res.success and out.startswith("gc:") and "removed 1 quarantined file" in out
     assert not list((Path(engine(ip).cache_dir) / "checkpoints" / "quarantine").iterdir())
+    assert "only apply to %cache gc" in usage_error(ip, capsys, "%cache stats --quarantine")
 
 
 def test_cache_errors(ip, capsys):

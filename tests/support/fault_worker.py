@@ -100,7 +100,8 @@ def assert_nothing_leaks(store: CheckpointStore) -> None:
     assert set(store.catalog.blocks()) == on_disk
     assert {str(p) for p in root.glob("*/*.ckpt")} == {str(e.path) for e in entries}, "a manifest outside the index"
     assert not list(root.rglob(".*.tmp")), "temp files left"
-    assert not list((root / "quarantine").iterdir())
+    kept = sorted(str(p) for p in (root / "quarantine").iterdir())  # evidence: gc keeps it until asked
+    assert store.gc(quarantine=True)["quarantine_removed"] == kept and not list((root / "quarantine").iterdir())
     q = store.catalog.query
     assert [q(f"SELECT COUNT(*) FROM {t}")[0][0] for t in ("claims", "leases", "freeing")] == [0, 0, 0]
     assert [r[0] for r in q("SELECT owner FROM procs")] == [store.catalog.owner]

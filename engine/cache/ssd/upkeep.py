@@ -309,11 +309,13 @@ class Upkeep:
                 bad.append((e.path, f"unreadable (left in place): {exc}"))
         return bad
 
-    def gc(self, dry_run: bool = False) -> dict:
+    def gc(self, dry_run: bool = False, quarantine: bool = False) -> dict:
         """Forget dead processes, reconcile (files that lost a block go), free blocks no
-        file references and no one claims, remove quarantined files and temp files of
-        dead writers: what goes, listed."""
-        quarantined = sorted((self.root / QUARANTINE).iterdir())
+        file references and no one claims, remove temp files of dead writers: what goes,
+        listed. Quarantined files are evidence of corruption: kept (counted in
+        `quarantine_kept`) unless `quarantine`, the user's word that they may go."""
+        found = sorted((self.root / QUARANTINE).iterdir())
+        quarantined = found if quarantine else []
         temps = [p for d in self._namespace_dirs() + [self.blocks_root] for p in self._clean_stale_temps(d, dry_run=True)]
         if dry_run:
             unused = self.catalog.unreferenced_blocks(ignoring=sum(self.catalog.dead_owners(), []))
@@ -333,7 +335,8 @@ class Upkeep:
                     os.unlink(p)
                 except OSError:
                     pass
-        return {"quarantine_removed": [str(p) for p in quarantined], "temp_removed": [str(p) for p in temps],
+        return {"quarantine_removed": [str(p) for p in quarantined], "quarantine_kept": len(found) - len(quarantined),
+                "temp_removed": [str(p) for p in temps],
                 "files_removed": files, "blocks_removed": [n for n, _ in freed],
                 "block_bytes_removed": sum(b for _, b in freed)}
 

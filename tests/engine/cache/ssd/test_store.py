@@ -363,8 +363,10 @@ def test_verify_all_remove_clear(tmp_path):
     s.clear()
     assert s.entries() == [] and os.listdir(tmp_path / "c" / "ns") == [] and not a.path.exists()
     [evidence] = os.listdir(tmp_path / "c" / "quarantine")  # clear keeps what was found bad
-    report = s.gc(dry_run=True)
+    report = s.gc()  # evidence of corruption stays until the user clears it
+    assert report["quarantine_removed"] == [] and report["quarantine_kept"] == 1
+    report = s.gc(dry_run=True, quarantine=True)
     assert report["quarantine_removed"] == [str(tmp_path / "c" / "quarantine" / evidence)]
     assert os.listdir(tmp_path / "c" / "quarantine") == [evidence]  # a dry run deletes nothing
-    assert s.gc()["quarantine_removed"] == report["quarantine_removed"]
+    assert s.gc(quarantine=True)["quarantine_removed"] == report["quarantine_removed"]
     assert os.listdir(tmp_path / "c" / "quarantine") == []
