@@ -37,6 +37,7 @@ from .prompts import encode_prompt
 from .scoring import ScoreResult, score
 from .generation import Generation, GenerationResult, Request, Services
 from .sessions import Sessions
+from .speculative import resolve_draft
 from .user_states import UserStates
 from .system import make_private_dir, physical_memory
 
@@ -175,10 +176,12 @@ class Engine:
                  on_text: Callable[[str], None] | None = None,
                  on_progress: Callable[[str, int, int], None] | None = None,
                  checkpoint_every: int | None = None, images: Sequence | None = None,
-                 **sampling) -> GenerationResult:
+                 draft: str | None = None, num_draft_tokens: int | None = None, **sampling) -> GenerationResult:
         """sampling: SamplingParams's options (max_tokens=256, temperature=0.0, top_p=1.0, top_k=0,
         seed=0, stop=()). images: paths, PIL images or (H, W, 3) arrays, for a vision-language model;
-        they come before the prompt text in the user turn (a session keeps them for later turns)."""
+        they come before the prompt text in the user turn (a session keeps them for later turns).
+        draft: a loaded model's name; it proposes num_draft_tokens (default 4) tokens that the model
+        verifies in one forward (speculative.py): the same tokens as without it, faster."""
         self._check_open()
         self.poll(prepare=False)  # no buffers allocated for prefetches on the way to the first token
         params = SamplingParams.of(**sampling)
@@ -195,7 +198,7 @@ class Engine:
         result = self.generate_tokens(
             tokens, params, model=m.name, session=session, use_cache=use_cache, on_text=on_text,
             on_progress=on_progress, checkpoint_every=checkpoint_every, media=media,
-        )
+            draft=draft, num_draft_tokens=num_draft_tokens)
         if session is not None:
             self.sessions.get(session).record_turn(prompt, result.text, tokens, result.tokens,
                                                    images=media.images if media else ())
@@ -242,7 +245,8 @@ class Engine:
     ) -> GenerationResult:
         """Generate from prompt token ids: resume or cache lookup, prefill, decode, publish (run.py).
 
-        options: session, use_cache, on_text, on_progress, checkpoint_every (see `generate`).
+        options: session, use_cache, on_text, on_progress, checkpoint_every, draft, num_draft_tokens
+        (see `generate`).
         """
         self._check_open()
         m = self.models.get(model)
@@ -250,6 +254,8 @@ class Engine:
         if not tokens:
             raise GenerationError("empty prompt: no tokens to generate from")
         params.validate(_vocab_size(m))
+        options["draft"], options["num_draft_tokens"] = resolve_draft(self.models, m, options.get("draft"),
+                                                                      options.pop("num_draft_tokens", None))
         req = Request(m, tokens, params, **options)
         req.use_cache = req.use_cache and m.cache_notice is None  # an unknown cache class: uncached, never wrong
         every = req.checkpoint_every

@@ -31,6 +31,7 @@ from .memory import DECODE_CHECK_EVERY, PressureGuard
 from .metrics import AccessTrace, GenerationMetrics, generation_stats
 from .models import LoadedModel
 from .sampling import SamplingParams
+from .speculative import DraftCounts, Drafter, decode_speculative, fallback_reason
 
 ONE_PASS_TOKENS = 64  # a rest of the prompt up to this long is forwarded with the first decode step
 
@@ -72,6 +73,8 @@ class Request:
     on_progress: Callable[[str, int, int], None] | None = None
     checkpoint_every: int | None = None
     media: Any = None  # a MediaPrompt (media.py) when the prompt holds images for a VLM
+    draft: LoadedModel | None = None  # speculative decoding with this draft model (speculative.py)
+    num_draft_tokens: int = 0
 
     @property
     def ns(self) -> str:
@@ -92,6 +95,8 @@ class Generation:
         self.stream = TextStream(req.model.tokenizer, req.params.stop)
         self.pending: list | None = None  # prompt tokens the first decode step forwards (None: the last one)
         self.converts_in_decode = False  # (set by run)
+        self.drafter: Drafter | None = None  # with a draft that can roll back exactly
+        self.draft_fallback: str | None = None  # why a draft was not used
 
     def run(self) -> GenerationResult:
         req, cache = self.req, self.cache
@@ -104,7 +109,9 @@ class Generation:
             # move=True: an entry this generation will supersede hands over its buffers (not one
             # in full precision that a run converting its KV past kv_start cannot supersede)
             crosses = bool(req.model.kv_start) and len(req.tokens) + req.params.max_tokens >= req.model.kv_start
-            loan = cache.take(req.tokens, req.ns, session=req.session, progress=req.on_progress, move=not crosses)
+            shared = req.draft is not None and req.draft.namespace == req.ns  # the draft borrows the entry too
+            loan = cache.take(req.tokens, req.ns, session=req.session, progress=req.on_progress,
+                              move=not (crosses or shared))
         caches = loan.caches if loan else req.model.new_caches()
         cached = min(loan.length, len(req.tokens)) if loan else 0
         t_lookup = time.perf_counter() - t0
@@ -147,6 +154,8 @@ class Generation:
         finally:
             if loan:
                 loan.release()
+            if self.drafter is not None:
+                self._publish_draft()
         self.services.inflight.finish(self.rid)  # completion invalidates the resume point
         if req.use_cache:
             self.publish_final(caches)
@@ -161,6 +170,9 @@ class Generation:
         stats["resumed_from"] = len(self.emitted) or None
         if req.media is not None:
             stats.update(req.media.stats(cached, loan.source if loan else None))
+        if req.draft is not None:
+            counts = self.drafter.counts if self.drafter else DraftCounts()
+            stats.update(counts.stats(req.draft.name, req.num_draft_tokens, self.draft_fallback))
         self.services.metrics.record(req.ns, stats)
         logprobs = self.decoded.logprobs if req.params.logprobs is not None else None
         return GenerationResult(self.stream.text, self.emitted + self.decoded.tokens, stats, list(req.tokens), logprobs)
@@ -196,7 +208,8 @@ class Generation:
             decode() skips queueing ahead exactly where on_token captures. No new copy while
             the previous interval is still being written."""
             if step not in decided:
-                decided.clear()
+                for old in [s for s in decided if s < step - 64]:  # a speculative round asks ahead
+                    del decided[old]
                 decided[step] = (bool(every) and (step + 1) % every == 0 and step + 1 < req.params.max_tokens
                                  and not self.cache.durability.inflight_busy(self.rid))
             return decided[step]
@@ -218,11 +231,31 @@ class Generation:
         pending = self.pending or (emitted[-1:] if emitted else req.tokens[-1:])
         self.decode_ran = True
         model = req.media.forward if req.media is not None else req.model.forward
-        decode(model, caches, pending, req.params, eos_ids=req.model.eos_token_ids,
-               first_step=len(emitted), on_token=on_token, into=self.decoded, sync_at=boundary_due)
+        run, extra = decode, {}
+        if req.draft is not None:
+            known = req.tokens + emitted
+            self.draft_fallback = fallback_reason(req.model, caches, req.draft, len(known), req.params.max_tokens)
+            if self.draft_fallback:
+                self.services.events.emit("notice", model=req.model.name, message=self.draft_fallback)
+            else:
+                self.drafter = Drafter(self.services, req.draft, req.use_cache, len(req.tokens), req.ns)
+                self.drafter.start(known)
+                run, extra = decode_speculative, dict(drafter=self.drafter, num_draft_tokens=req.num_draft_tokens,
+                                                      context=known)
+        run(model, caches, pending, req.params, eos_ids=req.model.eos_token_ids,
+            first_step=len(emitted), on_token=on_token, into=self.decoded, sync_at=boundary_due, **extra)
         if len(self.times) < len(self.decoded.tokens):  # the eos token is not passed to on_token
             self.times.append(time.perf_counter())
         self._show(self.stream.finish())
+
+    def _publish_draft(self) -> None:
+        """The draft's state over the tokens decided (also after an interrupt); never masks an error."""
+        try:
+            self.drafter.publish(self.req.tokens + self.emitted + self.decoded.tokens)
+        except Exception as e:
+            self.services.events.emit("notice", model=self.req.draft.name, message=f"draft state not cached: {e}")
+        finally:
+            self.drafter.release()
 
     def snapshot_prompt(self, caches: list) -> None:
         """Publish the state before the prompt's last token, where a plain cut can't recover it.

@@ -69,6 +69,15 @@ def images_phrase(sources: list) -> str:
     return f"{len(sources)} image{'' if len(sources) == 1 else 's'}: " + ", ".join(words)
 
 
+def draft_phrase(s: dict) -> str:
+    """The draft's part, e.g. "draft small: 30 of 48 proposed tokens accepted (62%)"."""
+    if s.get("draft_fallback"):
+        return f"draft {s['draft']} not used (its cache kinds cannot roll back)"
+    proposed, accepted = s.get("draft_tokens_proposed", 0), s.get("draft_tokens_accepted", 0)
+    rate = f" ({s['draft_acceptance']:.0%})" if s.get("draft_acceptance") is not None else ""
+    return f"draft {s['draft']}: {accepted} of {proposed} proposed tokens accepted{rate}"
+
+
 class CellResult:
     """What ``%%generate`` returns (and stores in ``--out``).
 
@@ -109,6 +118,8 @@ class CellResult:
             else f"{s.get('decode_tokens', len(self.tokens))} tokens",
             f"finish: {s.get('finish_reason', '?')}",
         ]
+        if s.get("draft"):
+            parts.insert(-1, draft_phrase(s))
         if s.get("image_sources"):
             parts.insert(1, images_phrase(s["image_sources"]))
         resumed = s.get("resumed_from")

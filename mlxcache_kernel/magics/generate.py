@@ -64,6 +64,11 @@ class GenerateMagics(EngineMagics):
     @argument("--image", "-i", action="append", default=[], metavar="PATH",
               help="an image for a vision-language model (repeatable, in order); {var} names a variable "
                    "holding a path, a PIL image or an array")
+    @argument("--draft", default=None, metavar="NAME",
+              help="speculative decoding: the loaded model NAME proposes tokens the model verifies "
+                   "(same tokens as without it)")
+    @argument("--draft-tokens", type=int, default=None, metavar="K",
+              help="tokens the draft proposes per step (default 4; with --draft)")
     @argument("--no-cache", action="store_true", help="neither look up nor publish prompt caches")
     @argument("--literal", action="store_true", help="no {name} interpolation")
     @argument("--batch", default=None, metavar="VAR",
@@ -89,6 +94,10 @@ class GenerateMagics(EngineMagics):
         args.image = [held.get(spec, spec) for spec in args.image]
         if args.out is not None and (not args.out.isidentifier() or keyword.iskeyword(args.out)):
             raise UsageError(f"--out needs a variable name, got {args.out!r}")
+        if args.draft is not None and (args.batch is not None or args.samples is not None):
+            raise UsageError("--draft does not go with --batch or --n: batch rows decode together, without a draft")
+        if args.draft_tokens is not None and args.draft is None:
+            raise UsageError("--draft-tokens needs --draft NAME")
         if args.batch is not None or args.samples is not None:
             from .batch import run_batch
 
@@ -106,6 +115,8 @@ class GenerateMagics(EngineMagics):
         eng.models.get(model_name)  # unknown model -> one line, before any output
         kwargs = dict(sampling_options(args), session=args.session, model=model_name, system=args.system,
                       raw=args.raw, use_cache=not args.no_cache)
+        if args.draft is not None:
+            kwargs.update(draft=args.draft, num_draft_tokens=args.draft_tokens)
         if args.image:
             kwargs["images"] = [self._image(spec) for spec in args.image]
         if args.checkpoint_every is not None:

@@ -33,6 +33,8 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%%generate --batch df --out answers", "{question} names a column of DataFrame df; answers keeps the table"),
         ("%%generate --n 4 --temperature 0.8", "4 samples of one prompt (seeds 0..3) from one prefill"),
         ("%%generate --logprobs 5", "each token's log-probability and its 5 most likely alternatives (r.logprobs)"),
+        ("%%generate --draft small", "speculative decoding: model 'small' proposes, the model verifies; same text"),
+        ("%%generate --draft small --draft-tokens 6", "6 proposed tokens per verification (default 4)"),
     ],
     "score": [
         ("%%score options", "the cell is the context; rank the strings of list `options` by log-likelihood"),

@@ -1,0 +1,264 @@
+"""Speculative decoding: a draft model proposes tokens, the target verifies them in one forward.
+
+Exact by construction: the token at step i is the target's sample at step i, drawn by the
+(seed, step) sampler of sampling.py from the target's logits after the tokens actually emitted.
+A draft token is accepted iff it equals that sample, so the draft only decides how many target
+samples one forward yields, never which (greedy and seeded output equal plain decoding's).
+
+Rejected tokens are trimmed from both models' caches, so both need kinds that can always be cut
+back (plain and quantized KV). A sliding window that may wrap, recurrent state, a list holding
+them, or a delayed KV quantization converting during the generation cannot roll back exactly:
+`fallback_reason` names it and the generation decodes plainly, after a one-line notice.
+
+The draft's KV lives in the same tiered cache under the draft model's own namespace: taken at
+the start (the longest cached prefix of the prompt, any tier), published at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import mlx.core as mx
+
+from .decoding import DecodeResult, prefill
+from .kv.caches import always_cuttable, unsupported
+from .kv.checkpoint import Checkpoint
+from .logprobs import log_softmax, pick, read
+from .models import LoadedModel, ModelError
+from .sampling import GenerationError, SamplingParams, sample
+
+DEFAULT_DRAFT_TOKENS = 4
+MAX_DRAFT_TOKENS = 32
+
+
+def resolve_draft(models, target: LoadedModel, draft: str | None, num_draft_tokens) -> tuple:
+    """(the draft LoadedModel or None, K) for a generation; a clear error for bad input."""
+    if draft is None:
+        if num_draft_tokens is not None:
+            raise GenerationError("num_draft_tokens needs a draft model (draft=NAME)")
+        return None, 0
+    k = DEFAULT_DRAFT_TOKENS if num_draft_tokens is None else num_draft_tokens
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
+        raise GenerationError(f"num_draft_tokens must be an integer from 1 to {MAX_DRAFT_TOKENS}, got {k!r}")
+    if not isinstance(draft, str) or draft not in models:
+        raise ModelError(f"unknown draft model {draft!r}: load it first (load_model(path, name=...)); "
+                         f"loaded: {', '.join(sorted(models.names())) or 'none'}")
+    d = models.get(draft)
+    check_draft(target, d)
+    return d, k
+
+
+def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
+    """A draft must be a text model sharing the target's tokenizer and vocabulary."""
+    if draft.vision is not None:
+        raise GenerationError(f"draft model {draft.name!r} is a vision-language model; a draft must be a text model")
+    if target.vision is not None:
+        raise GenerationError(f"model {target.name!r} is a vision-language model: speculative decoding with a "
+                              "draft applies to text models")
+    if draft.identity.get("tokenizer") != target.identity.get("tokenizer"):
+        raise GenerationError(f"draft model {draft.name!r} has another tokenizer than {target.name!r} "
+                              "(their tokenizer files differ): a draft must share the target's tokenizer")
+    dv, tv = draft.config.get("vocab_size"), target.config.get("vocab_size")
+    if dv != tv:
+        raise GenerationError(f"draft model {draft.name!r} has a vocabulary of {dv} tokens, {target.name!r} "
+                              f"of {tv}: a draft must share the target's vocabulary")
+
+
+def _converts(m: LoadedModel, start: int, end: int) -> bool:
+    """Whether a delayed KV quantization converts this model's caches between lengths start and end."""
+    return bool(m.kv_bits is not None and m.kv_start and start < m.kv_start <= end)
+
+
+def fallback_reason(target: LoadedModel, caches: list, draft: LoadedModel, known: int, max_tokens: int) -> str | None:
+    """Why rejected tokens could not be rolled back exactly (then: plain decoding), or None."""
+    draft_caches = draft.new_caches()
+    for m, cs in ((target, caches), (draft, draft_caches)):
+        if unsupported(cs) or not always_cuttable(cs):
+            kinds = "+".join(sorted({type(c).__name__ for c in cs}))
+            return (f"speculative decoding needs caches that can be cut back; model {m.name!r} has {kinds}: "
+                    "decoding without the draft (same tokens)")
+        if _converts(m, 0, known + max_tokens + MAX_DRAFT_TOKENS):
+            return (f"model {m.name!r} converts its KV to {m.kv_bits} bits at token {m.kv_start} during this "
+                    "generation, which a rollback cannot undo: decoding without the draft (same tokens)")
+    return None
+
+
+@dataclass
+class DraftCounts:
+    proposed: int = 0
+    accepted: int = 0
+    cached: int = 0  # draft tokens that came from the cache
+    prefilled: int = 0  # draft tokens prefilled before decoding
+    source: str | None = None
+
+    def stats(self, name: str, k: int, fallback: str | None) -> dict:
+        return {"draft": name, "num_draft_tokens": k, "draft_tokens_proposed": self.proposed,
+                "draft_tokens_accepted": self.accepted,
+                "draft_acceptance": round(self.accepted / self.proposed, 4) if self.proposed else None,
+                "draft_cached_tokens": self.cached, "draft_prefilled_tokens": self.prefilled,
+                "draft_cache_source": self.source, "draft_fallback": fallback}
+
+
+class Drafter:
+    """The draft model's side: its caches (lent by the tiered cache), proposals, rollback, publication.
+
+    `held` is exactly the tokens the draft caches hold; `sync(truth)` cuts them back to the longest
+    common prefix with the tokens decided so far.
+    """
+
+    def __init__(self, services, model: LoadedModel, use_cache: bool, prompt_tokens: int, target_ns: str = ""):
+        self.services, self.model, self.use_cache = services, model, use_cache and model.cache_notice is None
+        self.target_ns = target_ns
+        self.prompt_tokens = prompt_tokens
+        self.caches: list = []
+        self.held: list = []
+        self.loan = None
+        self.counts = DraftCounts()
+
+    @property
+    def ns(self) -> str:
+        return self.model.namespace
+
+    def start(self, truth: Sequence[int]) -> None:
+        """Hold every token of `truth` but its last: a cached prefix, the rest prefilled."""
+        truth = list(truth)
+        if self.use_cache:
+            self.loan = self.services.cache.take(truth, self.ns)  # no move: the target may lend the same entry
+        self.caches = self.loan.caches if self.loan else self.model.new_caches()
+        n = min(self.loan.length, len(truth) - 1) if self.loan else 0
+        for c in self.caches:
+            if c.offset > n:
+                c.trim(c.offset - n)
+        self.counts.cached, self.counts.source = n, (self.loan.source if self.loan else None)
+        rest = truth[n:-1]
+        if rest:
+            prefill(self.model.forward, self.caches, rest, chunk=self.services.prefill_chunk)
+        self.counts.prefilled = len(rest)
+        self.held = truth[:-1]
+
+    def sync(self, truth: Sequence[int]) -> list:
+        """Cut the caches back to what agrees with `truth`; returns the tokens of truth they lack."""
+        n = 0
+        limit = min(len(self.held), len(truth))
+        while n < limit and self.held[n] == truth[n]:
+            n += 1
+        if n < len(self.held):
+            for c in self.caches:
+                c.trim(len(self.held) - n)
+            del self.held[n:]
+        return list(truth[n:])
+
+    def propose(self, truth: Sequence[int], k: int, params: SamplingParams, step: int) -> list:
+        """k draft tokens after `truth`; the i-th drawn with the sampler of step + i (as the target's)."""
+        missing = self.sync(truth)
+        out: list = []
+        inputs = missing
+        for i in range(k):
+            logits = self.model.forward(mx.array(inputs)[None], cache=self.caches)[:, -1, :]
+            self.held += inputs
+            token = sample(logits, params, step + i).item()
+            out.append(token)
+            inputs = [token]
+        return out
+
+    def publish(self, truth: Sequence[int]) -> None:
+        """Publish the draft's state over the tokens decided (its own namespace, RAM then SSD)."""
+        if not self.use_cache or not self.caches or self.ns == self.target_ns:
+            return  # the draft is the target's model: the target's own state covers these tokens
+        self.sync(truth)
+        n = min([len(self.held)] + [c.offset for c in self.caches])
+        for c in self.caches:
+            if c.offset > n:
+                c.trim(c.offset - n)
+        if n >= 1:
+            self.services.cache.put(Checkpoint.capture(self.held[:n], self.caches), self.ns,
+                                    prompt_tokens=self.prompt_tokens)
+            self.services.cache.queue_dirty()
+
+    def release(self) -> None:
+        if self.loan is not None:
+            self.loan.release()
+            self.loan = None
+        self.caches = []
+
+
+def decode_speculative(
+    model,
+    caches: list,
+    pending: Sequence[int],
+    params: SamplingParams,
+    *,
+    drafter: Drafter,
+    num_draft_tokens: int,
+    context: Sequence[int],  # every token decided: the prompt, tokens already emitted (pending ones too)
+    eos_ids: set,
+    first_step: int = 0,
+    on_token: Callable[[int, int], bool] | None = None,
+    into: DecodeResult | None = None,
+    sync_at: Callable[[int], bool] | None = None,
+) -> DecodeResult:
+    """decode()'s contract (decoding.py), with drafts. Each round the draft proposes
+    up to K tokens, the target forwards its pending tokens and the proposals at once, samples each
+    position with its step's sampler, and keeps the samples up to the first disagreement. Caches are
+    trimmed before `on_token` sees a token; a round ends at a step where `sync_at` is true, so the
+    caches hold exactly the tokens before it there."""
+    result = into if into is not None else DecodeResult()
+    truth = list(context)
+    inputs = list(pending)
+    step = first_step
+    try:
+        while True:
+            left = params.max_tokens - first_step - len(result.tokens)
+            drafts = drafter.propose(truth, min(num_draft_tokens, left - 1), params, step) if left > 1 else []
+            logits = model(mx.array(inputs + drafts)[None], cache=caches)[0, -(len(drafts) + 1):, :]
+            ys = mx.concatenate([sample(logits[i : i + 1], params, step + i) for i in range(len(drafts) + 1)])
+            picked = pick(log_softmax(logits), ys, params.logprobs) if params.logprobs is not None else None
+            mx.eval([ys] + [a for a in (picked or ()) if a is not None])
+            samples = ys.tolist()
+            agreed = 0
+            while agreed < len(drafts) and drafts[agreed] == samples[agreed]:
+                agreed += 1
+            emit = samples[: agreed + 1]
+            for i, token in enumerate(emit):  # a round ends at an eos or where a boundary is captured
+                if token in eos_ids or (sync_at is not None and sync_at(step + i)):
+                    emit = emit[: i + 1]
+                    break
+            drafter.counts.proposed += len(drafts)
+            drafter.counts.accepted += len(emit) - 1
+            before = len(result.tokens)
+            # the caches hold inputs + drafts: keep the drafts that were emitted but the last one
+            extra = len(drafts) - (len(emit) - 1)
+            for c in caches:
+                c.trim(extra)
+            result.forwarded = before + len(emit) - 1  # the inputs: pending tokens, or the last round's last
+            truth += emit
+            stop = None
+            for i, token in enumerate(emit):
+                result.tokens.append(token)
+                if picked is not None:
+                    result.logprobs += read([token], tuple(None if a is None else a[i : i + 1] for a in picked))
+                if token in eos_ids:
+                    stop = "eos"
+                elif on_token is not None and on_token(token, step + i):
+                    stop = "stop"
+                    cut = len(emit) - 1 - (i + 1)  # the caches hold emit[:-1]: keep emit[: i + 1]
+                    if cut > 0:
+                        for c in caches:
+                            c.trim(cut)
+                        result.forwarded -= cut
+                if stop is None and len(result.tokens) >= params.max_tokens - first_step:
+                    stop = "length"
+                if stop:
+                    break
+            if stop:
+                result.finish_reason = stop
+                break
+            inputs = [emit[-1]]
+            step += len(emit)
+    except KeyboardInterrupt:
+        result.finish_reason = "interrupted"
+        raise
+    finally:
+        mx.eval([c.state for c in caches])
+    return result

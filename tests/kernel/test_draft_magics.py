@@ -1,0 +1,39 @@
+"""``%%generate --draft NAME --draft-tokens K`` in the in-process IPython shell on the tiny model:
+the same text as without a draft, the draft's counts in the footer and ``.stats``; bad drafts are
+one-line errors."""
+
+from __future__ import annotations
+
+from magics_shell import run, usage_error
+
+GEN = "%%generate --max-tokens 12"
+
+
+def test_a_draft_gives_the_same_text_and_its_counts_in_the_footer(ip, capsys):
+    assert run(ip, capsys, f"{GEN} --no-cache\nTell me about ships.")[0].success  # loads the default model
+    res, _, err = run(ip, capsys, f"%model load {ip.tiny_model_dir} --name twin")
+    assert res.success, err
+    for flags in ("--draft twin", "--draft twin --draft-tokens 2", "--draft default --draft-tokens 6 --seed 3"):
+        seeded = "--seed" in flags
+        expected = run(ip, capsys, f"{GEN} --no-cache {'-t 0.7 --seed 3' if seeded else ''}\nTell me about ships.")[0]
+        res, out, err = run(ip, capsys, f"{GEN} {flags} {'-t 0.7' if seeded else ''} --out r\nTell me about ships.")
+        assert res.success, err
+        r = ip.user_ns["r"]
+        assert r.tokens == expected.result.tokens and r.text == expected.result.text
+        k = int(flags.split("--draft-tokens ")[1].split()[0]) if "--draft-tokens" in flags else 4
+        assert r.stats["num_draft_tokens"] == k and r.stats["draft_tokens_proposed"] > 0
+        accepted, proposed = r.stats["draft_tokens_accepted"], r.stats["draft_tokens_proposed"]
+        assert accepted == proposed  # the target's own weights propose what it samples
+        assert f"of {proposed} proposed tokens accepted (100%)" in r.footer() and "draft " in r.footer()
+        assert "proposed tokens accepted" in r._repr_html_()
+
+
+def test_bad_draft_options_are_one_line_errors(ip, capsys):
+    run(ip, capsys, f"{GEN}\nwarm up")  # loads the default model
+    ip.user_ns["qs"] = ["a", "b"]
+    assert "--draft does not go with --batch" in usage_error(ip, capsys, f"{GEN} --draft default --batch qs\n{{item}}")
+    assert "--draft does not go with --batch or --n" in usage_error(ip, capsys, f"{GEN} --draft default --n 2\nhi")
+    assert "--draft-tokens needs --draft" in usage_error(ip, capsys, f"{GEN} --draft-tokens 3\nhi")
+    assert "unknown draft model 'nope'" in usage_error(ip, capsys, f"{GEN} --draft nope\nhi")
+    assert "num_draft_tokens must be an integer from 1 to 32" in usage_error(
+        ip, capsys, f"{GEN} --draft default --draft-tokens 0\nhi")
