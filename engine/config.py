@@ -205,6 +205,12 @@ class EngineConfig:
                                 "holding it")
     remote_password: str | None = option(None, "secret", "remote password", "the server password (or in the URL); the "
                                          "setting is a file holding it")
+    remote_signing_key: Any = option(None, "secret", "remote signing key", "this writer's Ed25519 private key "
+                                     "(base64 of its 32-byte seed, or PEM) that signs what it publishes; none: a "
+                                     "read-only member; the setting is a file holding it")
+    remote_writers: str | None = option(None, "text", "remote writers", "the team's allow-list: public keys (base64, "
+                                        "name=key, comma-separated) whose records are accepted; none: any holder "
+                                        "of the team secret")
     remote_insecure: bool = option(False, "bool", "insecure remote", "1: use the tier without a team secret, "
                                    "knowingly (anyone who can write to it can plant KV)")
     remote_tls_ca_file: str | None = option(None, "path", "remote TLS CA", "a private CA for rediss://")

@@ -74,6 +74,7 @@ class Engine:
         self.config = config
         remote = resolve_remote(config.remote_url, secret=config.remote_secret, password=config.remote_password,
                                 insecure=config.remote_insecure, tls=config.remote_tls,
+                                signing_key=config.remote_signing_key, writers=config.remote_writers,
                                 env={})  # refused before anything starts; the environment was read above
         self.cache_dir = Path(config.cache_dir or default_cache_dir()).expanduser()
         self.events = EventBus()

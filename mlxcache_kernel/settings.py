@@ -141,7 +141,7 @@ class _Settings(Configurable):
             url = f"{scheme}://{self._url_userinfo}@{rest}"
         values["remote_url"] = url or None
         if not url:  # no tier: no credentials read or held
-            values["remote_secret"] = values["remote_password"] = None
+            values["remote_secret"] = values["remote_password"] = values["remote_signing_key"] = None
         return EngineConfig(**values).check()
 
     def engine_kwargs(self) -> dict:

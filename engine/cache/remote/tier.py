@@ -37,14 +37,18 @@ from .config import parse_remote_url
 from .keys import OPEN, KeySpace, TeamKeys, block_name, check_secret, is_block_name
 from .meter import Meter, fetch_beats_recompute
 from .publish import Publication
-from .records import CHAIN, EXACT, MAX_AGE_S, MAX_RECORD_BYTES, MAX_VALUE_BYTES, OBJECT, ExactRecord, ObjectRecord, unseal
+from .records import (CHAIN, EXACT, MAX_AGE_S, MAX_RECORD_BYTES, MAX_VALUE_BYTES, OBJECT, ExactRecord, ObjectRecord,
+                      chain_signature, names_digest, unseal)
+from .writers import NO_WRITER, SigningKey, Writers
 
 PROBE_BATCH = 16  # prefix keys per round trip
+SIGNATURE_TRIES = 4  # chain records a lookup verifies, from the end of its run, before it gives up
 GET_BATCH = 8  # block values per round trip: at most 8 x 4 MB in flight
 META_BATCH = 256  # small commands (STRLEN, EXPIRE, record SET, UNLINK) per pipeline
 MIN_FETCH_TOKENS = 256  # below this, recomputing is cheaper than any round trip worth making
 COUNTERS = ("hits", "misses", "bytes_read", "bytes_written", "blocks_uploaded", "blocks_skipped", "records_written",
-            "records_found", "probes", "mac_rejected", "malformed", "stale", "wrong_size", "bad_blocks")
+            "records_found", "probes", "mac_rejected", "malformed", "stale", "wrong_size", "bad_blocks",
+            "unknown_writer", "signature_rejected")
 
 
 class RemoteMiss(Exception):
@@ -66,6 +70,7 @@ class Found:
     exact: ExactRecord | None = None
     key_id: str = ""
     chain: list = field(default_factory=list)  # the prefix keys probed (for touch())
+    writer: str = ""  # hex id of the writer whose signature vouches for `records` ("" unsigned, no allow-list)
 
 
 def _chunks(seq: Sequence, n: int):
@@ -87,10 +92,13 @@ class RemoteTier(Publication):
                  timeout_s: float = 1.0, key_prefix: str = "mlxcache", probe_batch: int = PROBE_BATCH,
                  min_fetch_tokens: int = MIN_FETCH_TOKENS, margin: float = 1.5, breaker: Breaker | None = None,
                  max_pending: int = 64, tls: dict | None = None, max_age_s: float | None = None,
-                 password: str | None = None):
+                 password: str | None = None, signing_key=None, writers=None):
         """secret: the team secret (16+ bytes), or [current, previous...] while rotating: records are
         sealed with the first and read under each. No secret is refused unless insecure=True.
-        password: the server's, when the URL has none; tls: ca_file, cert_file, key_file (rediss://)."""
+        password: the server's, when the URL has none; tls: ca_file, cert_file, key_file (rediss://).
+        signing_key: this writer's Ed25519 key (writers.py; None: records go unsigned, and with an
+        allow-list nothing is published); writers: the allow-list of public keys (None or empty:
+        any holder of the secret is trusted, MAC only)."""
         self.config = parse_remote_url(url)
         if password and not self.config.password:
             self.config = dataclasses.replace(self.config, password=password)
@@ -108,6 +116,8 @@ class RemoteTier(Publication):
         self.max_age_s = MAX_AGE_S if max_age_s is None else max_age_s
         self.breaker = breaker or Breaker()
         self.meter = Meter()
+        self.signer = None if signing_key is None else SigningKey.load(signing_key)
+        self.writers = Writers.parse(writers)
         if tls and not self.config.tls:
             raise ValueError(f"TLS files given for {self.url!r}, which is not TLS (use rediss://)")
         self.reader = GuardedClient(self.config, self.timeout_s, self.breaker, tls)
@@ -128,7 +138,12 @@ class RemoteTier(Publication):
     def __repr__(self) -> str:
         kind = "cluster" if self.config.cluster else "server"
         auth = f"key id {self.keys[0].key_id}" if self.authenticated else "UNAUTHENTICATED"
-        return f"RemoteTier({self.url!r}, {kind}, {auth}, breaker={self.breaker.state()!r})"
+        return f"RemoteTier({self.url!r}, {kind}, {auth}, {self.writers!r}, breaker={self.breaker.state()!r})"
+
+    @property
+    def may_publish(self) -> bool:
+        """False for a member without a signing key in a team with an allow-list: its records would be refused."""
+        return self.signer is not None or not self.writers
 
     # --- lookup ---
 
@@ -182,7 +197,32 @@ class RemoteTier(Publication):
                 plain = plain and rec.layout is not None and rec.block is not None
                 if plain:
                     found.records.append(rec)
+        self._vouched(found)
         return found
+
+    def _vouched(self, found: Found) -> None:
+        """Cut found.records to the longest run whose last record is signed, over the names of the
+        whole run, by an allow-listed writer (trying SIGNATURE_TRIES from the end); none verifies: empty.
+        Without an allow-list the run stays, its writer the last record's (or "" unsigned)."""
+        records = found.records
+        if not records:
+            return
+        if not self.writers:
+            w = records[-1].writer
+            found.writer = "" if w == NO_WRITER else w.hex()
+            return
+        digests, d = [], b""
+        for r in records:
+            d = names_digest(d, r.block)
+            digests.append(d)
+        for j in range(len(records) - 1, max(-1, len(records) - 1 - SIGNATURE_TRIES), -1):
+            why = chain_signature(found.chain[j], records[j], digests[j], self.writers)
+            if why is None:
+                del records[j + 1:]
+                found.writer = records[j].writer.hex()
+                return
+            self.count(**{"signature_rejected" if why == "signature" else why: 1})
+        records.clear()
 
     def find_object(self, namespace: str, *, deadline: float | None = None) -> ObjectRecord | None:
         """The record of the exact tensor object in `namespace` (object_remote.py), under each secret
@@ -213,9 +253,9 @@ class RemoteTier(Publication):
         if size > MAX_RECORD_BYTES:
             self.count(wrong_size=1)
             return None
-        rec, why = unseal(kind, key, value, keys, now=now, max_age_s=self.max_age_s)
+        rec, why = unseal(kind, key, value, keys, now=now, max_age_s=self.max_age_s, writers=self.writers)
         if why is not None:
-            self.count(**{"mac_rejected" if why == "mac" else why: 1})
+            self.count(**{"mac_rejected" if why == "mac" else "signature_rejected" if why == "signature" else why: 1})
         return rec
 
     def get_blocks(self, items: Sequence[tuple[str, int]], *, key_id: str | None = None,
@@ -301,6 +341,7 @@ class RemoteTier(Publication):
         errors = self.reader.errors + self.writer.errors
         return {"url": self.url, "cluster": self.config.cluster, "tls": self.config.tls,
                 "authenticated": self.authenticated, "key_id": self.keys[0].key_id, **counts, "errors": errors,
+                "writers": len(self.writers.keys), "signing": self.signer is not None,
                 "deadline_missed": self.reader.deadlines_missed + self.writer.deadlines_missed,
                 "skipped_breaker_open": self.reader.not_tried + self.writer.not_tried,
                 "breaker": self.breaker.state(), "last_error": self.breaker.last_error,
