@@ -53,13 +53,15 @@ class RemoteLink:
     def __init__(self, tier: RemoteTier, *, publish: str = "all",
                  prefill_rate: Callable[[str], float | None] = lambda ns: None,
                  is_named: Callable[[str, tuple], bool] = lambda ns, tokens: False,
-                 exact: Callable[[str], bool] = lambda ns: False, origins: Origins | None = None):
+                 exact: Callable[[str], bool] = lambda ns: False, origins: Origins | None = None,
+                 bound: Callable[[str, Checkpoint], bool | None] = lambda ns, cp: None):
         """exact(ns): whether that namespace's states may be exact-only (recurrent, ring layers):
-        then lookups also read exact records. origins: where remote-made entries are remembered."""
+        then lookups also read exact records. origins: where remote-made entries are remembered.
+        bound(ns, cp): whether cp's KV belongs to its tokens (kv/first_layer.py; None: cannot tell)."""
         if publish not in PUBLISH_MODES:
             raise ValueError(f"remote publish must be one of {', '.join(PUBLISH_MODES)}, not {publish!r}")
         self.tier, self.publish_mode = tier, publish
-        self.prefill_rate, self.is_named, self.exact = prefill_rate, is_named, exact
+        self.prefill_rate, self.is_named, self.exact, self.bound = prefill_rate, is_named, exact, bound
         self.counters = {f"remote_{k}": 0 for k in link_counter_names()}
         self.counters["remote_fetch_seconds"] = 0.0
         self.origins = origins if origins is not None else Origins(None)
@@ -100,6 +102,13 @@ class RemoteLink:
             self.counters["remote_misses"] += 1
             raise RemoteMiss(f"remote lookup failed: {type(e).__name__}: {str(e)[:200]}") from None
         if cp is not None:
+            matches = self.bound(ns, cp)
+            if matches is False:
+                self.counters["remote_misses"] += 1
+                self.counters["remote_kv_mismatch"] += 1
+                raise RemoteMiss(f"remote KV of {len(cp)} tokens: its first layer is not that of its tokens (a "
+                                 "forged or mislabelled block); prefilling")
+            self.counters["remote_kv_checked" if matches else "remote_kv_unchecked"] += 1
             self.origins.add(ns, cp.tokens, self._writer, found.key_id)  # before its write-through commits
             self.counters["remote_hits"] += 1
             self.counters["remote_tokens"] += len(cp)
@@ -217,14 +226,15 @@ def span_publication(info: fmt.FileInfo, blocks_root) -> tuple[list, dict] | Non
 
 def attach(cache, settings: RemoteSettings, *, publish: str = "all",
            prefill_rate: Callable[[str], float | None] = lambda ns: None,
-           exact: Callable[[str], bool] = lambda ns: False) -> RemoteLink:
+           exact: Callable[[str], bool] = lambda ns: False,
+           bound: Callable[[str, Checkpoint], bool | None] = lambda ns, cp: None) -> RemoteLink:
     """Connect `cache` (a TieredPromptCache) to a remote tier: lookups fall back to it,
     committed checkpoints are published to it. A bad URL raises ValueError (redacted)."""
     tier = RemoteTier(settings.url, secret=settings.secret, insecure=settings.insecure, password=settings.password,
                       tls=settings.tls, signing_key=settings.signing_key, writers=settings.writers)
     store = cache.store
     origins = Origins(None if store is None else store.root / ORIGINS_DIR)
-    link = RemoteLink(tier, publish=publish, prefill_rate=prefill_rate, exact=exact, origins=origins,
+    link = RemoteLink(tier, publish=publish, prefill_rate=prefill_rate, exact=exact, origins=origins, bound=bound,
                       is_named=lambda ns, tokens: cache.store is not None and cache.store.is_pinned(ns, tokens))
     dropped = origins.sweep(link.trusted, None if store is None else lambda keys: store.remove(keys, "revoked"))
     link.counters["remote_revoked_dropped"] += dropped
@@ -277,4 +287,5 @@ def remote_stats(link: RemoteLink | None) -> dict:
 
 
 def link_counter_names() -> tuple:
-    return ("hits", "tokens", "misses", "skipped", "published", "not_republished", "revoked_dropped")
+    return ("hits", "tokens", "misses", "skipped", "published", "not_republished", "revoked_dropped", "kv_checked",
+            "kv_unchecked", "kv_mismatch")

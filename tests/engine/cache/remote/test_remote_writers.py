@@ -155,3 +155,24 @@ def test_with_an_allow_list_only_listed_signers_are_read(server, tmp_path):
     with RemoteTier(url, writers=listed(ALICE), **tier_kw) as reader:
         assert reader.may_publish is False and reader.publish(ns, toks, bs, blocks_, {"layers": 1})
         assert reader.wait() == [] and reader.stats()["records_written"] == 0
+
+
+def test_an_allow_listed_forgers_blocks_fail_the_first_layer_check(server, tiny_model_dir, tmp_path):
+    """Signed by a writer the team trusts, P1's records name P2's blocks: the victim recomputes the
+    first layer's keys and values for the restored positions, finds them another prompt's, and prefills."""
+    url = server.url(password=PW)
+    cold1, cold3 = cold_tokens(tiny_model_dir, tmp_path, P1, P3)
+    team = listed(ALICE, FORGER)
+    with engine(tmp_path / "forger", tiny_model_dir, url, FORGER, team) as forger:
+        run(forger, P3)
+        forger.flush()
+        forge(forger, P1, P2)
+    with engine(tmp_path / "victim", tiny_model_dir, url, None, team) as victim:
+        r1 = run(victim, P1)
+        assert r1.stats["cache_source"] is None and r1.tokens == cold1
+        s = victim.stats()
+        assert s["remote_kv_mismatch"] == 1 and s["remote_hits"] == 0
+    with engine(tmp_path / "other", tiny_model_dir, url, None, team) as other:  # no prefill rate measured yet
+        r3 = run(other, P3)  # the same writer's honest entry still serves, checked
+        assert r3.stats["cache_source"] == "remote" and r3.tokens == cold3
+        assert other.stats()["remote_kv_checked"] == 1 and other.stats()["remote_kv_mismatch"] == 0
