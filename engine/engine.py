@@ -20,8 +20,8 @@ from . import cache_admin
 from .cache.objects.cache import ObjectCache
 from .cache.catalog.database import CatalogBusy
 from .cache.remote import RemoteConfigError, resolve as resolve_remote
-from .kv.first_layer import first_layer_matches
-from .config import EngineConfig, default_cache_dir  # noqa: F401 (engine.default_cache_dir)
+from .kv.first_layer import bound_to_tokens
+from .config import EngineConfig, default_cache_dir, hide_credentials  # noqa: F401 (engine.default_cache_dir)
 from .cache.remote.link import attach as attach_remote, close as close_remote, flush as flush_remote
 from .cache.tiered import TieredPromptCache
 from .events import EventBus
@@ -60,6 +60,7 @@ class Engine:
         model load), retention ("lru" | "cost"), remote_url with remote_secret (a team secret of 16+
         bytes, or several: the first seals) unless remote_insecure=True; remote_tls={"ca_file",
         "cert_file", "key_file"} for rediss://."""
+        hide_credentials(options)  # first: a traceback's frames show them redacted from here on
         for name, value in (("cache_dir", cache_dir), ("ram_budget_bytes", ram_budget_bytes),
                             ("ssd_budget_bytes", ssd_budget_bytes)):
             if value is not _UNSET:
@@ -114,7 +115,8 @@ class Engine:
         self.cache.durability.pins.sync()
         if remote is not None:  # a shared tier below SSD (Redis / Valkey)
             attach_remote(self.cache, remote, publish=config.remote_publish, prefill_rate=self.metrics.prefill_rate.get,
-                          exact=self._may_be_exact, bound=self._first_layer_matches)
+                          exact=self._may_be_exact,
+                          bound=lambda ns, cp: bound_to_tokens(self.models.by_namespace(ns), cp))
         self._closed = False
 
     @property
@@ -377,13 +379,6 @@ class Engine:
         """Whether a namespace's states may be exact only at their length (remote exact records)."""
         m = self.models.by_namespace(ns)
         return m is None or not always_cuttable(m.new_caches())
-
-    def _first_layer_matches(self, ns: str, cp) -> bool | None:
-        """Whether a remote checkpoint's first layer is that of its tokens (kv/first_layer.py)."""
-        m = self.models.by_namespace(ns)
-        if m is None or m.vision is not None:
-            return None
-        return first_layer_matches(m.model, m.new_caches(), cp.tokens, cp.layers[0]) if cp.layers else None
 
     def _check_open(self) -> None:
         if self._closed:

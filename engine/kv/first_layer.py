@@ -77,6 +77,14 @@ def _plain(kind: str) -> bool:
         return False
 
 
+def bound_to_tokens(m, cp) -> bool | None:
+    """Whether checkpoint `cp`'s first layer is that of its tokens, for loaded model `m`
+    (models.LoadedModel; None, a VLM or no layers: None, not checkable)."""
+    if m is None or m.vision is not None or not cp.layers:
+        return None
+    return first_layer_matches(m.model, m.new_caches(), cp.tokens, cp.layers[0])
+
+
 def first_layer_matches(model: Any, caches: Sequence, tokens: Sequence[int], layer0) -> bool | None:
     """True if layer0 (a checkpoint's LayerState 0) holds the first layer's keys and values of
     `tokens` within the dtype's tolerance; False if not; None if this model cannot be checked so.

@@ -33,7 +33,7 @@ from typing import Sequence
 
 from .breaker import Breaker
 from .client import GuardedClient, RemoteError, describe
-from .config import parse_remote_url
+from .config import parse_remote_url, reveal
 from .keys import OPEN, KeySpace, TeamKeys, block_name, check_secret, is_block_name
 from .meter import Meter, fetch_beats_recompute
 from .publish import Publication
@@ -79,12 +79,22 @@ def _chunks(seq: Sequence, n: int):
 
 def secrets_of(secret) -> list[bytes]:
     """[current, previous...]: bytes, a str (one secret per line) or a sequence of them."""
+    secret = reveal(secret)
     if secret is None:
         return []
     if isinstance(secret, str):
         secret = [s for s in secret.splitlines() if s.strip()]
     items = [secret] if isinstance(secret, (bytes, bytearray)) else list(secret)
     return [check_secret(s.encode() if isinstance(s, str) else s) for s in items]
+
+
+def _team_keys(secret) -> list[TeamKeys]:
+    """TeamKeys of each secret ([open] for none); a bad one's ValueError raised outside the frames that hold it."""
+    try:
+        return [TeamKeys(s) for s in secrets_of(secret)] or [TeamKeys(None)]
+    except ValueError as e:
+        error = str(e)
+    raise ValueError(error) from None
 
 
 class RemoteTier(Publication):
@@ -101,9 +111,9 @@ class RemoteTier(Publication):
         any holder of the secret is trusted, MAC only)."""
         self.config = parse_remote_url(url)
         if password and not self.config.password:
-            self.config = dataclasses.replace(self.config, password=password)
-        secrets = secrets_of(secret)
-        if not secrets and not insecure:
+            self.config = dataclasses.replace(self.config, password=reveal(password))
+        self.keys = _team_keys(secret)  # no raw secret is ever a variable of this frame (a traceback shows them)
+        if not self.keys[0].authenticated and not insecure:
             raise ValueError(f"remote tier {self.url}: no team secret (or choose insecure=True by name)")
         if not isinstance(ttl_s, int) or ttl_s < 1:
             raise ValueError(f"ttl_s must be a positive whole number of seconds, got {ttl_s!r}")
@@ -111,7 +121,6 @@ class RemoteTier(Publication):
             raise ValueError("timeout_s must be > 0 and probe_batch >= 1")
         self.ttl_s, self.timeout_s, self.probe_batch = ttl_s, float(timeout_s), probe_batch
         self.min_fetch_tokens, self.margin = min_fetch_tokens, margin
-        self.keys = [TeamKeys(s) for s in secrets] or [TeamKeys(None)]
         self.spaces = {k.key_id: KeySpace(k, key_prefix) for k in self.keys}
         self.max_age_s = MAX_AGE_S if max_age_s is None else max_age_s
         self.breaker = breaker or Breaker()

@@ -34,7 +34,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from ...config import RemoteConfigError
+from ...config import RemoteConfigError, reveal
 
 SIG_BYTES = 64
 WRITER_ID_BYTES = 8
@@ -72,6 +72,7 @@ class SigningKey:
 
     @classmethod
     def load(cls, value) -> "SigningKey":
+        value = reveal(value)
         if isinstance(value, SigningKey):
             return value
         if isinstance(value, Ed25519PrivateKey):
