@@ -14,7 +14,11 @@ tier by the caller.
 
 A lookup has a deadline derived from the prefill it would replace (the
 candidate tokens at the measured prefill rate, over the margin a fetch must
-win by, at least MIN_DEADLINE_S): past it the remote is abandoned. Any
+win by, at least MIN_DEADLINE_S): past it the remote is abandoned. Until
+that model's prefill rate is measured the rate is a guess, so the deadline
+is capped at UNMEASURED_DEADLINE_S (a first cell never waits ~15x its
+prefill on a stalled server). A call cut at its deadline (a paused server,
+a dripping reply) opens the breaker at once (client.py). Any
 failure is a miss (RemoteMiss or None), never a failed generation.
 
 Publication runs after a local commit (the writer thread calls
@@ -45,6 +49,7 @@ PUBLISH_MODES = ("all", "named", "none")
 ORIGINS_DIR = "remote-origins"  # beside the catalogue: origins.py
 DEFAULT_PREFILL_TOKENS_PER_S = 100.0  # until this namespace's prefill rate is measured
 MIN_DEADLINE_S = 0.5  # a lookup may always take this long (a loaded machine, a far server)
+UNMEASURED_DEADLINE_S = 2.0  # the most a lookup waits while the prefill rate it replaces is a guess
 log = logging.getLogger(__name__)
 _warned: set = set()  # URLs already warned about being unauthenticated (once per process)
 
@@ -81,8 +86,10 @@ class RemoteLink:
         candidate = cap // bt * bt - have
         if candidate < self.tier.min_fetch_tokens:  # too short to beat a prefill: no round trip
             return None
-        rate = self.prefill_rate(ns) or DEFAULT_PREFILL_TOKENS_PER_S
-        deadline = time.monotonic() + max(MIN_DEADLINE_S, candidate / rate / self.tier.margin)
+        measured = self.prefill_rate(ns)
+        rate = measured or DEFAULT_PREFILL_TOKENS_PER_S
+        allowed = max(MIN_DEADLINE_S, candidate / rate / self.tier.margin)
+        deadline = time.monotonic() + (allowed if measured else min(allowed, UNMEASURED_DEADLINE_S))
         t0 = time.perf_counter()
         try:
             found = self.tier.probe(ns, prompt[:cap], bt, deadline=deadline, exact=self.exact(ns))

@@ -518,10 +518,11 @@ def test_a_dripping_server_is_abandoned_by_the_deadline(server):
         t0 = time.monotonic()
         for i in range(3):
             assert tier.probe("ns-drip", toks, BS, deadline=time.monotonic() + 0.5).records == []
-        assert time.monotonic() - t0 < 25  # three cut probes, not minutes of dripping records
+        assert time.monotonic() - t0 < 25  # a cut probe, not minutes of dripping records
         s = tier.stats()
-        assert s["deadline_missed"] == 3 and "deadline" in s["last_error"]
-        assert s["breaker"].startswith("open until")  # slowness counts like errors
+        assert s["deadline_missed"] == 1 and "deadline" in s["last_error"]
+        assert s["breaker"].startswith("open until")  # a stall opens it at once: the next two are not tried
+        assert s["skipped_breaker_open"] == 2
         assert isinstance(_outcome(tier.get_blocks, items(blocks), deadline=time.monotonic() + 5), RemoteMiss)
         tier.breaker.success()  # as after a cool-down: try publishing through the drip
         assert tier.publish("ns-drip-2", tokens_for(3, seed=61), BS, blocks, {"kv": "test"})
