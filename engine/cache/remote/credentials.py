@@ -4,7 +4,7 @@ What the caller passes (Engine arguments, the kernel's MLXCache settings)
 comes first, then the environment:
 
     MLXCACHE_REMOTE_URL                          redis://, rediss://, redis+cluster://...
-    MLXCACHE_REMOTE_SECRET, ..._SECRET_FILE      the team secret (16+ bytes); several lines while
+    MLXCACHE_REMOTE_SECRET, ..._SECRET_FILE      the team secret (openssl rand -base64 32); several lines while
                                                  rotating: the first seals, the others are still read
     MLXCACHE_REMOTE_PASSWORD, ..._PASSWORD_FILE  the server password (or in the URL)
     MLXCACHE_REMOTE_SIGNING_KEY, ..._FILE        this writer's Ed25519 key (writers.py); none: read-only

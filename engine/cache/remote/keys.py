@@ -23,6 +23,7 @@ reach the server can then compute keys and forge records.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Sequence
 
@@ -40,21 +41,44 @@ def _context(what: str) -> str:
     return f"mlxcache-kernel 2026-12 remote tier v{REMOTE_FORMAT} {what}"
 
 
+MIN_DISTINCT_BYTES = 8
+SCRYPT = dict(n=2**14, r=8, p=1)  # ~70 ms once per secret and process: each offline guess costs as much
+_stretched: dict = {}  # BLAKE3 of a secret -> its stretched form (a process derives each once)
+
+
 def check_secret(secret) -> bytes:
+    """A secret's bytes; ValueError for one too short or too repetitive to be guessed slowly.
+    Make one with `openssl rand -base64 32`."""
     if not isinstance(secret, (bytes, bytearray)) or len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"a remote secret must be at least {MIN_SECRET_BYTES} bytes")
+        raise ValueError(f"a remote secret must be at least {MIN_SECRET_BYTES} bytes (make one with "
+                         "`openssl rand -base64 32`)")
+    if len(set(secret)) < MIN_DISTINCT_BYTES:
+        raise ValueError(f"a remote secret needs at least {MIN_DISTINCT_BYTES} distinct characters; this one is "
+                         "too weak (make one with `openssl rand -base64 32`)")
     return bytes(secret)
+
+
+def stretch(secret: bytes) -> bytes:
+    """The secret through scrypt, once per process: every key below derives from this, so the key id
+    in every key name is no fast oracle for guessing a team phrase offline (~70 ms a guess)."""
+    tag = blake3.blake3(secret).digest()
+    out = _stretched.get(tag)
+    if out is None:
+        out = hashlib.scrypt(secret, salt=_context("secret stretch").encode(), dklen=32, maxmem=64 << 20, **SCRYPT)
+        _stretched[tag] = out
+    return out
 
 
 class TeamKeys:
     """Everything one team secret derives (or, with None, the open key space)."""
 
-    def __init__(self, secret: bytes | None):
+    def __init__(self, secret: bytes | None, not_after: float | None = None):
+        self.not_after = not_after  # epoch seconds after which this secret is not read (None: no end)
         if secret is None:
             self._chain = self.mac = None
             self.key_id = OPEN
         else:
-            secret = check_secret(secret)
+            secret = stretch(check_secret(secret))
             self._chain = blake3.blake3(secret, derive_key_context=_context("prefix keys")).digest()
             self.mac = blake3.blake3(secret, derive_key_context=_context("record MAC")).digest()
             self.key_id = blake3.blake3(secret, derive_key_context=_context("key id")).hexdigest()[:12]

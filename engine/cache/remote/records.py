@@ -34,8 +34,8 @@ A third kind hangs from a namespace's root key instead: an object record
 (Engine.objects; the namespace holds its key digest; object_remote.py).
 
 Every body carries the key id of the secret that sealed it (rotation) and
-its issue time: a record older than `max_age_s`, or issued more than a day
-ahead of this clock, is stale. The tag covers the kind and the prefix key,
+its issue time: a record older than `max_age_s` (7 days), or issued more
+than MAX_SKEW_S (5 minutes) ahead of this clock, is stale. The tag covers the kind and the prefix key,
 so a record copied to another key fails: otherwise anyone able to write to
 the server could make a prompt load another prompt's KV.
 
@@ -64,8 +64,8 @@ SIGNED = WRITER_ID_BYTES + SIG_BYTES  # writer id and signature, after the tag
 TAG_BYTES = 32
 MAX_RECORD_BYTES = 64 * 1024  # a longer value at a record key is not read
 MAX_LAYOUT_BYTES = MAX_RECORD_BYTES - 1024
-MAX_AGE_S = 30 * 24 * 3600  # a record must be republished (re-sealed) within this
-MAX_SKEW_S = 24 * 3600  # clocks disagree; a record further in the future is refused
+MAX_AGE_S = 7 * 24 * 3600  # a record must be republished (re-sealed) within this (the values' TTL)
+MAX_SKEW_S = 5 * 60  # clocks disagree by minutes; a record further in the future is refused
 MAX_VALUE_BYTES = 1 << 30  # no block or manifest is larger
 MAX_EXACT_STATES = 8  # exact states kept under one prefix key, newest first
 CHAIN, EXACT, OBJECT = "c", "x", "o"

@@ -26,6 +26,8 @@ pools are thread-safe, counters sit under a lock.
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -77,21 +79,43 @@ def _chunks(seq: Sequence, n: int):
     return (seq[i:i + n] for i in range(0, len(seq), n))
 
 
-def secrets_of(secret) -> list[bytes]:
-    """[current, previous...]: bytes, a str (one secret per line) or a sequence of them."""
+def secrets_of(secret) -> list[tuple[bytes, float | None]]:
+    """[(current, not after), (previous, not after)...] from bytes, a str (one secret per line) or a
+    sequence of them. A line `not-after=YYYY-MM-DD <secret>` ends that secret with that day (UTC)."""
     secret = reveal(secret)
     if secret is None:
         return []
     if isinstance(secret, str):
         secret = [s for s in secret.splitlines() if s.strip()]
     items = [secret] if isinstance(secret, (bytes, bytearray)) else list(secret)
-    return [check_secret(s.encode() if isinstance(s, str) else s) for s in items]
+    out = []
+    for s in items:
+        s = s.encode() if isinstance(s, str) else bytes(s)
+        m = _NOT_AFTER.match(s)
+        end = None
+        if m:
+            try:
+                day = datetime.date.fromisoformat(m.group(1).decode())
+            except ValueError:
+                raise ValueError("a remote secret's not-after date must be YYYY-MM-DD") from None
+            end = datetime.datetime(day.year, day.month, day.day, tzinfo=datetime.timezone.utc).timestamp() + 86400
+            s = s[m.end():]
+        out.append((check_secret(s), end))
+    return out
+
+
+_NOT_AFTER = re.compile(rb"not-after=([0-9]{4}-[0-9]{2}-[0-9]{2}) +")
 
 
 def _team_keys(secret) -> list[TeamKeys]:
-    """TeamKeys of each secret ([open] for none); a bad one's ValueError raised outside the frames that hold it."""
+    """TeamKeys of each secret still valid ([open] for none); a bad one's ValueError raised outside the
+    frames that hold it (a traceback shows their variables)."""
     try:
-        return [TeamKeys(s) for s in secrets_of(secret)] or [TeamKeys(None)]
+        given = secrets_of(secret)
+        keys = [TeamKeys(s, end) for s, end in given if end is None or end > time.time()]
+        if given and not keys:
+            raise ValueError("every remote secret is past its not-after date: add the team's new secret")
+        return keys or [TeamKeys(None)]
     except ValueError as e:
         error = str(e)
     raise ValueError(error) from None
@@ -163,6 +187,8 @@ class RemoteTier(Publication):
         Under each secret in turn (rotation); an empty Found on any failure. `deadline`: monotonic."""
         self.count(probes=1)
         for keys in self.keys:
+            if keys.not_after is not None and keys.not_after <= time.time():
+                continue  # ended while this process ran
             found = self._probe(keys, namespace, tokens, block_size, deadline, exact)
             if found.records or found.exact:
                 self.count(records_found=len(found.records))
