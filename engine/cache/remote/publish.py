@@ -138,9 +138,10 @@ class Publication:
         size, old = self._write("publish: read exact states", lambda p: (p.strlen(key), p.getrange(
             key, 0, MAX_RECORD_BYTES - 1)), check=False)
         found, _ = (unseal(EXACT, chain[-1], old, keys, now=now, writers=self.writers) if size == len(old or b"")
-                    else (None, None))  # only states this writer can vouch for are kept
+                    else (None, None))
+        me = "" if self.signer is None else self.signer.id.hex()
         kept = [x for x in (found.states if found is not None and found.namespace == namespace else ())
-                if x.tail != tail]
+                if x.tail != tail and x.writer == me]  # only this writer's own: it never re-signs another's
         self._set_records([(key, seal_exact(chain[-1], [rec] + kept, keys, now, self.signer))])
 
     def publish_object(self, namespace: str, values: Sequence[Value], manifest: Value) -> bool:
