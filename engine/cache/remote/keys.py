@@ -23,12 +23,16 @@ reach the server can then compute keys and forge records.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import re
+import time
 from typing import Sequence
 
 import blake3
 import numpy as np
+
+from ...config import reveal
 
 REMOTE_FORMAT = 2  # of the key derivation and the records; a change is a new key space
 OPEN = "open"  # the key id of the unauthenticated key space
@@ -159,3 +163,45 @@ class KeySpace:
 
     def object(self, root: bytes) -> str:
         return f"{self.base}:obj:{root.hex()}"
+
+
+def secrets_of(secret) -> list[tuple[bytes, float | None]]:
+    """[(current, not after), (previous, not after)...] from bytes, a str (one secret per line) or a
+    sequence of them. A line `not-after=YYYY-MM-DD <secret>` ends that secret with that day (UTC)."""
+    secret = reveal(secret)
+    if secret is None:
+        return []
+    if isinstance(secret, str):
+        secret = [s for s in secret.splitlines() if s.strip()]
+    items = [secret] if isinstance(secret, (bytes, bytearray)) else list(secret)
+    out = []
+    for s in items:
+        s = s.encode() if isinstance(s, str) else bytes(s)
+        m = _NOT_AFTER.match(s)
+        end = None
+        if m:
+            try:
+                day = datetime.date.fromisoformat(m.group(1).decode())
+            except ValueError:
+                raise ValueError("a remote secret's not-after date must be YYYY-MM-DD") from None
+            end = datetime.datetime(day.year, day.month, day.day, tzinfo=datetime.timezone.utc).timestamp() + 86400
+            s = s[m.end():]
+        out.append((check_secret(s), end))
+    return out
+
+
+_NOT_AFTER = re.compile(rb"not-after=([0-9]{4}-[0-9]{2}-[0-9]{2}) +")
+
+
+def team_keys(secret) -> list[TeamKeys]:
+    """TeamKeys of each secret still valid ([open] for none); a bad one's ValueError raised outside the
+    frames that hold it (a traceback shows their variables)."""
+    try:
+        given = secrets_of(secret)
+        keys = [TeamKeys(s, end) for s, end in given if end is None or end > time.time()]
+        if given and not keys:
+            raise ValueError("every remote secret is past its not-after date: add the team's new secret")
+        return keys or [TeamKeys(None)]
+    except ValueError as e:
+        error = str(e)
+    raise ValueError(error) from None

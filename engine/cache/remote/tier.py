@@ -26,8 +26,6 @@ pools are thread-safe, counters sit under a lock.
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -36,7 +34,7 @@ from typing import Sequence
 from .breaker import Breaker
 from .client import GuardedClient, RemoteError, describe
 from .config import parse_remote_url, reveal
-from .keys import OPEN, KeySpace, TeamKeys, block_name, check_secret, is_block_name
+from .keys import OPEN, KeySpace, TeamKeys, block_name, is_block_name, team_keys
 from .meter import Meter, fetch_beats_recompute
 from .publish import Publication
 from .records import (CHAIN, EXACT, MAX_AGE_S, MAX_RECORD_BYTES, MAX_VALUE_BYTES, OBJECT, ExactRecord, ObjectRecord,
@@ -79,48 +77,6 @@ def _chunks(seq: Sequence, n: int):
     return (seq[i:i + n] for i in range(0, len(seq), n))
 
 
-def secrets_of(secret) -> list[tuple[bytes, float | None]]:
-    """[(current, not after), (previous, not after)...] from bytes, a str (one secret per line) or a
-    sequence of them. A line `not-after=YYYY-MM-DD <secret>` ends that secret with that day (UTC)."""
-    secret = reveal(secret)
-    if secret is None:
-        return []
-    if isinstance(secret, str):
-        secret = [s for s in secret.splitlines() if s.strip()]
-    items = [secret] if isinstance(secret, (bytes, bytearray)) else list(secret)
-    out = []
-    for s in items:
-        s = s.encode() if isinstance(s, str) else bytes(s)
-        m = _NOT_AFTER.match(s)
-        end = None
-        if m:
-            try:
-                day = datetime.date.fromisoformat(m.group(1).decode())
-            except ValueError:
-                raise ValueError("a remote secret's not-after date must be YYYY-MM-DD") from None
-            end = datetime.datetime(day.year, day.month, day.day, tzinfo=datetime.timezone.utc).timestamp() + 86400
-            s = s[m.end():]
-        out.append((check_secret(s), end))
-    return out
-
-
-_NOT_AFTER = re.compile(rb"not-after=([0-9]{4}-[0-9]{2}-[0-9]{2}) +")
-
-
-def _team_keys(secret) -> list[TeamKeys]:
-    """TeamKeys of each secret still valid ([open] for none); a bad one's ValueError raised outside the
-    frames that hold it (a traceback shows their variables)."""
-    try:
-        given = secrets_of(secret)
-        keys = [TeamKeys(s, end) for s, end in given if end is None or end > time.time()]
-        if given and not keys:
-            raise ValueError("every remote secret is past its not-after date: add the team's new secret")
-        return keys or [TeamKeys(None)]
-    except ValueError as e:
-        error = str(e)
-    raise ValueError(error) from None
-
-
 class RemoteTier(Publication):
     def __init__(self, url: str, *, secret=None, insecure: bool = False, ttl_s: int = 7 * 24 * 3600,
                  timeout_s: float = 1.0, key_prefix: str = "mlxcache", probe_batch: int = PROBE_BATCH,
@@ -136,7 +92,7 @@ class RemoteTier(Publication):
         self.config = parse_remote_url(url)
         if password and not self.config.password:
             self.config = dataclasses.replace(self.config, password=reveal(password))
-        self.keys = _team_keys(secret)  # no raw secret is ever a variable of this frame (a traceback shows them)
+        self.keys = team_keys(secret)  # no raw secret is ever a variable of this frame (a traceback shows them)
         if not self.keys[0].authenticated and not insecure:
             raise ValueError(f"remote tier {self.url}: no team secret (or choose insecure=True by name)")
         if not isinstance(ttl_s, int) or ttl_s < 1:
