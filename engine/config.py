@@ -37,6 +37,84 @@ class RemoteConfigError(ConfigError):
     """A remote tier setting that cannot be used (a URL: shown redacted; a secret: never shown)."""
 
 
+class Secret:
+    """A credential (team secret, password, signing key) whose repr and str never show it: what a
+    traceback's frames, `%config` or a log line print is `Secret(***)`. `reveal()` where it is used."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value):
+        self._value = value.reveal() if isinstance(value, Secret) else value
+
+    @classmethod
+    def wrap(cls, value):
+        """`value` as a Secret (None and empty stay as they are)."""
+        return value if not value or isinstance(value, Secret) else cls(value)
+
+    def reveal(self):
+        return self._value
+
+    def __bool__(self) -> bool:
+        return bool(self._value)
+
+    def __eq__(self, other) -> bool:
+        return self._value == (other.reveal() if isinstance(other, Secret) else other)
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+    def __repr__(self) -> str:
+        return "Secret(***)"
+
+    __str__ = __repr__
+
+    def __reduce__(self):
+        raise TypeError("a secret is not pickled")
+
+
+def reveal(value):
+    """The value inside a Secret (anything else as it is)."""
+    return value.reveal() if isinstance(value, Secret) else value
+
+
+def redact(url) -> str:
+    """A URL as it may be shown: whatever precedes the last `@` (user info), and any query
+    (`?...`) or fragment (`#...`) after the host, replaced by `***`.
+
+    Takes the last `@` of the whole string, so an unencoded `@`, `/`, `?` or `#` inside a password
+    is hidden too (at worst more than the credentials is)."""
+    if not isinstance(url, str):
+        return "<not a string>"
+    url = str.__str__(url)
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    shown = f"{scheme}{sep}***@" if "@" in rest else f"{scheme}{sep}"
+    rest = rest.rsplit("@", 1)[-1]
+    cut = min((i for i in (rest.find("?"), rest.find("#")) if i >= 0), default=-1)
+    return shown + (rest if cut < 0 else rest[:cut] + rest[cut] + "***")
+
+
+def hide_credentials(keywords: dict) -> None:
+    """Wrap, in place, the credentials among Engine keywords: the secrets as Secret, the remote URL
+    as Url (so the frames of a failed Engine(...) show them redacted, also under %xmode Verbose)."""
+    for name, opt in options().items():
+        if opt.kind == "secret" and name in keywords:
+            keywords[name] = Secret.wrap(keywords[name])
+    if isinstance(keywords.get("remote_url"), str) and not isinstance(keywords["remote_url"], Url):
+        keywords["remote_url"] = Url(keywords["remote_url"])
+
+
+class Url(str):
+    """A URL that may hold credentials: itself where it is used, redacted in its repr (tracebacks'
+    frames, reprs of what holds it)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return repr(redact(self))
+
+
 def parse_size(value, *, what: str = "size", allow_none: bool = False) -> int | None:
     """``"2GiB"``, ``"512MB"``, ``"1048576"``, ``"25%"`` (of physical memory) or an int, in bytes.
 
@@ -210,6 +288,12 @@ class EngineConfig:
                                 "holding it")
     remote_password: str | None = option(None, "secret", "remote password", "the server password (or in the URL); the "
                                          "setting is a file holding it")
+    remote_signing_key: Any = option(None, "secret", "remote signing key", "this writer's Ed25519 private key "
+                                     "(base64 of its 32-byte seed, or PEM) that signs what it publishes; none: a "
+                                     "read-only member; the setting is a file holding it")
+    remote_writers: str | None = option(None, "text", "remote writers", "the team's allow-list: public keys (base64, "
+                                        "name=key, comma-separated) whose records are accepted; none: any holder "
+                                        "of the team secret")
     remote_insecure: bool = option(False, "bool", "insecure remote", "1: use the tier without a team secret, "
                                    "knowingly (anyone who can write to it can plant KV)")
     remote_tls_ca_file: str | None = option(None, "path", "remote TLS CA", "a private CA for rediss://")
@@ -230,6 +314,13 @@ class EngineConfig:
             if raw is not None and (raw != "" or opt.kind != "secret"):
                 values[name] = opt.read(raw)
         return cls(**values).replace(**overrides)
+
+    def __post_init__(self):
+        for name, opt in options().items():  # a credential is held wrapped from here on
+            if opt.kind == "secret":
+                object.__setattr__(self, name, Secret.wrap(getattr(self, name)))
+        if isinstance(self.remote_url, str) and not isinstance(self.remote_url, Url):
+            object.__setattr__(self, "remote_url", Url(self.remote_url))
 
     def replace(self, **changes) -> "EngineConfig":
         """This config with `changes` (Engine keywords); unknown names are a TypeError listing the known."""

@@ -20,7 +20,8 @@ from . import cache_admin
 from .cache.objects.cache import ObjectCache
 from .cache.catalog.database import CatalogBusy
 from .cache.remote import RemoteConfigError, resolve as resolve_remote
-from .config import EngineConfig, default_cache_dir  # noqa: F401 (engine.default_cache_dir)
+from .kv.first_layer import bound_to_tokens
+from .config import EngineConfig, default_cache_dir, hide_credentials  # noqa: F401 (engine.default_cache_dir)
 from .cache.remote.link import attach as attach_remote, close as close_remote, flush as flush_remote
 from .cache.tiered import TieredPromptCache
 from .events import EventBus
@@ -60,6 +61,7 @@ class Engine:
         model load), retention ("lru" | "cost"), remote_url with remote_secret (a team secret of 16+
         bytes, or several: the first seals) unless remote_insecure=True; remote_tls={"ca_file",
         "cert_file", "key_file"} for rediss://."""
+        hide_credentials(options)  # first: a traceback's frames show them redacted from here on
         for name, value in (("cache_dir", cache_dir), ("ram_budget_bytes", ram_budget_bytes),
                             ("ssd_budget_bytes", ssd_budget_bytes)):
             if value is not _UNSET:
@@ -75,6 +77,7 @@ class Engine:
         self.config = config
         remote = resolve_remote(config.remote_url, secret=config.remote_secret, password=config.remote_password,
                                 insecure=config.remote_insecure, tls=config.remote_tls,
+                                signing_key=config.remote_signing_key, writers=config.remote_writers,
                                 env={})  # refused before anything starts; the environment was read above
         self.cache_dir = Path(config.cache_dir or default_cache_dir()).expanduser()
         self.events = EventBus()
@@ -114,7 +117,8 @@ class Engine:
         self.cache.durability.pins.sync()
         if remote is not None:  # a shared tier below SSD (Redis / Valkey)
             attach_remote(self.cache, remote, publish=config.remote_publish, prefill_rate=self.metrics.prefill_rate.get,
-                          exact=self._may_be_exact)
+                          exact=self._may_be_exact,
+                          bound=lambda ns, cp: bound_to_tokens(self.models.by_namespace(ns), cp))
         self._closed = False
 
     @property

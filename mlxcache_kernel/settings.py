@@ -23,7 +23,7 @@ import warnings
 from traitlets import Bool, Float, Int, Unicode, default, validate
 from traitlets.config import Configurable
 
-from mlxcache_kernel.engine.config import (NONE_WORDS, EngineConfig, Option, options, parse_bool, parse_size,
+from mlxcache_kernel.engine.config import (NONE_WORDS, EngineConfig, Option, Secret, options, parse_bool, parse_size,
                                            read_secret_file)
 
 __all__ = ["MLXCache", "KERNEL_OPTIONS", "parse_bool", "parse_size", "redact_env_magic", "resolve_model_spec"]
@@ -78,6 +78,7 @@ class _Settings(Configurable):
 
     def __init__(self, **kwargs):
         self._url_userinfo = ""  # "user:password" taken out of remote_url (never in a trait)
+        self._url_tail = ""  # its "?query#fragment", likewise
         super().__init__(**kwargs)
         self._ready = True  # from here on, a URL with a password was typed in (a notebook cell)
 
@@ -98,11 +99,23 @@ class _Settings(Configurable):
         return url
 
     def _keep_userinfo(self, url: str) -> str:
-        """`url` without its user and password, which are kept aside for engine_config()."""
+        """`url` without its user and password, query and fragment (any may hold a credential),
+        which are kept aside for engine_config(): %config shows the trait."""
         scheme, sep, rest = url.strip().partition("://")
         userinfo, at, host = rest.rpartition("@")
         self._url_userinfo = userinfo if sep and at else ""
-        return f"{scheme}{sep}{host}" if sep and at else url.strip()
+        shown = f"{scheme}{sep}{host}" if sep and at else url.strip()
+        cut = min((i for i in (shown.find("?"), shown.find("#")) if i >= 0), default=len(shown))
+        self._url_tail = shown[cut:]
+        return shown[:cut]
+
+    def _full_url(self) -> str:
+        """The remote URL as typed: the trait with its user info, query and fragment put back."""
+        url = self.remote_url.strip()
+        if url and self._url_userinfo:
+            scheme, _, rest = url.partition("://")
+            url = f"{scheme}://{self._url_userinfo}@{rest}"
+        return url + self._url_tail if url else url
 
     # --- resolved values ---
 
@@ -132,16 +145,14 @@ class _Settings(Configurable):
         for name, opt in options().items():
             if opt.kind == "secret":
                 path = getattr(self, opt.setting)
-                values[name] = os.environ.get(opt.env) or (read_secret_file(path, f"{opt.env}_FILE") if path else None)
+                values[name] = Secret.wrap(os.environ.get(opt.env) or (read_secret_file(path, f"{opt.env}_FILE")
+                                                                        if path else None))
             elif name != "remote_url":
                 values[name] = self._option(name)
-        url = self.remote_url.strip()
-        if url and self._url_userinfo:
-            scheme, _, rest = url.partition("://")
-            url = f"{scheme}://{self._url_userinfo}@{rest}"
+        url = self._full_url()
         values["remote_url"] = url or None
         if not url:  # no tier: no credentials read or held
-            values["remote_secret"] = values["remote_password"] = None
+            values["remote_secret"] = values["remote_password"] = values["remote_signing_key"] = None
         return EngineConfig(**values).check()
 
     def engine_kwargs(self) -> dict:
@@ -160,10 +171,7 @@ class _Settings(Configurable):
                 out[what] = (f"set (${opt.env})" if os.environ.get(opt.env) else f"from {path}" if path else
                              "in the URL" if what == "remote_password" and ":" in self._url_userinfo else "not set")
             elif name == "remote_url":
-                url = self.remote_url.strip()
-                scheme, _, rest = url.partition("://")
-                full = f"{scheme}://{self._url_userinfo}@{rest}" if self._url_userinfo else url
-                out["remote_url"] = redact(full) if url else "off"
+                out["remote_url"] = redact(self._full_url()) if self.remote_url.strip() else "off"
             else:
                 value = getattr(self, opt.setting)
                 out[opt.setting] = value if value != "" or opt.kind != "path" else "none"
@@ -179,7 +187,7 @@ MLXCache = type("MLXCache", (_Settings,), {"__doc__": _Settings.__doc__, "__modu
                                            **_settings_traits()})
 
 
-CREDENTIAL_VARS = ("MLXCACHE_REMOTE_PASSWORD", "MLXCACHE_REMOTE_SECRET")
+CREDENTIAL_VARS = ("MLXCACHE_REMOTE_PASSWORD", "MLXCACHE_REMOTE_SECRET", "MLXCACHE_REMOTE_SIGNING_KEY")
 
 
 def shown_env(name: str, value):

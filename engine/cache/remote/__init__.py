@@ -11,12 +11,16 @@ bytes back, and every remote problem is a miss.
 
 Everyone with read access to the server can still read the values stored
 there (token ids in blocks): share a server only with people who may see
-each other's prompts. The secret stops forgery and probing, not reading.
+each other's prompts. The secret stops forgery and probing by outsiders,
+not reading; per-writer signatures and the team's allow-list (writers.py)
+say which member wrote a record, and revoking one drops its records and
+the local copies taken from them (origins.py).
 
     config.py      URLs, redaction              credentials.py  secrets, passwords, files, opt-out
     keys.py        keyed prefix keys, key ids   records.py      sealed records, the one parser
     breaker.py     circuit breaker              meter.py        bandwidth, fetch vs recompute
     client.py      redis-py, deadlines          publisher.py    the background thread
+    writers.py     Ed25519 keys, allow-list     origins.py      which local entries came from whom
     publish.py     uploads, best-effort writes  tier.py         RemoteTier: bounded reads
 """
 

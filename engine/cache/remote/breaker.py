@@ -44,12 +44,13 @@ class Breaker:
             self._failures = self._opened = 0
             self._until, self._trial = None, False
 
-    def failure(self, error: str) -> bool:
-        """Record a failed call (`error` already redacted); True if this opened the breaker."""
+    def failure(self, error: str, trip: bool = False) -> bool:
+        """Record a failed call (`error` already redacted); True if this opened the breaker.
+        trip=True (a call cut at its deadline: a stalled server) opens it without waiting for `threshold`."""
         with self._lock:
             self.last_error = error
             self._failures += 1
-            if not self._trial and (self._until is not None or self._failures < self.threshold):
+            if not self._trial and (self._until is not None or (self._failures < self.threshold and not trip)):
                 return False
             self._trial = False
             self._opened += 1

@@ -9,8 +9,10 @@ A socket timeout bounds each wait for a byte, not a call: a server that
 drips one byte a second never times out. So a call may carry a deadline:
 past it, the watchdog thread cuts the client's connections (redis-py's
 documented way to disconnect connections in use by other threads), the
-blocked read returns, and the call fails as "past its deadline" - slowness
-the breaker counts like an error. Pipelines run with raise_on_error=False:
+blocked read returns, and the call fails as "past its deadline": a stall
+(as is a socket timeout: a paused server),
+which opens the breaker at once (a paused or dripping server would cost
+every lookup its whole deadline). Pipelines run with raise_on_error=False:
 a command refused by the server (a wrong type planted at a key, an ACL
 that denies a write) is a value the caller judges, not a broken server.
 
@@ -160,6 +162,7 @@ class GuardedClient:
         except Exception as e:  # noqa: BLE001 - whatever the client raises is a remote failure
             text = (f"{what}: no complete answer within its deadline of {deadline_s:.3g} s (slow or dripping "
                     "server)" if guard[2] else f"{what}: {describe(e, self.cfg)}")
+            stalled = guard[2] or isinstance(e, (redis.exceptions.TimeoutError, TimeoutError))  # a paused server
         except BaseException:  # KeyboardInterrupt and kin: settle a half-open trial, then let it through
             self.breaker.failure(f"{what}: interrupted")
             raise
@@ -168,8 +171,8 @@ class GuardedClient:
             return result
         with self._lock:
             self.errors += 1
-            self.deadlines_missed += bool(guard[2])
-        if self.breaker.failure(text):
+            self.deadlines_missed += stalled
+        if self.breaker.failure(text, trip=stalled):  # a stall costs a cell its deadline: not again soon
             log.warning("remote %s: %s; breaker %s", self.cfg.redacted, text, self.breaker.state())
             self.close()
         raise RemoteError(text)

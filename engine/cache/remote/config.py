@@ -8,8 +8,9 @@
 A cluster is chosen by the scheme, the one place that says what kind of
 server it is; query parameters are refused rather than half-understood.
 User and password are percent-decoded (write `%40` for an `@` in them).
-Every message this module builds shows the URL through `redact`, which hides
-the user and password together (a user name can be as telling as a secret).
+Every message this module builds shows the URL through `redact` (engine/config.py),
+which hides the user and password together (a user name can be as telling as a
+secret), and any query or fragment.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 from urllib.parse import quote, unquote
 
-from ...config import RemoteConfigError
+from ...config import RemoteConfigError, Url, redact, reveal
 
 DEFAULT_PORT = 6379
 SCHEMES = {"redis": (False, False), "rediss": (True, False),
@@ -47,21 +48,6 @@ class RemoteConfig:
         return tuple(sorted(set(out), key=len, reverse=True))  # longest first: no partial replacement
 
 
-def redact(url: str) -> str:
-    """The URL with whatever precedes the last `@` of its authority replaced by `***`.
-
-    Takes the last `@` of the whole string, so an unencoded `@`, `/` or `?`
-    inside a password is hidden too (at worst more than the credentials is)."""
-    if not isinstance(url, str):
-        return "<not a string>"
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        scheme, rest = "", url
-    if "@" not in rest:
-        return url
-    return f"{scheme}{sep}***@{rest.rsplit('@', 1)[1]}"
-
-
 def scrub(text: str, secrets: tuple[str, ...]) -> str:
     """Text (an exception message, say) with every secret replaced by `***`."""
     for s in secrets:
@@ -70,6 +56,16 @@ def scrub(text: str, secrets: tuple[str, ...]) -> str:
 
 
 def parse_remote_url(url: str) -> RemoteConfig:
+    """The URL's config, or RemoteConfigError (the URL redacted). The error is raised here, outside
+    the parser, so no frame of a traceback (%xmode Verbose shows their variables) holds the raw URL."""
+    try:
+        return _parse(str.__str__(url) if isinstance(url, Url) else reveal(url))
+    except RemoteConfigError as e:
+        error = str(e)
+    raise RemoteConfigError(error) from None
+
+
+def _parse(url: str) -> RemoteConfig:
     if not isinstance(url, str) or not url.strip():
         raise RemoteConfigError("remote URL is empty: expected redis://host:port (see cache/remote/config.py)")
     shown = redact(url)

@@ -23,11 +23,16 @@ reach the server can then compute keys and forge records.
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import re
+import time
 from typing import Sequence
 
 import blake3
 import numpy as np
+
+from ...config import reveal
 
 REMOTE_FORMAT = 2  # of the key derivation and the records; a change is a new key space
 OPEN = "open"  # the key id of the unauthenticated key space
@@ -40,21 +45,44 @@ def _context(what: str) -> str:
     return f"mlxcache-kernel 2026-12 remote tier v{REMOTE_FORMAT} {what}"
 
 
+MIN_DISTINCT_BYTES = 8
+SCRYPT = dict(n=2**14, r=8, p=1)  # ~70 ms once per secret and process: each offline guess costs as much
+_stretched: dict = {}  # BLAKE3 of a secret -> its stretched form (a process derives each once)
+
+
 def check_secret(secret) -> bytes:
+    """A secret's bytes; ValueError for one too short or too repetitive to be guessed slowly.
+    Make one with `openssl rand -base64 32`."""
     if not isinstance(secret, (bytes, bytearray)) or len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"a remote secret must be at least {MIN_SECRET_BYTES} bytes")
+        raise ValueError(f"a remote secret must be at least {MIN_SECRET_BYTES} bytes (make one with "
+                         "`openssl rand -base64 32`)")
+    if len(set(secret)) < MIN_DISTINCT_BYTES:
+        raise ValueError(f"a remote secret needs at least {MIN_DISTINCT_BYTES} distinct characters; this one is "
+                         "too weak (make one with `openssl rand -base64 32`)")
     return bytes(secret)
+
+
+def stretch(secret: bytes) -> bytes:
+    """The secret through scrypt, once per process: every key below derives from this, so the key id
+    in every key name is no fast oracle for guessing a team phrase offline (~70 ms a guess)."""
+    tag = blake3.blake3(secret).digest()
+    out = _stretched.get(tag)
+    if out is None:
+        out = hashlib.scrypt(secret, salt=_context("secret stretch").encode(), dklen=32, maxmem=64 << 20, **SCRYPT)
+        _stretched[tag] = out
+    return out
 
 
 class TeamKeys:
     """Everything one team secret derives (or, with None, the open key space)."""
 
-    def __init__(self, secret: bytes | None):
+    def __init__(self, secret: bytes | None, not_after: float | None = None):
+        self.not_after = not_after  # epoch seconds after which this secret is not read (None: no end)
         if secret is None:
             self._chain = self.mac = None
             self.key_id = OPEN
         else:
-            secret = check_secret(secret)
+            secret = stretch(check_secret(secret))
             self._chain = blake3.blake3(secret, derive_key_context=_context("prefix keys")).digest()
             self.mac = blake3.blake3(secret, derive_key_context=_context("record MAC")).digest()
             self.key_id = blake3.blake3(secret, derive_key_context=_context("key id")).hexdigest()[:12]
@@ -135,3 +163,45 @@ class KeySpace:
 
     def object(self, root: bytes) -> str:
         return f"{self.base}:obj:{root.hex()}"
+
+
+def secrets_of(secret) -> list[tuple[bytes, float | None]]:
+    """[(current, not after), (previous, not after)...] from bytes, a str (one secret per line) or a
+    sequence of them. A line `not-after=YYYY-MM-DD <secret>` ends that secret with that day (UTC)."""
+    secret = reveal(secret)
+    if secret is None:
+        return []
+    if isinstance(secret, str):
+        secret = [s for s in secret.splitlines() if s.strip()]
+    items = [secret] if isinstance(secret, (bytes, bytearray)) else list(secret)
+    out = []
+    for s in items:
+        s = s.encode() if isinstance(s, str) else bytes(s)
+        m = _NOT_AFTER.match(s)
+        end = None
+        if m:
+            try:
+                day = datetime.date.fromisoformat(m.group(1).decode())
+            except ValueError:
+                raise ValueError("a remote secret's not-after date must be YYYY-MM-DD") from None
+            end = datetime.datetime(day.year, day.month, day.day, tzinfo=datetime.timezone.utc).timestamp() + 86400
+            s = s[m.end():]
+        out.append((check_secret(s), end))
+    return out
+
+
+_NOT_AFTER = re.compile(rb"not-after=([0-9]{4}-[0-9]{2}-[0-9]{2}) +")
+
+
+def team_keys(secret) -> list[TeamKeys]:
+    """TeamKeys of each secret still valid ([open] for none); a bad one's ValueError raised outside the
+    frames that hold it (a traceback shows their variables)."""
+    try:
+        given = secrets_of(secret)
+        keys = [TeamKeys(s, end) for s, end in given if end is None or end > time.time()]
+        if given and not keys:
+            raise ValueError("every remote secret is past its not-after date: add the team's new secret")
+        return keys or [TeamKeys(None)]
+    except ValueError as e:
+        error = str(e)
+    raise ValueError(error) from None

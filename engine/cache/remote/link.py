@@ -14,7 +14,11 @@ tier by the caller.
 
 A lookup has a deadline derived from the prefill it would replace (the
 candidate tokens at the measured prefill rate, over the margin a fetch must
-win by, at least MIN_DEADLINE_S): past it the remote is abandoned. Any
+win by, at least MIN_DEADLINE_S): past it the remote is abandoned. Until
+that model's prefill rate is measured the rate is a guess, so the deadline
+is capped at UNMEASURED_DEADLINE_S (a first cell never waits ~15x its
+prefill on a stalled server). A call cut at its deadline (a paused server,
+a dripping reply) opens the breaker at once (client.py). Any
 failure is a miss (RemoteMiss or None), never a failed generation.
 
 Publication runs after a local commit (the writer thread calls
@@ -34,6 +38,7 @@ from ...kv.checkpoint import Checkpoint
 from ..objects import remote as object_remote
 from ..objects.cache import REVISION as OBJECT_REVISION, is_object_namespace
 from .credentials import RemoteSettings
+from .origins import Origin, Origins
 from .publish import Value
 from .tier import Found, RemoteMiss, RemoteTier
 from .rebuild import Manifest, build_spans, parse_layout
@@ -41,8 +46,10 @@ from ..ssd import blocks
 from ..ssd import format as fmt
 
 PUBLISH_MODES = ("all", "named", "none")
+ORIGINS_DIR = "remote-origins"  # beside the catalogue: origins.py
 DEFAULT_PREFILL_TOKENS_PER_S = 100.0  # until this namespace's prefill rate is measured
 MIN_DEADLINE_S = 0.5  # a lookup may always take this long (a loaded machine, a far server)
+UNMEASURED_DEADLINE_S = 2.0  # the most a lookup waits while the prefill rate it replaces is a guess
 log = logging.getLogger(__name__)
 _warned: set = set()  # URLs already warned about being unauthenticated (once per process)
 
@@ -51,15 +58,24 @@ class RemoteLink:
     def __init__(self, tier: RemoteTier, *, publish: str = "all",
                  prefill_rate: Callable[[str], float | None] = lambda ns: None,
                  is_named: Callable[[str, tuple], bool] = lambda ns, tokens: False,
-                 exact: Callable[[str], bool] = lambda ns: False):
+                 exact: Callable[[str], bool] = lambda ns: False, origins: Origins | None = None,
+                 bound: Callable[[str, Checkpoint], bool | None] = lambda ns, cp: None):
         """exact(ns): whether that namespace's states may be exact-only (recurrent, ring layers):
-        then lookups also read exact records."""
+        then lookups also read exact records. origins: where remote-made entries are remembered.
+        bound(ns, cp): whether cp's KV belongs to its tokens (kv/first_layer.py; None: cannot tell)."""
         if publish not in PUBLISH_MODES:
             raise ValueError(f"remote publish must be one of {', '.join(PUBLISH_MODES)}, not {publish!r}")
         self.tier, self.publish_mode = tier, publish
-        self.prefill_rate, self.is_named, self.exact = prefill_rate, is_named, exact
+        self.prefill_rate, self.is_named, self.exact, self.bound = prefill_rate, is_named, exact, bound
         self.counters = {f"remote_{k}": 0 for k in link_counter_names()}
         self.counters["remote_fetch_seconds"] = 0.0
+        self.origins = origins if origins is not None else Origins(None)
+        self._writer = ""  # the writer id (hex) of the last fetch's records, for its origin
+
+    def trusted(self, o: Origin) -> bool:
+        """Is a remote-made entry still trusted: its secret still configured, its writer still listed?"""
+        writers = self.tier.writers
+        return o.key_id in self.tier.spaces and (not writers or (o.writer != "" and writers.allows(o.writer)))
 
     # --- lookup (owner thread) ---
 
@@ -70,8 +86,10 @@ class RemoteLink:
         candidate = cap // bt * bt - have
         if candidate < self.tier.min_fetch_tokens:  # too short to beat a prefill: no round trip
             return None
-        rate = self.prefill_rate(ns) or DEFAULT_PREFILL_TOKENS_PER_S
-        deadline = time.monotonic() + max(MIN_DEADLINE_S, candidate / rate / self.tier.margin)
+        measured = self.prefill_rate(ns)
+        rate = measured or DEFAULT_PREFILL_TOKENS_PER_S
+        allowed = max(MIN_DEADLINE_S, candidate / rate / self.tier.margin)
+        deadline = time.monotonic() + (allowed if measured else min(allowed, UNMEASURED_DEADLINE_S))
         t0 = time.perf_counter()
         try:
             found = self.tier.probe(ns, prompt[:cap], bt, deadline=deadline, exact=self.exact(ns))
@@ -91,6 +109,14 @@ class RemoteLink:
             self.counters["remote_misses"] += 1
             raise RemoteMiss(f"remote lookup failed: {type(e).__name__}: {str(e)[:200]}") from None
         if cp is not None:
+            matches = self.bound(ns, cp)
+            if matches is False:
+                self.counters["remote_misses"] += 1
+                self.counters["remote_kv_mismatch"] += 1
+                raise RemoteMiss(f"remote KV of {len(cp)} tokens: its first layer is not that of its tokens (a "
+                                 "forged or mislabelled block); prefilling")
+            self.counters["remote_kv_checked" if matches else "remote_kv_unchecked"] += 1
+            self.origins.add(ns, cp.tokens, self._writer, found.key_id)  # before its write-through commits
             self.counters["remote_hits"] += 1
             self.counters["remote_tokens"] += len(cp)
             self.counters["remote_fetch_seconds"] += time.perf_counter() - t0
@@ -125,6 +151,7 @@ class RemoteLink:
             self.tier.count(malformed=1)
             raise RemoteMiss(f"remote blocks do not rebuild a checkpoint: {type(e).__name__}: {e}") from None
         self.tier.touch(found.key_id, found.chain[:len(values)], None, names[:len(values)])
+        self._writer = found.writer
         return cp
 
     def _fetch_exact(self, prompt, ns, have, found: Found, rate, deadline) -> Checkpoint | None:
@@ -154,6 +181,7 @@ class RemoteLink:
             manifest.close()
         self.tier.touch(found.key_id, found.chain[:x.index + 1], found.chain[x.index], [x.manifest] + [
             name for name, _ in items])
+        self._writer = x.writer
         return cp
 
     # --- publication (writer thread) ---
@@ -161,26 +189,23 @@ class RemoteLink:
     def published(self, info: fmt.FileInfo, blocks_root) -> None:
         """After a local commit: queue the checkpoint for the remote (its full blocks, or the exact state)."""
         h = info.header
-        if self.publish_mode == "none" or (self.publish_mode == "named" and not self.is_named(h.namespace, h.tokens)):
+        if self.origins.derived(h.namespace, h.tokens) is not None:
+            self.counters["remote_not_republished"] += 1  # another writer's: never published as this one's
+            return
+        if not self.tier.may_publish or self.publish_mode == "none" or (self.publish_mode == "named" and not self.is_named(h.namespace, h.tokens)):
             return
         if is_object_namespace(h.namespace):  # an exact tensor object (Engine.objects): object_remote.py
             if object_remote.publish(self.tier, info, OBJECT_REVISION):
                 self.counters["remote_published"] += 1
             return
         bt = blocks.BLOCK_TOKENS
-
-        def value(b):
-            return Value(b.name, b.nbytes, lambda p=blocks.block_path(blocks_root, b.name): p.read_bytes())
-
-        if not h.inline and h.blocks and h.trimmable and not h.min_reusable_offset:  # token spans: any prefix serves
-            full = [b for b in h.blocks if b.end - b.start == bt and b.start % bt == 0]
-            if not full or full[0].start != 0:
+        spans = span_publication(info, blocks_root)
+        if spans is not None:  # token spans: any prefix serves
+            if not spans[0]:
                 return
-            layout = {"tensors": [[t.name, t.dtype, list(t.shape[:-2]) + [bt, t.shape[-1]]] for t in h.span_tensors],
-                      "layers": h.layout}
-            queued = self.tier.publish(h.namespace, h.tokens, bt, [value(b) for b in full], layout)
+            queued = self.tier.publish(h.namespace, h.tokens, bt, *spans)
         elif h.version == fmt.FORMAT_VERSION and len(h.tokens) >= bt:  # exact at its own length only
-            queued = self.tier.publish_exact(h.namespace, h.tokens, bt, [value(b) for b in h.blocks],
+            queued = self.tier.publish_exact(h.namespace, h.tokens, bt, [_value(b, blocks_root) for b in h.blocks],
                                              lambda p=info.path: p.read_bytes())
         else:
             return
@@ -188,15 +213,40 @@ class RemoteLink:
             self.counters["remote_published"] += 1
 
 
+def _value(b, blocks_root) -> Value:
+    return Value(b.name, b.nbytes, lambda p=blocks.block_path(blocks_root, b.name): p.read_bytes())
+
+
+def span_publication(info: fmt.FileInfo, blocks_root) -> tuple[list, dict] | None:
+    """(its leading full blocks as Values, their layout) for a committed checkpoint of token spans;
+    None for one exact only at its own length. The blocks are [] when it has none from token 0."""
+    h, bt = info.header, blocks.BLOCK_TOKENS
+    if h.inline or not h.blocks or not h.trimmable or h.min_reusable_offset:
+        return None
+    full = [b for b in h.blocks if b.end - b.start == bt and b.start % bt == 0]
+    if not full or full[0].start != 0:
+        return [], {}
+    layout = {"tensors": [[t.name, t.dtype, list(t.shape[:-2]) + [bt, t.shape[-1]]] for t in h.span_tensors],
+              "layers": h.layout}
+    return [_value(b, blocks_root) for b in full], layout
+
+
 def attach(cache, settings: RemoteSettings, *, publish: str = "all",
            prefill_rate: Callable[[str], float | None] = lambda ns: None,
-           exact: Callable[[str], bool] = lambda ns: False) -> RemoteLink:
+           exact: Callable[[str], bool] = lambda ns: False,
+           bound: Callable[[str, Checkpoint], bool | None] = lambda ns, cp: None) -> RemoteLink:
     """Connect `cache` (a TieredPromptCache) to a remote tier: lookups fall back to it,
     committed checkpoints are published to it. A bad URL raises ValueError (redacted)."""
     tier = RemoteTier(settings.url, secret=settings.secret, insecure=settings.insecure, password=settings.password,
-                      tls=settings.tls)
-    link = RemoteLink(tier, publish=publish, prefill_rate=prefill_rate, exact=exact,
+                      tls=settings.tls, signing_key=settings.signing_key, writers=settings.writers)
+    store = cache.store
+    origins = Origins(None if store is None else store.root / ORIGINS_DIR)
+    link = RemoteLink(tier, publish=publish, prefill_rate=prefill_rate, exact=exact, origins=origins, bound=bound,
                       is_named=lambda ns, tokens: cache.store is not None and cache.store.is_pinned(ns, tokens))
+    dropped = origins.sweep(link.trusted, None if store is None else lambda keys: store.remove(keys, "revoked"))
+    link.counters["remote_revoked_dropped"] += dropped
+    if dropped:
+        log.warning("remote tier: dropped %d local entries from revoked writers or secrets", dropped)
     if not tier.authenticated and tier.url not in _warned:
         _warned.add(tier.url)
         warnings.warn(f"mlxcache: the remote tier {tier.url} is UNAUTHENTICATED (remote_insecure): anyone who can "
@@ -220,6 +270,7 @@ def close(link: RemoteLink | None, timeout: float) -> list[str]:
 
 _TIER_KEYS = ("publish_pending", "publish_failed", "blocks_uploaded", "blocks_skipped", "bytes_read", "bytes_written",
               "mac_rejected", "malformed", "stale", "wrong_size", "bad_blocks", "deadline_missed", "errors",
+              "unknown_writer", "signature_rejected",
               "get_bandwidth_bytes_per_s")
 
 
@@ -233,7 +284,9 @@ def remote_stats(link: RemoteLink | None) -> dict:
     t = link.tier.stats()
     out = dict(link.counters)
     out.update({f"remote_{k}": t.get(k) for k in _TIER_KEYS})
-    auth = (f"keyed (key id {t['key_id']})" if t["authenticated"]
+    who = (f"; writers: {t['writers']} allow-listed" if t["writers"] else "; writers: any holder of the secret") + (
+        ", signing" if t["signing"] else ", not signing (read-only)" if t["writers"] else "")
+    auth = (f"keyed (key id {t['key_id']}){who}" if t["authenticated"]
             else "UNAUTHENTICATED (remote_insecure): anyone who can write to the server can plant KV")
     out.update(remote_url=t["url"], remote_publish=link.publish_mode, remote_state=t["breaker"],
                remote_last_error=t["last_error"], remote_auth=auth)
@@ -241,4 +294,5 @@ def remote_stats(link: RemoteLink | None) -> dict:
 
 
 def link_counter_names() -> tuple:
-    return ("hits", "tokens", "misses", "skipped", "published")
+    return ("hits", "tokens", "misses", "skipped", "published", "not_republished", "revoked_dropped", "kv_checked",
+            "kv_unchecked", "kv_mismatch")

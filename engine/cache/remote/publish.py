@@ -14,6 +14,8 @@
   without write permission (a read-only ACL user, a replica) is refused
   once and skips them from then on.
 
+Records are signed with this writer's key (writers.py); a member without
+one, in a team with an allow-list, publishes nothing (`may_publish`).
 Blocks go before the records naming them, so a record found is a value
 that was stored (unless evicted since, which a read sees as a miss). Each
 call has a deadline from its bytes, so a dripping server cannot hold the
@@ -31,8 +33,8 @@ from redis.exceptions import NoPermissionError, ReadOnlyError, ResponseError
 from .client import RemoteError
 from .keys import block_name, is_block_name
 from .publisher import Publisher
-from .records import (EXACT, MAX_RECORD_BYTES, ExactRecord, ObjectRecord, RemoteRecord, encode_layout, seal_chain,
-                      seal_exact, seal_object, unseal)
+from .records import (EXACT, MAX_RECORD_BYTES, ExactRecord, ObjectRecord, RemoteRecord, encode_layout, names_digest,
+                      seal_chain, seal_exact, seal_object, unseal)
 
 META_BATCH = 256  # small commands per pipeline
 UPLOAD_BATCH_BYTES = 64 << 20  # bytes of values per upload pipeline (bounds memory)
@@ -70,6 +72,8 @@ class Publication:
 
         Returns at once: False if the job could not be queued (reported by
         wait()). Raises only for malformed arguments, a bug in the caller."""
+        if not self.may_publish:
+            return True
         keys = self.keys[0]
         chain = keys.prefix_keys(namespace, tokens, block_size)
         blocks = _checked(blocks)
@@ -87,10 +91,13 @@ class Publication:
         failure = self._upload(blocks)
         # Records for the blocks before one that could not be uploaded: probes stop at the gap anyway.
         usable = len(blocks) if failure is None else [b.name for b in blocks].index(failure[0])
-        now = time.time()
-        self._set_records([(space.record(k), seal_chain(k, RemoteRecord(i, i * bs, (i + 1) * bs, blocks[i].name,
-                                                                        namespace), layout_json, keys, now))
-                           for i, k in enumerate(chain[:usable])])
+        now, digest, records = time.time(), b"", []
+        for i, k in enumerate(chain[:usable]):
+            digest = names_digest(digest, blocks[i].name)
+            records.append((space.record(k), seal_chain(k, RemoteRecord(i, i * bs, (i + 1) * bs, blocks[i].name,
+                                                                        namespace), layout_json, keys, now,
+                                                        self.signer, digest)))
+        self._set_records(records)
         if failure is not None:
             raise RemoteError(f"block {failure[0][:16]}: {failure[1]}; published the first {usable} blocks only")
 
@@ -99,7 +106,7 @@ class Publication:
         """Queue publication of a whole checkpoint of `tokens`: its manifest (read when the job runs)
         and every block it names. Needs at least one full block (its key hangs from one)."""
         n_full = len(tokens) // block_size
-        if n_full == 0:
+        if n_full == 0 or not self.may_publish:
             return True
         chain = self.keys[0].prefix_keys(namespace, tokens[:n_full * block_size], block_size)
         tail = tuple(int(t) for t in tokens[n_full * block_size:])
@@ -117,8 +124,11 @@ class Publication:
         if failure is not None:
             raise RemoteError(f"block {failure[0][:16]}: {failure[1]}; the state was not published")
         now = time.time()
-        markers = [(space.record(k), seal_chain(k, RemoteRecord(i, i * bs, (i + 1) * bs, None, namespace), None,
-                                                keys, now)) for i, k in enumerate(chain)]
+        markers, digest = [], b""
+        for i, k in enumerate(chain):
+            digest = names_digest(digest, None)
+            markers.append((space.record(k), seal_chain(k, RemoteRecord(i, i * bs, (i + 1) * bs, None, namespace),
+                                                        None, keys, now, self.signer, digest)))
         self._set_records(markers, only_new=True)
         rec = ExactRecord(len(chain) - 1, tail, head.name, head.size, head.size + sum(b.size for b in blocks),
                           namespace, keys.key_id, int(now))
@@ -127,14 +137,18 @@ class Publication:
         key = space.exact(chain[-1])
         size, old = self._write("publish: read exact states", lambda p: (p.strlen(key), p.getrange(
             key, 0, MAX_RECORD_BYTES - 1)), check=False)
-        found, _ = unseal(EXACT, chain[-1], old, keys, now=now) if size == len(old or b"") else (None, None)
+        found, _ = (unseal(EXACT, chain[-1], old, keys, now=now, writers=self.writers) if size == len(old or b"")
+                    else (None, None))
+        me = "" if self.signer is None else self.signer.id.hex()
         kept = [x for x in (found.states if found is not None and found.namespace == namespace else ())
-                if x.tail != tail]
-        self._set_records([(key, seal_exact(chain[-1], [rec] + kept, keys, now))])
+                if x.tail != tail and x.writer == me]  # only this writer's own: it never re-signs another's
+        self._set_records([(key, seal_exact(chain[-1], [rec] + kept, keys, now, self.signer))])
 
     def publish_object(self, namespace: str, values: Sequence[Value], manifest: Value) -> bool:
         """Queue publication of an exact tensor object: its chunks, then its manifest (which names
         them), then its record under the namespace's root key (object_remote.py)."""
+        if not self.may_publish:
+            return True
         values = _checked(list(values) + [manifest])
         job = lambda: self._publish_object_now(namespace, values, manifest)  # noqa: E731
         return self._publisher.submit(job, f"publish object {namespace[:40]}")
@@ -146,7 +160,7 @@ class Publication:
             raise RemoteError(f"block {failure[0][:16]}: {failure[1]}; the object was not published")
         now, root = time.time(), keys.root(namespace)
         rec = ObjectRecord(manifest.name, manifest.size, sum(v.size for v in values), namespace)
-        self._set_records([(self.spaces[keys.key_id].object(root), seal_object(root, rec, keys, now))])
+        self._set_records([(self.spaces[keys.key_id].object(root), seal_object(root, rec, keys, now, self.signer))])
 
     def _upload(self, values: list[Value]) -> tuple[str, str] | None:
         """SET the values the remote lacks (or holds at a wrong size), in byte-bounded pipelines;

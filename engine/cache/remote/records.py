@@ -1,9 +1,16 @@
 """Prefix records: what a prefix key points at, sealed with a keyed BLAKE3 MAC.
 
-    value = b"MXR2" || tag (32 bytes) || body
-    tag   = BLAKE3-keyed(mac key, kind || prefix key || body)
+    value = b"MXR3" || tag (32 bytes) || writer id (8) || signature (64) || body
+    tag   = BLAKE3-keyed(mac key, kind || prefix key || writer id || signature || body)
             (a chain record's layout enters as its BLAKE3: every record of a
             probe carries the same layout, hashed once, see _digest)
+    signature = Ed25519 by the writer (writers.py) of what the record says:
+            a chain record i signs its prefix key, the digest of the block
+            names 0..i (`names_digest`: so one signature vouches for the
+            whole run a lookup uses, and a lookup verifies one), its head and
+            layout digest; an exact or object record signs its kind, key and
+            body. A writer without a signing key writes zeros, which only a
+            reader without an allow-list accepts.
 
 Two kinds hang from a prefix key (the chain key of full blocks 0..i):
 
@@ -27,8 +34,8 @@ A third kind hangs from a namespace's root key instead: an object record
 (Engine.objects; the namespace holds its key digest; object_remote.py).
 
 Every body carries the key id of the secret that sealed it (rotation) and
-its issue time: a record older than `max_age_s`, or issued more than a day
-ahead of this clock, is stale. The tag covers the kind and the prefix key,
+its issue time: a record older than `max_age_s` (7 days), or issued more
+than MAX_SKEW_S (5 minutes) ahead of this clock, is stale. The tag covers the kind and the prefix key,
 so a record copied to another key fails: otherwise anyone able to write to
 the server could make a prompt load another prompt's KV.
 
@@ -50,13 +57,15 @@ from typing import NamedTuple, Sequence
 import blake3
 
 from .keys import REMOTE_FORMAT, TeamKeys, is_block_name
+from .writers import NO_SIGNATURE, NO_WRITER, SIG_BYTES, WRITER_ID_BYTES, SigningKey, Writers
 
-MAGIC = b"MXR2"
+MAGIC = b"MXR3"
+SIGNED = WRITER_ID_BYTES + SIG_BYTES  # writer id and signature, after the tag
 TAG_BYTES = 32
 MAX_RECORD_BYTES = 64 * 1024  # a longer value at a record key is not read
 MAX_LAYOUT_BYTES = MAX_RECORD_BYTES - 1024
-MAX_AGE_S = 30 * 24 * 3600  # a record must be republished (re-sealed) within this
-MAX_SKEW_S = 24 * 3600  # clocks disagree; a record further in the future is refused
+MAX_AGE_S = 7 * 24 * 3600  # a record must be republished (re-sealed) within this (the values' TTL)
+MAX_SKEW_S = 5 * 60  # clocks disagree by minutes; a record further in the future is refused
 MAX_VALUE_BYTES = 1 << 30  # no block or manifest is larger
 MAX_EXACT_STATES = 8  # exact states kept under one prefix key, newest first
 CHAIN, EXACT, OBJECT = "c", "x", "o"
@@ -77,6 +86,25 @@ class RemoteRecord(NamedTuple):  # a tuple: a probe makes hundreds, a frozen dat
     layout: bytes | None = None  # its JSON, parsed by whoever uses it; None: a marker (the prefix continues)
     key_id: str = ""
     issued: int = 0
+    writer: bytes = NO_WRITER  # the signer's id (writers.py)
+    signature: bytes = NO_SIGNATURE
+    head: bytes = b""  # the packed head and namespace as read: what the signature covers, with the layout digest
+
+
+def names_digest(previous: bytes, block: str | None) -> bytes:
+    """The running digest of a prefix's block names: names_digest(d(0..i-1), name i) = d(0..i); start from b""."""
+    return blake3.blake3(previous + (bytes.fromhex(block) if block else bytes(32))).digest()
+
+
+def _chain_signed(prefix_key: bytes, digest: bytes, writer: bytes, head: bytes, layout: bytes) -> bytes:
+    return b"mlxcache chain signature" + prefix_key + digest + writer + head + _digest(layout)
+
+
+def chain_signature(prefix_key: bytes, rec: "RemoteRecord", digest: bytes, writers: Writers) -> str | None:
+    """None if chain record `rec` (at `prefix_key`, with block names digest `digest` of 0..rec.index)
+    is signed by an allow-listed writer; else why not ("unknown_writer" / "signature")."""
+    return writers.verify(rec.writer, rec.signature, _chain_signed(prefix_key, digest, rec.writer, rec.head,
+                                                                  rec.layout or b""))
 
 
 @dataclass(frozen=True)
@@ -91,6 +119,7 @@ class ExactRecord:
     namespace: str
     key_id: str = ""
     issued: int = 0
+    writer: str = ""  # hex id of the writer that signed the record holding it ("" unsigned)
 
     def length(self, block_size: int) -> int:
         return (self.index + 1) * block_size + len(self.tail)
@@ -105,6 +134,7 @@ class ExactSet:
     states: tuple  # of ExactRecord
     key_id: str = ""
     issued: int = 0
+    writer: str = ""
 
 
 @dataclass(frozen=True)
@@ -118,6 +148,7 @@ class ObjectRecord:
     namespace: str
     key_id: str = ""
     issued: int = 0
+    writer: str = ""
 
 
 def encode_layout(layout: dict) -> str:
@@ -131,11 +162,20 @@ def encode_layout(layout: dict) -> str:
 
 
 def _tag(kind: str, prefix_key: bytes, body: bytes, keys: TeamKeys) -> bytes:
-    """The MAC of a record body; a chain body's layout enters through its BLAKE3 (see _chain_tag)."""
-    if kind == CHAIN and len(body) >= CHAIN_HEAD.size:
-        at = CHAIN_HEAD.size + CHAIN_HEAD.unpack_from(body)[-1]
+    """The MAC of what follows the tag (writer id, signature, body); a chain body's layout enters
+    through its BLAKE3 (see _chain_tag)."""
+    if kind == CHAIN and len(body) >= SIGNED + CHAIN_HEAD.size:
+        at = SIGNED + CHAIN_HEAD.size + CHAIN_HEAD.unpack_from(body, SIGNED)[-1]
         return _chain_tag(prefix_key, body[:at], body[at:], keys)
     return _mac(kind.encode() + prefix_key + body, keys)
+
+
+def _signed_part(signer: SigningKey | None, data: bytes) -> bytes:
+    return NO_WRITER + NO_SIGNATURE if signer is None else signer.id + signer.sign(signer.id + data)
+
+
+def _record_signed(kind: str, prefix_key: bytes, body: bytes) -> bytes:
+    return b"mlxcache record signature" + kind.encode() + prefix_key + body
 
 
 def _chain_tag(prefix_key: bytes, head: bytes, layout: bytes, keys: TeamKeys) -> bytes:
@@ -162,33 +202,43 @@ def _digest(layout: bytes) -> bytes:
     return digest
 
 
-def _seal(kind: str, prefix_key: bytes, fields: dict, keys: TeamKeys, now: float) -> bytes:
+def _seal(kind: str, prefix_key: bytes, fields: dict, keys: TeamKeys, now: float, signer: SigningKey | None) -> bytes:
     doc = {"v": REMOTE_FORMAT, "t": kind, "kid": keys.key_id, "iat": int(now), **fields}
     body = json.dumps(doc, separators=(",", ":")).encode()
+    body = _signed_part(signer, _record_signed(kind, prefix_key, body)) + body
     return MAGIC + _tag(kind, prefix_key, body, keys) + body
 
 
-def seal_chain(prefix_key: bytes, rec: RemoteRecord, layout_json: str | None, keys: TeamKeys, now: float) -> bytes:
+def seal_chain(prefix_key: bytes, rec: RemoteRecord, layout_json: str | None, keys: TeamKeys, now: float,
+               signer: SigningKey | None = None, digest: bytes = b"") -> bytes:
+    """`digest`: names_digest of the block names 0..rec.index (what the signature vouches for)."""
     ns = rec.namespace.encode()
     flags = (rec.block is not None) | (layout_json is not None) << 1
-    body = CHAIN_HEAD.pack(REMOTE_FORMAT, flags, keys.key_id_bytes, int(now), rec.index, rec.start, rec.end,
+    head = CHAIN_HEAD.pack(REMOTE_FORMAT, flags, keys.key_id_bytes, int(now), rec.index, rec.start, rec.end,
                            bytes.fromhex(rec.block) if rec.block else bytes(32), len(ns)) + ns
-    body += layout_json.encode() if layout_json is not None else b""
+    layout = layout_json.encode() if layout_json is not None else b""
+    if signer is None:
+        signed = NO_WRITER + NO_SIGNATURE
+    else:
+        signed = signer.id + signer.sign(_chain_signed(prefix_key, digest, signer.id, head, layout))
+    body = signed + head + layout
     return MAGIC + _tag(CHAIN, prefix_key, body, keys) + body
 
 
-def seal_exact(prefix_key: bytes, states: Sequence[ExactRecord], keys: TeamKeys, now: float) -> bytes:
+def seal_exact(prefix_key: bytes, states: Sequence[ExactRecord], keys: TeamKeys, now: float,
+               signer: SigningKey | None = None) -> bytes:
     """Up to MAX_EXACT_STATES states of one prefix key (the same index and namespace), newest first."""
     states = list(states)[:MAX_EXACT_STATES]
     fields = {"ns": states[0].namespace, "i": states[0].index, "states": [
         {"tail": list(x.tail), "manifest": x.manifest, "size": x.size, "bytes": x.nbytes,
          "iat": x.issued or int(now)} for x in states]}
-    return _seal(EXACT, prefix_key, fields, keys, now)
+    return _seal(EXACT, prefix_key, fields, keys, now, signer)
 
 
-def seal_object(root_key: bytes, rec: ObjectRecord, keys: TeamKeys, now: float) -> bytes:
+def seal_object(root_key: bytes, rec: ObjectRecord, keys: TeamKeys, now: float,
+                signer: SigningKey | None = None) -> bytes:
     fields = {"ns": rec.namespace, "i": 0, "manifest": rec.manifest, "size": rec.size, "bytes": rec.nbytes}
-    return _seal(OBJECT, root_key, fields, keys, now)
+    return _seal(OBJECT, root_key, fields, keys, now, signer)
 
 
 def _no_floats(text):
@@ -199,21 +249,29 @@ def _int(v, lo: int, hi: int) -> bool:
     return type(v) is int and lo <= v <= hi
 
 
-def unseal(kind: str, prefix_key: bytes, value, keys: TeamKeys, *, now: float,
-           max_age_s: float = MAX_AGE_S) -> tuple[RemoteRecord | ExactSet | ObjectRecord | None, str | None]:
+def unseal(kind: str, prefix_key: bytes, value, keys: TeamKeys, *, now: float, max_age_s: float = MAX_AGE_S,
+           writers: Writers | None = None) -> tuple[RemoteRecord | ExactSet | ObjectRecord | None, str | None]:
     """(record, None), or (None, why): "mac" (not sealed by this secret for this key and kind),
-    "malformed" (verified but not a record this build reads) or "stale" (too old, or from the future)."""
+    "malformed" (verified but not a record this build reads), "stale" (too old, or from the future),
+    or, with an allow-list `writers`, "unknown_writer" / "signature" (an exact or object record not
+    signed by a listed writer; a chain record's signature is checked over its run: chain_signature)."""
     head = len(MAGIC) + TAG_BYTES
-    if not isinstance(value, bytes) or not head < len(value) <= MAX_RECORD_BYTES or not value.startswith(MAGIC):
+    if not isinstance(value, bytes) or not head + SIGNED < len(value) <= MAX_RECORD_BYTES or not value.startswith(
+            MAGIC):
         return None, "malformed"
     if kind == CHAIN:
         return _unseal_chain(prefix_key, value, keys, now, max_age_s)
-    body = value[head:]
-    if not hmac.compare_digest(value[len(MAGIC):head], _tag(kind, prefix_key, body, keys)):
+    if not hmac.compare_digest(value[len(MAGIC):head], _tag(kind, prefix_key, value[head:], keys)):
         return None, "mac"
+    writer, signature, body = value[head:head + WRITER_ID_BYTES], value[head + WRITER_ID_BYTES:head + SIGNED], value[
+        head + SIGNED:]
+    if writers:
+        why = writers.verify(writer, signature, writer + _record_signed(kind, prefix_key, body))
+        if why is not None:
+            return None, why
     try:  # deep nesting (RecursionError), huge integers, bad UTF-8: a miss like any other malformed body
         d = json.loads(body, parse_float=_no_floats, parse_constant=_no_floats)
-        rec = _parse_object(d, keys) if kind == OBJECT else _parse_exact(d, keys)
+        rec = _parse_object(d, keys, writer) if kind == OBJECT else _parse_exact(d, keys, writer)
     except Exception:  # noqa: BLE001 - a verified body from another build is still only a miss
         return None, "malformed"
     if rec is None:
@@ -228,10 +286,10 @@ def unseal(kind: str, prefix_key: bytes, value, keys: TeamKeys, *, now: float,
 def _unseal_chain(prefix_key: bytes, value: bytes, keys: TeamKeys, now: float, max_age_s: float):
     """unseal() of a chain record: its head unpacked once, its layout sliced once (a probe does hundreds)."""
     head = len(MAGIC) + TAG_BYTES
-    if len(value) < head + CHAIN_HEAD.size:
+    if len(value) < head + SIGNED + CHAIN_HEAD.size:
         return None, "malformed"
-    v, flags, kid, issued, index, start, end, block, ns_len = CHAIN_HEAD.unpack_from(value, head)
-    at = head + CHAIN_HEAD.size + ns_len
+    v, flags, kid, issued, index, start, end, block, ns_len = CHAIN_HEAD.unpack_from(value, head + SIGNED)
+    at = head + SIGNED + CHAIN_HEAD.size + ns_len
     layout = value[at:]
     if not hmac.compare_digest(value[len(MAGIC):head], _chain_tag(prefix_key, value[head:at], layout, keys)):
         return None, "mac"
@@ -239,13 +297,14 @@ def _unseal_chain(prefix_key: bytes, value: bytes, keys: TeamKeys, now: float, m
             or not 0 < ns_len <= 1024 or len(value) < at or bool(layout) != bool(flags & 2)):
         return None, "malformed"
     try:
-        namespace = value[head + CHAIN_HEAD.size:at].decode()
+        namespace = value[head + SIGNED + CHAIN_HEAD.size:at].decode()
     except UnicodeDecodeError:
         return None, "malformed"
     if not now - max_age_s <= issued <= now + MAX_SKEW_S:
         return None, "stale"
     return RemoteRecord(index, start, end, block.hex() if flags & 1 else None, namespace, layout or None,
-                        keys.key_id, issued), None
+                        keys.key_id, issued, value[head:head + WRITER_ID_BYTES],
+                        value[head + WRITER_ID_BYTES:head + SIGNED], value[head + SIGNED:at]), None
 
 
 def _head_ok(kind: str, d, keys: TeamKeys) -> bool:
@@ -254,14 +313,18 @@ def _head_ok(kind: str, d, keys: TeamKeys) -> bool:
             and type(d.get("ns")) is str and 0 < len(d["ns"]) <= 1024)
 
 
-def _parse_object(d, keys: TeamKeys) -> ObjectRecord | None:
+def _parse_object(d, keys: TeamKeys, writer: bytes) -> ObjectRecord | None:
     if not (_head_ok(OBJECT, d, keys) and is_block_name(d.get("manifest")) and _int(d.get("size"), 1, MAX_VALUE_BYTES)
             and _int(d.get("bytes"), d["size"], 1 << 50)):
         return None
-    return ObjectRecord(d["manifest"], d["size"], d["bytes"], d["ns"], d["kid"], d["iat"])
+    return ObjectRecord(d["manifest"], d["size"], d["bytes"], d["ns"], d["kid"], d["iat"], _wid(writer))
 
 
-def _parse_exact(d, keys: TeamKeys) -> ExactSet | None:
+def _wid(writer: bytes) -> str:
+    return "" if writer == NO_WRITER else writer.hex()
+
+
+def _parse_exact(d, keys: TeamKeys, writer: bytes) -> ExactSet | None:
     if not _head_ok(EXACT, d, keys):
         return None
     states = d.get("states")
@@ -274,5 +337,6 @@ def _parse_exact(d, keys: TeamKeys) -> ExactSet | None:
                 and is_block_name(x.get("manifest")) and _int(x.get("size"), 1, MAX_VALUE_BYTES)
                 and _int(x.get("bytes"), x["size"], 1 << 50) and _int(x.get("iat"), 0, d["iat"])):
             return None
-        out.append(ExactRecord(d["i"], tuple(tail), x["manifest"], x["size"], x["bytes"], d["ns"], d["kid"], x["iat"]))
-    return ExactSet(d["i"], d["ns"], tuple(out), d["kid"], d["iat"])
+        out.append(ExactRecord(d["i"], tuple(tail), x["manifest"], x["size"], x["bytes"], d["ns"], d["kid"], x["iat"],
+                               _wid(writer)))
+    return ExactSet(d["i"], d["ns"], tuple(out), d["kid"], d["iat"], _wid(writer))

@@ -33,18 +33,22 @@ from typing import Sequence
 
 from .breaker import Breaker
 from .client import GuardedClient, RemoteError, describe
-from .config import parse_remote_url
-from .keys import OPEN, KeySpace, TeamKeys, block_name, check_secret, is_block_name
+from .config import parse_remote_url, reveal
+from .keys import OPEN, KeySpace, TeamKeys, block_name, is_block_name, team_keys
 from .meter import Meter, fetch_beats_recompute
 from .publish import Publication
-from .records import CHAIN, EXACT, MAX_AGE_S, MAX_RECORD_BYTES, MAX_VALUE_BYTES, OBJECT, ExactRecord, ObjectRecord, unseal
+from .records import (CHAIN, EXACT, MAX_AGE_S, MAX_RECORD_BYTES, MAX_VALUE_BYTES, OBJECT, ExactRecord, ObjectRecord,
+                      chain_signature, names_digest, unseal)
+from .writers import NO_WRITER, SigningKey, Writers
 
 PROBE_BATCH = 16  # prefix keys per round trip
+SIGNATURE_TRIES = 4  # chain records a lookup verifies, from the end of its run, before it gives up
 GET_BATCH = 8  # block values per round trip: at most 8 x 4 MB in flight
 META_BATCH = 256  # small commands (STRLEN, EXPIRE, record SET, UNLINK) per pipeline
 MIN_FETCH_TOKENS = 256  # below this, recomputing is cheaper than any round trip worth making
 COUNTERS = ("hits", "misses", "bytes_read", "bytes_written", "blocks_uploaded", "blocks_skipped", "records_written",
-            "records_found", "probes", "mac_rejected", "malformed", "stale", "wrong_size", "bad_blocks")
+            "records_found", "probes", "mac_rejected", "malformed", "stale", "wrong_size", "bad_blocks",
+            "unknown_writer", "signature_rejected")
 
 
 class RemoteMiss(Exception):
@@ -66,20 +70,11 @@ class Found:
     exact: ExactRecord | None = None
     key_id: str = ""
     chain: list = field(default_factory=list)  # the prefix keys probed (for touch())
+    writer: str = ""  # hex id of the writer whose signature vouches for `records` ("" unsigned, no allow-list)
 
 
 def _chunks(seq: Sequence, n: int):
     return (seq[i:i + n] for i in range(0, len(seq), n))
-
-
-def secrets_of(secret) -> list[bytes]:
-    """[current, previous...]: bytes, a str (one secret per line) or a sequence of them."""
-    if secret is None:
-        return []
-    if isinstance(secret, str):
-        secret = [s for s in secret.splitlines() if s.strip()]
-    items = [secret] if isinstance(secret, (bytes, bytearray)) else list(secret)
-    return [check_secret(s.encode() if isinstance(s, str) else s) for s in items]
 
 
 class RemoteTier(Publication):
@@ -87,15 +82,18 @@ class RemoteTier(Publication):
                  timeout_s: float = 1.0, key_prefix: str = "mlxcache", probe_batch: int = PROBE_BATCH,
                  min_fetch_tokens: int = MIN_FETCH_TOKENS, margin: float = 1.5, breaker: Breaker | None = None,
                  max_pending: int = 64, tls: dict | None = None, max_age_s: float | None = None,
-                 password: str | None = None):
+                 password: str | None = None, signing_key=None, writers=None):
         """secret: the team secret (16+ bytes), or [current, previous...] while rotating: records are
         sealed with the first and read under each. No secret is refused unless insecure=True.
-        password: the server's, when the URL has none; tls: ca_file, cert_file, key_file (rediss://)."""
+        password: the server's, when the URL has none; tls: ca_file, cert_file, key_file (rediss://).
+        signing_key: this writer's Ed25519 key (writers.py; None: records go unsigned, and with an
+        allow-list nothing is published); writers: the allow-list of public keys (None or empty:
+        any holder of the secret is trusted, MAC only)."""
         self.config = parse_remote_url(url)
         if password and not self.config.password:
-            self.config = dataclasses.replace(self.config, password=password)
-        secrets = secrets_of(secret)
-        if not secrets and not insecure:
+            self.config = dataclasses.replace(self.config, password=reveal(password))
+        self.keys = team_keys(secret)  # no raw secret is ever a variable of this frame (a traceback shows them)
+        if not self.keys[0].authenticated and not insecure:
             raise ValueError(f"remote tier {self.url}: no team secret (or choose insecure=True by name)")
         if not isinstance(ttl_s, int) or ttl_s < 1:
             raise ValueError(f"ttl_s must be a positive whole number of seconds, got {ttl_s!r}")
@@ -103,11 +101,12 @@ class RemoteTier(Publication):
             raise ValueError("timeout_s must be > 0 and probe_batch >= 1")
         self.ttl_s, self.timeout_s, self.probe_batch = ttl_s, float(timeout_s), probe_batch
         self.min_fetch_tokens, self.margin = min_fetch_tokens, margin
-        self.keys = [TeamKeys(s) for s in secrets] or [TeamKeys(None)]
         self.spaces = {k.key_id: KeySpace(k, key_prefix) for k in self.keys}
         self.max_age_s = MAX_AGE_S if max_age_s is None else max_age_s
         self.breaker = breaker or Breaker()
         self.meter = Meter()
+        self.signer = None if signing_key is None else SigningKey.load(signing_key)
+        self.writers = Writers.parse(writers)
         if tls and not self.config.tls:
             raise ValueError(f"TLS files given for {self.url!r}, which is not TLS (use rediss://)")
         self.reader = GuardedClient(self.config, self.timeout_s, self.breaker, tls)
@@ -128,7 +127,12 @@ class RemoteTier(Publication):
     def __repr__(self) -> str:
         kind = "cluster" if self.config.cluster else "server"
         auth = f"key id {self.keys[0].key_id}" if self.authenticated else "UNAUTHENTICATED"
-        return f"RemoteTier({self.url!r}, {kind}, {auth}, breaker={self.breaker.state()!r})"
+        return f"RemoteTier({self.url!r}, {kind}, {auth}, {self.writers!r}, breaker={self.breaker.state()!r})"
+
+    @property
+    def may_publish(self) -> bool:
+        """False for a member without a signing key in a team with an allow-list: its records would be refused."""
+        return self.signer is not None or not self.writers
 
     # --- lookup ---
 
@@ -139,6 +143,8 @@ class RemoteTier(Publication):
         Under each secret in turn (rotation); an empty Found on any failure. `deadline`: monotonic."""
         self.count(probes=1)
         for keys in self.keys:
+            if keys.not_after is not None and keys.not_after <= time.time():
+                continue  # ended while this process ran
             found = self._probe(keys, namespace, tokens, block_size, deadline, exact)
             if found.records or found.exact:
                 self.count(records_found=len(found.records))
@@ -182,7 +188,32 @@ class RemoteTier(Publication):
                 plain = plain and rec.layout is not None and rec.block is not None
                 if plain:
                     found.records.append(rec)
+        self._vouched(found)
         return found
+
+    def _vouched(self, found: Found) -> None:
+        """Cut found.records to the longest run whose last record is signed, over the names of the
+        whole run, by an allow-listed writer (trying SIGNATURE_TRIES from the end); none verifies: empty.
+        Without an allow-list the run stays, its writer the last record's (or "" unsigned)."""
+        records = found.records
+        if not records:
+            return
+        if not self.writers:
+            w = records[-1].writer
+            found.writer = "" if w == NO_WRITER else w.hex()
+            return
+        digests, d = [], b""
+        for r in records:
+            d = names_digest(d, r.block)
+            digests.append(d)
+        for j in range(len(records) - 1, max(-1, len(records) - 1 - SIGNATURE_TRIES), -1):
+            why = chain_signature(found.chain[j], records[j], digests[j], self.writers)
+            if why is None:
+                del records[j + 1:]
+                found.writer = records[j].writer.hex()
+                return
+            self.count(**{"signature_rejected" if why == "signature" else why: 1})
+        records.clear()
 
     def find_object(self, namespace: str, *, deadline: float | None = None) -> ObjectRecord | None:
         """The record of the exact tensor object in `namespace` (object_remote.py), under each secret
@@ -213,9 +244,9 @@ class RemoteTier(Publication):
         if size > MAX_RECORD_BYTES:
             self.count(wrong_size=1)
             return None
-        rec, why = unseal(kind, key, value, keys, now=now, max_age_s=self.max_age_s)
+        rec, why = unseal(kind, key, value, keys, now=now, max_age_s=self.max_age_s, writers=self.writers)
         if why is not None:
-            self.count(**{"mac_rejected" if why == "mac" else why: 1})
+            self.count(**{"mac_rejected" if why == "mac" else "signature_rejected" if why == "signature" else why: 1})
         return rec
 
     def get_blocks(self, items: Sequence[tuple[str, int]], *, key_id: str | None = None,
@@ -301,6 +332,7 @@ class RemoteTier(Publication):
         errors = self.reader.errors + self.writer.errors
         return {"url": self.url, "cluster": self.config.cluster, "tls": self.config.tls,
                 "authenticated": self.authenticated, "key_id": self.keys[0].key_id, **counts, "errors": errors,
+                "writers": len(self.writers.keys), "signing": self.signer is not None,
                 "deadline_missed": self.reader.deadlines_missed + self.writer.deadlines_missed,
                 "skipped_breaker_open": self.reader.not_tried + self.writer.not_tried,
                 "breaker": self.breaker.state(), "last_error": self.breaker.last_error,

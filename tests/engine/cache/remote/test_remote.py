@@ -203,7 +203,8 @@ def test_records_are_sealed_to_their_key_kind_and_secret():
     now = time.time()
     rec = RemoteRecord(3, 192, 256, "ab" * 32, "ns", b'{"layers":2}', team.key_id, int(now))
     value = seal_chain(k1, rec, rec.layout.decode(), team, now)
-    assert unseal("c", k1, value, team, now=now) == (rec, None)
+    got, why = unseal("c", k1, value, team, now=now)
+    assert why is None and got[:8] == rec[:8] and got.head  # the rest: writer, signature, what it signs
     assert unseal("c", k1, value, TeamKeys(OTHER), now=now) == (None, "mac")  # another team
     assert unseal("c", k2, value, team, now=now) == (None, "mac")  # replayed under another prefix
     assert unseal("x", k1, value, team, now=now) == (None, "mac")  # as another kind
@@ -517,10 +518,11 @@ def test_a_dripping_server_is_abandoned_by_the_deadline(server):
         t0 = time.monotonic()
         for i in range(3):
             assert tier.probe("ns-drip", toks, BS, deadline=time.monotonic() + 0.5).records == []
-        assert time.monotonic() - t0 < 25  # three cut probes, not minutes of dripping records
+        assert time.monotonic() - t0 < 25  # a cut probe, not minutes of dripping records
         s = tier.stats()
-        assert s["deadline_missed"] == 3 and "deadline" in s["last_error"]
-        assert s["breaker"].startswith("open until")  # slowness counts like errors
+        assert s["deadline_missed"] == 1 and "deadline" in s["last_error"]
+        assert s["breaker"].startswith("open until")  # a stall opens it at once: the next two are not tried
+        assert s["skipped_breaker_open"] == 2
         assert isinstance(_outcome(tier.get_blocks, items(blocks), deadline=time.monotonic() + 5), RemoteMiss)
         tier.breaker.success()  # as after a cool-down: try publishing through the drip
         assert tier.publish("ns-drip-2", tokens_for(3, seed=61), BS, blocks, {"kv": "test"})

@@ -1,0 +1,118 @@
+"""Where local state came from: the remote writer (and secret) behind each entry taken from the remote.
+
+A remote hit is written through to the local SSD tier, and what a cell
+then computes on top of it (its answer, the next turn) is derived from it.
+Both must follow their writer: when the team revokes the writer (drops its
+key from the allow-list) or the secret (drops the key id), they must stop
+serving here too, and a member must never publish them as its own (that
+would launder another writer's records under its signature, or carry them
+across a rotation into the new key space).
+
+So every checkpoint adopted from the remote, and every one whose tokens
+extend such a checkpoint, has an origin: (namespace, tokens, writer id,
+key id), kept in memory and, with an SSD tier, as a small JSON file per
+entry in a private directory beside the catalogue. `sweep()` (at attach,
+i.e. at every start with a remote configured) drops the SSD entries of
+origins no longer trusted; `of()` says whether a checkpoint is remote-made
+(then link.py does not publish it). With no remote configured nothing is
+swept: a machine that left the team keeps what it took (say so in the
+runbook: clear the cache directory).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import blake3
+
+from ...system import make_private_dir, write_json_atomic
+from ...kv.tokens import token_key
+
+MAX_ORIGIN_FILE_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class Origin:
+    namespace: str
+    tokens: tuple
+    writer: str  # hex writer id; "" for an unsigned record (a team without an allow-list)
+    key_id: str
+
+
+class Origins:
+    def __init__(self, root: Path | None):
+        self.root = None if root is None else make_private_dir(Path(root))
+        self._lock = threading.Lock()
+        self._by_ns: dict[str, list[Origin]] = {}
+        if self.root is not None:
+            for path in sorted(self.root.glob("*.json")):
+                o = _load(path)
+                if o is None:
+                    path.unlink(missing_ok=True)  # unreadable: its entry may stay, but nothing is lost that mattered
+                else:
+                    self._by_ns.setdefault(o.namespace, []).append(o)
+
+    def add(self, namespace: str, tokens: Sequence[int], writer: str, key_id: str) -> Origin:
+        o = Origin(namespace, tuple(int(t) for t in tokens), writer, key_id)
+        with self._lock:
+            if o in self._by_ns.get(namespace, ()):
+                return o
+            self._by_ns.setdefault(namespace, []).append(o)
+        if self.root is not None:
+            write_json_atomic(self.root / f"{_name(namespace, o.tokens)}.json",
+                              {"ns": namespace, "tokens": list(o.tokens), "writer": writer, "kid": key_id})
+        return o
+
+    def of(self, namespace: str, tokens: Sequence[int]) -> Origin | None:
+        """The origin of a checkpoint of `tokens`: its own, or that of a remote entry it extends."""
+        tokens = tuple(tokens)
+        with self._lock:
+            candidates = list(self._by_ns.get(namespace, ()))
+        return next((o for o in candidates if len(o.tokens) <= len(tokens) and tokens[:len(o.tokens)] == o.tokens),
+                    None)
+
+    def derived(self, namespace: str, tokens: Sequence[int]) -> Origin | None:
+        """Like of(), and a checkpoint that extends a remote entry gets its own origin (the same writer)."""
+        o = self.of(namespace, tokens)
+        if o is not None and len(o.tokens) != len(tokens):
+            self.add(namespace, tokens, o.writer, o.key_id)
+        return o
+
+    def sweep(self, trusted: Callable[[Origin], bool], remove: Callable[[list], int] | None) -> int:
+        """Drop every origin `trusted` refuses, and (through `remove`, given [(ns, key)]) its SSD entry."""
+        with self._lock:
+            gone = [o for os_ in self._by_ns.values() for o in os_ if not trusted(o)]
+            for o in gone:
+                self._by_ns[o.namespace].remove(o)
+        if gone and remove is not None:
+            remove([(o.namespace, token_key(o.tokens)) for o in gone])
+        if self.root is not None:
+            for o in gone:
+                (self.root / f"{_name(o.namespace, o.tokens)}.json").unlink(missing_ok=True)
+        return len(gone)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(v) for v in self._by_ns.values())
+
+
+def _name(namespace: str, tokens: tuple) -> str:
+    return blake3.blake3(namespace.encode() + b"\0" + token_key(tokens).encode()).hexdigest()[:40]
+
+
+def _load(path: Path) -> Origin | None:
+    try:
+        if path.stat().st_size > MAX_ORIGIN_FILE_BYTES:
+            return None
+        d = json.loads(path.read_text())
+        tokens = d["tokens"]
+        if not (isinstance(d["ns"], str) and isinstance(d["writer"], str) and isinstance(d["kid"], str)
+                and isinstance(tokens, list) and all(type(t) is int for t in tokens)):
+            return None
+        return Origin(d["ns"], tuple(tokens), d["writer"], d["kid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -1,0 +1,162 @@
+"""KV bound to its tokens: recompute the first layer's keys and values of a prefix and compare.
+
+A remote record says "block i holds the KV of these tokens"; its signature
+says who said so, not that it is true. The first layer's keys and values
+depend only on each token and its position (embedding, norm, projection,
+rotary position), not on any other token, so they can be recomputed for
+every restored position at a small cost (one embedding lookup and the
+first layer's projections: no attention, no other layer) and compared with
+what was restored. A block taken from another prompt, or from another
+position, or values made up, differ there: the prefix is a miss.
+
+What this does not catch: KV whose first layer is right and whose later
+layers are wrong (a writer who computed layer 0 honestly and forged the
+rest); that needs recomputing the prefix, which is what a hit avoids.
+
+Cost: the whole prefix in one pass is ~1/20 of a prefill's work but still
+~200 ms at 8k tokens on two CPU cores (the query projection is computed and
+thrown away). So a lookup first checks a sample: SAMPLE consecutive
+positions at a random place (the reader's choice, unknown to a writer) in
+every 32-token span, all spans as rows of one batch with their own rotary
+offsets (~2% of the positions). A block that is another prompt's or another
+position's fails at any position. Only if the sample does not match (or the
+model's rotary code does not take per-row offsets) is every position
+recomputed, and that verdict stands; a model whose sample never works is
+checked whole from then on.
+
+How: the model's own forward pass runs with a first-layer cache that keeps
+what it is given and stops the pass there (`_Stop`), so the model's own
+embedding, scaling, norms and rotary code make the reference. It applies
+where layer 0 is plain KV (codecs.PlainKV) in the checkpoint and in the model;
+anything else (a sliding first layer, quantized KV, a model whose forward
+pass does not go through its caches this way) is "unchecked" (None), and
+says so in the counters. Owner thread (MLX).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .codecs import PlainKV, UnsupportedCache, codec, kind_of
+
+CHUNK = 1024  # positions per recomputation pass (bounds the embedding and projection buffers)
+SPAN = 32  # a sample per span of this many positions (the remote tier's block)
+SAMPLE = 2  # consecutive positions per span
+_whole_only: set = set()  # id() of models whose forward pass does not take per-row offsets
+TOLERANCE = {mx.float32: (1e-3, 1e-4), mx.float16: (2e-2, 2e-3), mx.bfloat16: (5e-2, 1e-2)}  # (rtol, atol)
+
+
+class _Stop(Exception):
+    pass
+
+
+class _Capture:
+    """A first-layer cache that keeps the keys and values it is given, then stops the forward pass
+    (what the model asks of a plain cache before that: its offset, a mask)."""
+
+    def __init__(self, offset: int):
+        self.offset = offset
+        self.keys = self.got = None
+
+    def make_mask(self, n: int, *args, **kwargs):
+        return "causal" if n > 1 else None
+
+    def update_and_fetch(self, keys, values):
+        self.got = (keys, values)
+        raise _Stop
+
+
+def _plain(kind: str) -> bool:
+    try:
+        return isinstance(codec(kind), PlainKV)
+    except UnsupportedCache:
+        return False
+
+
+def bound_to_tokens(m, cp) -> bool | None:
+    """Whether checkpoint `cp`'s first layer is that of its tokens, for loaded model `m`
+    (models.LoadedModel; None, a VLM or no layers: None, not checkable)."""
+    if m is None or m.vision is not None or not cp.layers:
+        return None
+    return first_layer_matches(m.model, m.new_caches(), cp.tokens, cp.layers[0])
+
+
+def first_layer_matches(model: Any, caches: Sequence, tokens: Sequence[int], layer0) -> bool | None:
+    """True if layer0 (a checkpoint's LayerState 0) holds the first layer's keys and values of
+    `tokens` within the dtype's tolerance; False if not; None if this model cannot be checked so.
+    `caches`: a fresh cache list of the model (models.new_caches)."""
+    if not (_plain(layer0.kind) and _plain(kind_of(caches[0])) and layer0.segments):
+        return None
+    keys = [s.arrays[0] for s in layer0.segments]
+    values = [s.arrays[1] for s in layer0.segments]
+    keys = keys[0] if len(keys) == 1 else mx.concatenate(keys, axis=-2)
+    values = values[0] if len(values) == 1 else mx.concatenate(values, axis=-2)
+    n = int(keys.shape[-2])
+    if n != len(tokens) or int(values.shape[-2]) != n:
+        return False
+    tol = TOLERANCE.get(keys.dtype, (5e-2, 1e-2))
+    if id(model) not in _whole_only and n >= 2 * SPAN:
+        sampled = _sampled(model, caches, tokens, keys, values, tol)
+        if sampled:
+            return True
+    whole = _whole(model, caches, tokens, keys, values, tol)
+    if whole and n >= 2 * SPAN:
+        _whole_only.add(id(model))  # the sample failed where the whole matched: its rotary code differs
+    return whole
+
+
+def _close(got, want, tol) -> bool:
+    rtol, atol = tol
+    return bool(mx.allclose(got.astype(mx.float32), want.astype(mx.float32), rtol=rtol, atol=atol))
+
+
+def _sampled(model, caches, tokens, keys, values, tol) -> bool:
+    """SAMPLE consecutive positions at a random place in every SPAN, as rows of one batch."""
+    n = int(keys.shape[-2])
+    rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
+    starts = np.arange(0, n - SAMPLE + 1, SPAN)
+    starts = np.minimum(starts + rng.integers(0, SPAN - SAMPLE + 1, len(starts)), n - SAMPLE)
+    pos = (starts[:, None] + np.arange(SAMPLE)[None, :]).astype(np.int32)  # (rows, SAMPLE)
+    toks = np.asarray(tokens, dtype=np.int64)[pos]
+    cap = _Capture(mx.array(starts.astype(np.int32)))
+    try:
+        model(mx.array(toks.astype(np.int32)), cache=[cap, *caches[1:]])
+    except _Stop:
+        pass
+    except Exception:  # noqa: BLE001 - no per-row offsets here: the whole check decides
+        return False
+    if cap.got is None:
+        return False
+    want_k, want_v = cap.got  # (rows, heads, SAMPLE, dim)
+    flat = mx.array(pos.reshape(-1))
+    got_k = mx.take(keys[0], flat, axis=1).reshape(keys.shape[1], *pos.shape, -1).transpose(1, 0, 2, 3)
+    got_v = mx.take(values[0], flat, axis=1).reshape(values.shape[1], *pos.shape, -1).transpose(1, 0, 2, 3)
+    if want_k.shape != got_k.shape or want_v.shape != got_v.shape:
+        return False
+    return _close(got_k, want_k, tol) and _close(got_v, want_v, tol)
+
+
+def _whole(model, caches, tokens, keys, values, tol) -> bool | None:
+    n = int(keys.shape[-2])
+    for start in range(0, n, CHUNK):
+        end = min(n, start + CHUNK)
+        cap = _Capture(start)
+        try:
+            model(mx.array(list(tokens[start:end]))[None], cache=[cap, *caches[1:]])
+        except _Stop:
+            pass
+        except Exception:  # noqa: BLE001 - a forward pass that does not work this way: not checkable
+            return None
+        if cap.got is None:
+            return None
+        want_k, want_v = cap.got
+        got_k, got_v = keys[..., start:end, :], values[..., start:end, :]
+        if want_k.shape != got_k.shape or want_v.shape != got_v.shape:
+            return False
+        if not (_close(got_k, want_k, tol) and _close(got_v, want_v, tol)):
+            return False
+    return True

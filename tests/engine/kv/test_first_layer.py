@@ -1,0 +1,73 @@
+"""KV bound to its tokens (issue 30): the first layer's keys and values of a restored prefix are
+recomputed from its tokens and compared. A block of another prompt, or of another position, is
+caught by the sampled check and confirmed by the whole one; an honest prefix passes the sample."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxcache_kernel.engine import Engine
+from mlxcache_kernel.engine.kv import first_layer
+from mlxcache_kernel.engine.kv.layers import LayerState
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir, tmp_path_factory):
+    eng = Engine(cache_dir=tmp_path_factory.mktemp("fl"), ssd=False)
+    eng.load_model(tiny_model_dir, name="m")
+    yield eng.models.get("m")
+    eng.close()
+
+
+def prefill_layer0(m, ids):
+    """Layer 0 of a real chunked prefill (the model's own caches), cut to the prompt."""
+    caches = m.new_caches()
+    for i in range(0, len(ids), 100):
+        m.model(mx.array(ids[i:i + 100])[None], cache=caches)
+    c = caches[0]
+    k, v = c.keys[..., :len(ids), :], c.values[..., :len(ids), :]
+    mx.eval(k, v)
+    return LayerState.whole(type(c).__name__, (k, v), {"offset": len(ids)}), (k, v)
+
+
+def ids_of(n, seed):
+    return [int(x) for x in np.random.default_rng(seed).integers(3, 259, n)]
+
+
+def test_an_honest_prefix_passes_the_sample(model):
+    ids = ids_of(320, 1)
+    layer0, _ = prefill_layer0(model, ids)
+    assert first_layer.first_layer_matches(model.model, model.new_caches(), ids, layer0) is True
+    assert id(model.model) not in first_layer._whole_only  # the sample itself matched
+
+
+@pytest.mark.parametrize("how", ["another prompt's block", "a block moved", "one position"])
+def test_a_mislabelled_block_is_caught(model, how):
+    ids, other = ids_of(320, 1), ids_of(320, 2)
+    _, (k, v) = prefill_layer0(model, ids)
+    _, (k2, v2) = prefill_layer0(model, other)
+    k, v = np.array(k), np.array(v)
+    if how == "another prompt's block":
+        k[..., 96:128, :], v[..., 96:128, :] = np.array(k2)[..., 96:128, :], np.array(v2)[..., 96:128, :]
+    elif how == "a block moved":  # the same tokens' block at another position (a shifted prompt)
+        k[..., 96:128, :] = k[..., 160:192, :]
+        ids = ids[:96] + ids[160:192] + ids[128:]
+    else:
+        v[..., 200, :] += 1.0
+    k, v = mx.array(k), mx.array(v)
+    tol = first_layer.TOLERANCE[mx.float32]
+    assert first_layer._whole(model.model, model.new_caches(), ids, k, v, tol) is False
+    if how == "one position":  # a sample of 2 in 32 misses it most of the time: the README says so
+        return
+    assert first_layer._sampled(model.model, model.new_caches(), ids, k, v, tol) is False  # any sample catches it
+    layer0 = LayerState.whole("KVCache", (k, v), {"offset": len(ids)})
+    assert first_layer.first_layer_matches(model.model, model.new_caches(), ids, layer0) is False
+
+
+def test_layers_it_cannot_check_are_unchecked(model):
+    ids = ids_of(64, 3)
+    layer0, _ = prefill_layer0(model, ids)
+    ring = LayerState("RotatingKVCache", layer0.segments, {})
+    assert first_layer.first_layer_matches(model.model, model.new_caches(), ids, ring) is None
