@@ -13,11 +13,10 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
-from fault_worker import (NS, assert_nothing_leaks, build_template, expected_digest, open_store, read_digest,
+from fault_worker import (NS, assert_nothing_leaks, expected_digest, open_store, read_digest,
                           tokens, write)
 
 from mlxcache_kernel.engine import Engine, SamplingParams, system
@@ -26,19 +25,6 @@ from mlxcache_kernel.engine.cache.ssd import format as fmt
 from mlxcache_kernel.engine.kv.tokens import token_key
 from paused import ENV, WORKER, Clock, Paused
 from repo_paths import SUPPORT
-
-
-@pytest.fixture(scope="module")
-def template(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("contention") / "c"
-    build_template(root)
-    return root
-
-
-@pytest.fixture
-def root(template, tmp_path) -> Path:
-    shutil.copytree(template, tmp_path / "c")
-    return tmp_path / "c"
 
 
 def others(store) -> list[str]:

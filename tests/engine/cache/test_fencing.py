@@ -8,13 +8,11 @@ anyone acknowledged restores identically, and after one gc nothing leaks."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from fault_worker import (NS, assert_nothing_leaks, build_template, expected_digest, open_store, read_digest,
+from fault_worker import (NS, assert_nothing_leaks, expected_digest, open_store, read_digest,
                           tokens, write)
 from paused import ENV, WORKER, Clock, Paused
 
@@ -22,19 +20,6 @@ from mlxcache_kernel.engine.cache.catalog.database import CatalogBusy
 from mlxcache_kernel.engine.cache.ssd import blocks
 from mlxcache_kernel.engine.cache.ssd import format as fmt
 from mlxcache_kernel.engine.kv.tokens import token_key
-
-
-@pytest.fixture(scope="module")
-def template(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("fencing") / "c"
-    build_template(root)
-    return root
-
-
-@pytest.fixture
-def root(template, tmp_path) -> Path:
-    shutil.copytree(template, tmp_path / "c")
-    return tmp_path / "c"
 
 
 def others(s) -> list[str]:

@@ -7,31 +7,16 @@ checkpoint is never dropped for it."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-from fault_worker import NS, build_template, expected_digest, open_store, read_digest, tokens
+from fault_worker import NS, expected_digest, open_store, read_digest, tokens
 from paused import ENV, WORKER
 
 from mlxcache_kernel.engine.cache.ssd import blocks
 from mlxcache_kernel.engine.cache.ssd import format as fmt
 from mlxcache_kernel.engine.kv.tokens import token_key
-
-
-@pytest.fixture(scope="module")
-def template(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("quarantine") / "c"
-    build_template(root)
-    return root
-
-
-@pytest.fixture
-def root(template, tmp_path) -> Path:
-    shutil.copytree(template, tmp_path / "c")
-    return tmp_path / "c"
 
 
 def c_block(root: Path) -> Path:
