@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 from ..faults import fault
 from .blocks import CorruptBlock
-from .format import CorruptCheckpoint, Header, NewerFormat, read_header
+from .header import CorruptCheckpoint, Header, NewerFormat, read_header
 from .index import IndexEntry
 from .tensor_read import MissingBlock, allocate_all, fill
 

@@ -29,7 +29,7 @@ import os
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from ...kv.tokens import token_key
 from ...system import fsync_dir, make_private_dir, unlink_quietly, unsupported_filesystem
@@ -42,6 +42,7 @@ from .format import CorruptCheckpoint, FileInfo, Header, NewerFormat
 from .index import FileIndex, IndexEntry
 from .pending_read import CheckpointUnavailable, PendingRead
 from .removal import AfterCommit, changing
+from .leases import Reads
 from .layout import BLOCKS, HEARTBEATS, NAMESPACE_RE, QUARANTINE, SUFFIX
 from .upkeep import Upkeep
 
@@ -71,7 +72,7 @@ def _row(path: Path, h: Header) -> FileRow:
                    h.block_bytes, tuple(b.name for b in h.blocks))
 
 
-class CheckpointStore(Upkeep):
+class CheckpointStore(Reads, Upkeep):
     def __init__(self, root, *, ssd_budget_bytes: int | None = None, on_event: Callable[[dict], None] | None = None,
                  on_removed: Callable[[str, tuple], None] | None = None, clock: Callable[[], float] = time.monotonic,
                  filesystems: Sequence[str] = ()):
@@ -219,69 +220,6 @@ class CheckpointStore(Upkeep):
     def entries(self) -> list[IndexEntry]:
         self.sync()
         return self.index.snapshot()
-
-    # --- restore ---
-
-    def open_read(self, entry: IndexEntry, *, touch: bool = True) -> PendingRead:
-        """Start reading `entry` (owner thread): the catalogue lease, the descriptor, the
-        header and its identity checks. See pending.py for the rest of the read."""
-        return PendingRead(self, entry, touch=touch)
-
-    def read(self, entry: IndexEntry, allocate: Callable, build: Callable[[Header], Any]):
-        """Read and verify `entry`'s file through one descriptor into buffers from
-        `allocate(name, dtype, shape)`, then return `build(header)` (see restore.py):
-        open_read, allocate, fill and finish on the calling thread.
-
-        Any problem is CheckpointUnavailable (a miss). Only verified corruption is
-        quarantined (a bad hash, header or identity); a vanished file, a missing
-        block, an I/O error or a busy catalogue is a miss, and the next lookup tries again.
-        """
-        pending = self.open_read(entry)
-        pending.allocate(allocate)
-        pending.fill()
-        return pending.finish(build)
-
-    def lease(self, k: tuple) -> tuple[int | None, str | None]:
-        """Lease (namespace, key) for a read: (lease id, the file's path). (None, None): no such file
-        any more; (None, "") when the catalogue is busy: read unleased (a deletion meanwhile is a miss).
-        A file found referencing a lost block is dropped on the spot (a miss)."""
-        try:
-            got = self.catalog.lease(*k)
-        except CatalogBusy:
-            with self._lock:
-                self._stats["unleased_reads"] += 1
-            return None, ""
-        if got is None:
-            self.sync()
-            return None, None
-        lease_id, path, missing = got
-        if missing:
-            self.end_lease(lease_id)
-            self._drop_missing(k, Path(path))
-            return None, None
-        return lease_id, path
-
-    def end_lease(self, lease_id: int) -> None:
-        """The read is over: its blocks may go if nothing else holds them (a busy catalogue: later)."""
-        def end() -> None:
-            with changing(self, "unlease") as (db, after):
-                after.blocks = self.catalog.free_blocks(db, self.catalog.end_lease(db, lease_id))
-        try:
-            end()
-        except CatalogBusy:
-            self.catalog.later(end)
-
-    def count_restore(self, read: PendingRead, *, touch: bool = True) -> None:
-        """A finished read: restore statistics and, unless it was speculative, the file's last use."""
-        if touch:
-            self.catalog.touch(*read.key)
-        with self._lock:
-            e = self._entries.get(read.key)
-            if e is not None and touch:
-                e.last_use = time.time()
-            self._stats["restores"] += 1
-            self._stats["restore_bytes"] += read.header.raw_bytes + read.header.block_bytes
-            self._stats["restore_seconds"] += read.seconds
 
     # --- commits and deletions (catalogue transactions) ---
 

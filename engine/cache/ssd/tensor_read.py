@@ -15,7 +15,7 @@ import numpy as np
 
 from . import blocks
 from .blocks import BlockRef
-from .format import CorruptCheckpoint, Header, TensorEntry, hasher
+from .header import CorruptCheckpoint, Header, TensorEntry, hasher
 
 # Threads that read, hash and copy blocks: reading a warm block, hashing it and
 # copying it into the tensors cost about the same, so two threads keep both

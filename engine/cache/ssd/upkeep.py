@@ -28,7 +28,7 @@ from ..faults import fault
 from . import blocks
 from . import format as fmt
 from .blocks import CorruptBlock
-from .format import CorruptCheckpoint, NewerFormat
+from .header import CorruptCheckpoint, NewerFormat
 from .tensor_read import MissingBlock, read_tensors
 from .layout import BLOCKS, MANIFEST_NAME_RE, NAMESPACE_RE, QUARANTINE, SUFFIX
 from .removal import AfterCommit, changing
