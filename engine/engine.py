@@ -387,9 +387,9 @@ class Engine:
         return self.states.kv_export(session=session, checkpoint=checkpoint, last=last, layer=layer)
 
     def _may_be_exact(self, ns: str) -> bool:
-        """Whether a namespace's states may be exact only at their length (remote exact records)."""
+        """Whether a namespace's states may be exact only at their length (remote exact records; kv_start)."""
         m = self.models.by_namespace(ns)
-        return m is None or not always_cuttable(m.new_caches())
+        return m is None or bool(m.kv_start) or not always_cuttable(m.new_caches())
 
     def _check_open(self) -> None:
         if self._closed:
