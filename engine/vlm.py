@@ -10,7 +10,8 @@ merge features into the embeddings and forward a chunk with the model's own
 positions and image attention (media.py drives it).
 
 Families:
-- `QwenVL` (qwen2_vl, qwen2_5_vl): multimodal rotary positions (t, h, w).
+- `QwenVL` (qwen2_vl, qwen2_5_vl): multimodal rotary positions (t, h, w);
+  images and videos (the same vision tower; a video's grid has t > 1).
   Positions come from the model's own `get_rope_index(ids, grids)` over the
   whole prompt and are passed explicitly to every forward; text after the
   last image continues at `offset + delta`. mlx-vlm's hidden
@@ -130,11 +131,16 @@ class Family:
                              f"{', '.join(self.policies)}, got {policy!r}")
         self.embed = vlm.language_model.model.embed_tokens
         self.vocab = int(self.embed.weight.shape[0])  # media key ids start above it (media.key_ids)
+        text = getattr(self.config, "text_config", None)
+        self.context = int(getattr(text, "max_position_embeddings", 0) or 0)  # 0: unknown
+
+    def video_token(self) -> int | None:
+        return None  # a family without video
 
     def encoder_modules(self) -> tuple:
         return (self.vlm.vision_tower,)
 
-    def positions(self, ids: list, grids: list) -> tuple[mx.array | None, int]:
+    def positions(self, ids: list, grids: list, video_grids: list = ()) -> tuple[mx.array | None, int]:
         """Per-token positions of the whole prompt (None: the cache offset) and the delta after it."""
         return None, 0
 
@@ -158,23 +164,31 @@ class QwenVL(Family):
     def image_token(self) -> int:
         return int(self.config.image_token_id)
 
-    def split(self, batch: dict, count: int) -> list[tuple[mx.array, tuple]]:
-        grids = [tuple(int(x) for x in g) for g in np.asarray(batch["image_grid_thw"]).tolist()]
-        pixels, out, at = batch["pixel_values"], [], 0
+    def video_token(self) -> int:
+        return int(self.config.video_token_id)
+
+    def split(self, batch: dict, count: int, kind: str = "") -> list[tuple[mx.array, tuple]]:
+        """(patches, grid) per item; kind "_videos" / "video": the processor's video batch."""
+        grids = [tuple(int(x) for x in g) for g in np.asarray(batch[f"{kind or 'image'}_grid_thw"]).tolist()]
+        pixels, out, at = batch["pixel_values" + (f"_{kind}s" if kind else "")], [], 0
         for g in grids:
             n = g[0] * g[1] * g[2]
             out.append((pixels[at: at + n], g))
             at += n
         return out
 
+    def split_videos(self, batch: dict) -> list[tuple[mx.array, tuple]]:
+        return self.split(batch, 0, "video")
+
     def encode(self, pixels: mx.array, grid: tuple) -> mx.array:
         dtype = self.vlm.vision_tower.patch_embed.proj.weight.dtype
         return self.vlm.vision_tower(pixels.astype(dtype), mx.array([grid]), output_hidden_states=False)
 
-    def positions(self, ids: list, grids: list) -> tuple[mx.array | None, int]:
-        if not grids:
+    def positions(self, ids: list, grids: list, video_grids: list = ()) -> tuple[mx.array | None, int]:
+        if not grids and not video_grids:
             return None, 0
-        pos, deltas = self.vlm.language_model.get_rope_index(mx.array([ids]), mx.array(grids))
+        pos, deltas = self.vlm.language_model.get_rope_index(
+            mx.array([ids]), mx.array(grids) if grids else None, mx.array(video_grids) if video_grids else None)
         return pos[:, 0, :], int(np.asarray(deltas).reshape(-1)[0])
 
     def forward(self, ids: mx.array, embeds, caches, *, delta: int = 0, positions=None, spans=()) -> mx.array:
@@ -257,6 +271,9 @@ def load_vlm(path: Path, config: dict, image_attention: str | None):
     tokenizer = load_tokenizer(path, eos_token_ids=[eos] if isinstance(eos, int) else eos)
     family.encoder_id = weights_identity(*family.encoder_modules())
     family.processor_id = processor_identity(path, processor)
+    vp = getattr(processor, "video_processor", None)  # in each video's identity (media.py)
+    family.video_processor_id = digest(type(vp).__name__, json.dumps(
+        vp.to_dict() if hasattr(vp, "to_dict") else {}, sort_keys=True, default=str))
     extras = {"vision": {"runtime": f"mlx-vlm {mlx_vlm.__version__}", "processor": family.processor_id,
                          "encoder": family.encoder_id, "image_attention": family.policy,
                          "media_revision": MEDIA_REVISION}}

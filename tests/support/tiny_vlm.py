@@ -35,7 +35,7 @@ QWEN_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}{{ '\\n' }}"
     "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
     "{% for c in message['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>{{ '\\n' }}"
+    "{% elif c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>{% elif c['type'] == 'text' %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>{{ '\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{% endif %}"
 )
 GEMMA_TEMPLATE = (
@@ -123,9 +123,11 @@ def _gemma3(path: Path, window: int = GEMMA_WINDOW) -> dict:
 BUILDERS = {"qwen2_vl": _qwen2_vl, "gemma3": _gemma3}
 
 
-def build_vlm(arch: str, path: Path, *, seed: int = 0, scale: float | None = None, window: int | None = None) -> Path:
+def build_vlm(arch: str, path: Path, *, seed: int = 0, scale: float | None = None, window: int | None = None,
+              context: int | None = None) -> Path:
     """A loadable model directory of `arch` (see BUILDERS) with seeded random weights.
-    window: Gemma 3's sliding window (default GEMMA_WINDOW, wider than the tests' prompts)."""
+    window: Gemma 3's sliding window (default GEMMA_WINDOW, wider than the tests' prompts);
+    context: Qwen2-VL's max_position_embeddings (default 32768)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_vlm.utils import get_model_and_args, load_config, update_module_configs
@@ -134,6 +136,8 @@ def build_vlm(arch: str, path: Path, *, seed: int = 0, scale: float | None = Non
     path.mkdir(parents=True, exist_ok=True)
     scale = SCALES[arch] if scale is None else scale
     config = BUILDERS[arch](path) if window is None else BUILDERS[arch](path, window)
+    if context is not None:
+        config["max_position_embeddings"] = context
     (path / "config.json").write_text(json.dumps(config, indent=1))
     config = load_config(path)  # as mlx_vlm.load reads it
     module, _ = get_model_and_args(config)
@@ -158,3 +162,26 @@ def make_image(seed: int, size: tuple[int, int] = (IMAGE_SIZE, IMAGE_SIZE)):
 
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8), "RGB")
+
+
+def make_clip(seed: int, frames: int = 8, size: tuple[int, int] = (IMAGE_SIZE, IMAGE_SIZE)):
+    """A deterministic (T, C, H, W) uint8 test clip: a random first frame drifting a few pixels per frame
+    (neighbouring frames alike, as in a real video)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, (size[1] + frames, size[0] + frames, 3), dtype=np.uint8)
+    return np.stack([base[t: t + size[1], t: t + size[0]].transpose(2, 0, 1) for t in range(frames)])
+
+
+def write_mp4(path: Path, clip, fps: float = 4.0) -> Path:
+    """`clip` (T, C, H, W) as an MPEG-4 file OpenCV (mlx-vlm's reader) decodes."""
+    import cv2
+
+    t, _, h, w = clip.shape
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (w, h))
+    assert writer.isOpened(), "OpenCV cannot write mp4v"
+    for frame in clip:
+        writer.write(cv2.cvtColor(frame.transpose(1, 2, 0), cv2.COLOR_RGB2BGR))
+    writer.release()
+    return Path(path)
