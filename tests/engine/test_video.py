@@ -244,3 +244,38 @@ def test_a_follow_up_on_another_machine_comes_from_the_remote_tier(qwen, clips, 
             assert hit.tokens == b.generate(q2, videos=[clip], max_tokens=8, use_cache=False).tokens
     finally:
         server.stop()
+
+
+def test_generate_magic_with_a_video_in_a_real_kernel(spec_prefix, qwen, clips, tmp_path):
+    """%%generate --video DIR (frame images), then --video {var} holding the same frames as an
+    array: a prefix hit; the footer says where the clip came from; bad input is one clear error."""
+    from PIL import Image
+
+    from kernel_client import Kernel, footer
+
+    frames = tmp_path / "frames"
+    frames.mkdir()
+    for i, frame in enumerate(clips["arrays"][0]):
+        Image.fromarray(frame.transpose(1, 2, 0)).save(frames / f"{i:03d}.png")
+    np.save(tmp_path / "clip.npy", clips["arrays"][0])
+    env = {**os.environ, "MLXCACHE_CACHE_DIR": str(tmp_path / "cache"), "MLXCACHE_DEFAULT_MODEL": str(qwen),
+           "MLXCACHE_RAM_BUDGET": "256MiB", "JUPYTER_PLATFORM_DIRS": "1", "HF_HUB_OFFLINE": "1"}
+    k = Kernel(spec_prefix, env, tmp_path / "kernel.log")
+    try:
+        first = k.execute(f"%%generate --video {frames} -n 6\nWhat happens in the clip?")
+        assert first["error"] is None, first
+        assert "1 video: encoded" in footer(first)
+        k.execute(f"import numpy as np\nclip = np.load({str(tmp_path / 'clip.npy')!r})")
+        again = k.execute("%%generate --video {clip} -n 6 --out r\nWhat happens in the clip?")
+        assert "1 video: in the cached prefix (RAM)" in footer(again)
+        assert k.execute("print(r.stats['video_sources'])")["stream"].strip() == "['prefix:ram']"
+        other = k.execute("%%generate --video {clip} --fps 1 --max-frames 4 -n 6 --image "
+                          f"{clips['image']}\nWhat happens in the clip?")
+        assert "1 image: encoded" in footer(other) and "1 video: encoded" in footer(other)
+        missing = k.execute(f"%%generate --video {tmp_path / 'none.mp4'} -n 2\nHi")
+        assert missing["error"] is not None and "no such video file" in missing["text"] \
+            and "none.mp4" in missing["text"]
+        alone = k.execute("%%generate --fps 2 -n 2\nHi")
+        assert alone["error"] is not None and "--fps and --max-frames go with --video" in alone["text"]
+    finally:
+        k.shutdown()
