@@ -32,9 +32,18 @@ def raw(media: str) -> str:
     return f"<|im_start|>user\n{media}Compare them.<|im_end|>\n<|im_start|>assistant\n"
 
 
+ARCHS = ("qwen2_vl", "qwen2_5_vl")
+
+
 @pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    return build_vlm("qwen2_vl", tmp_path_factory.mktemp("vlm") / "qwen2_vl")
+def qwens(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vlm")
+    return {arch: build_vlm(arch, root / arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def qwen(qwens):
+    return qwens["qwen2_vl"]
 
 
 @pytest.fixture(scope="module")
@@ -84,18 +93,23 @@ def test_followup_about_the_same_clip_cold_ram_ssd(qwen, clips, tmp_path):
     assert ssd[0]["video_sources"] == ["prefix:ssd"] and ssd[-1]["encoder_runs"] == 0
 
 
-@pytest.mark.parametrize("fps", [None, 4.0])
-def test_cold_video_generation_is_mlx_vlm_s_own(fps, qwen, clips, tmp_path):
+@pytest.mark.parametrize("arch,fps", [("qwen2_vl", None), ("qwen2_vl", 4.0), ("qwen2_5_vl", 4.0)])
+def test_cold_video_generation_is_mlx_vlm_s_own(arch, fps, qwens, clips, tmp_path):
     """From a file (sampled by mlx-vlm's reader at the default or a given fps) and from an
-    array: the tokens of mlx-vlm's own generate on the same inputs."""
+    array: the tokens of mlx-vlm's own generate on the same inputs (its own positions: for
+    Qwen2.5-VL, video time positions unscaled, as mlx-vlm runs them); a follow-up from RAM
+    continues as the cold run."""
     import mlx_vlm
 
     kw = {} if fps is None else {"fps": fps}
     with Engine(cache_dir=tmp_path / "c") as eng:
-        eng.load_model(qwen)
+        eng.load_model(qwens[arch])
         from_file = eng.generate(DOC * 2, videos=[clips["files"][1]], max_tokens=10, use_cache=False, **kw)
         from_array = eng.generate(DOC * 2, videos=[clips["arrays"][1]], max_tokens=10, use_cache=False)
-    model, processor = mlx_vlm.load(str(qwen))
+        eng.generate(DOC * 2 + "?", videos=[clips["files"][1]], max_tokens=2, **kw)
+        hit = eng.generate(DOC * 2, videos=[clips["files"][1]], max_tokens=10, **kw)
+        assert hit.stats["video_sources"] == ["prefix:ram"] and hit.tokens == from_file.tokens
+    model, processor = mlx_vlm.load(str(qwens[arch]))
     text = processor.tokenizer.apply_chat_template(
         [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": DOC * 2}]}],
         add_generation_prompt=True, tokenize=False)

@@ -8,7 +8,9 @@ different image handling:
 
 - ``qwen2_vl``: image tokens take multimodal rotary positions (t, h, w), so
   text after an image continues at ``offset + rope_delta``; the number of
-  image tokens follows the image's size (patch grid).
+  image tokens follows the image's size (patch grid); videos too (``make_clip``,
+  ``write_mp4``). ``qwen2_5_vl``: the same text side with Qwen2.5-VL's windowed
+  vision tower.
 - ``gemma3``: a fixed number of image tokens per image, positions from the
   cache offset alone, bidirectional attention inside an image span (or causal,
   as mlx-vlm's own generate runs it), a sliding-window layer beside a global one.
@@ -50,7 +52,7 @@ GEMMA_TEMPLATE = (
 GEMMA_IMAGE_TOKENS = 16  # tokens per image (mm_tokens_per_image)
 GEMMA_WINDOW = 2048  # sliding window of the local layer (build_vlm(window=32) makes one that wraps)
 IMAGE_SIZE = 56  # Gemma's processor resizes every image to 56x56 (4x4 patches of 14 -> 16 tokens)
-SCALES = {"qwen2_vl": 0.3, "gemma3": 0.08}  # weight spread at which greedy decoding moves between tokens
+SCALES = {"qwen2_vl": 0.3, "qwen2_5_vl": 0.3, "gemma3": 0.08}  # weight spread at which greedy decoding moves between tokens
 
 
 def _tokenizer(path: Path, specials: list[str], config: dict, template: str) -> dict:
@@ -91,6 +93,18 @@ def _qwen2_vl(path: Path, window: int | None = None) -> dict:
     }
 
 
+def _qwen2_5_vl(path: Path, window: int | None = None) -> dict:
+    """Qwen2.5-VL: Qwen2-VL's text model and processor; a windowed vision tower with a merger to out_hidden_size."""
+    config = _qwen2_vl(path)
+    pre = json.loads((path / "preprocessor_config.json").read_text())
+    (path / "preprocessor_config.json").write_text(json.dumps({**pre, "processor_class": "Qwen2_5_VLProcessor"}))
+    return {**config, "model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+            "vision_config": {"model_type": "qwen2_5_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
+                              "out_hidden_size": 64, "num_heads": 4, "patch_size": 14, "spatial_patch_size": 14,
+                              "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+                              "fullatt_block_indexes": [1], "tokens_per_second": 2, "in_channels": 3}}
+
+
 def _gemma3(path: Path, window: int = GEMMA_WINDOW) -> dict:
     ids = _tokenizer(path, GEMMA_SPECIALS, {
         "bos_token": "<bos>", "eos_token": "<end_of_turn>", "pad_token": "<pad>", "unk_token": "<pad>",
@@ -120,7 +134,7 @@ def _gemma3(path: Path, window: int = GEMMA_WINDOW) -> dict:
     }
 
 
-BUILDERS = {"qwen2_vl": _qwen2_vl, "gemma3": _gemma3}
+BUILDERS = {"qwen2_vl": _qwen2_vl, "qwen2_5_vl": _qwen2_5_vl, "gemma3": _gemma3}
 
 
 def build_vlm(arch: str, path: Path, *, seed: int = 0, scale: float | None = None, window: int | None = None,
