@@ -122,12 +122,14 @@ SCHEMA = {
     "object_restore_failures": "object reads that failed (a miss; a bad file is quarantined)",
     "object_restore_bytes": "bytes of the objects read from SSD or the remote tier",
     "object_restore_seconds": "seconds spent reading and verifying objects from SSD",
-    # images in prompts of vision-language models (media.py)
+    # images and videos in prompts of vision-language models (media.py)
     "vision_images": "images in the prompts of generations",
-    "vision_encoder_runs": "times the vision encoder ran (an image neither in a cached prefix nor cached as an object)",
+    "vision_encoder_runs": "times the vision encoder ran (an image or video neither in a cached prefix nor cached as an object)",
     "vision_encoder_s": "seconds the vision encoder ran",
-    "vision_encoder_reused": "images whose encoder output came from the object cache (RAM or SSD)",
+    "vision_encoder_reused": "images and videos whose encoder output came from the object cache (RAM or SSD)",
     "vision_images_in_prefix": "images whose KV came with a cached prefix (no encoder, no prefill of their tokens)",
+    "vision_videos": "videos in the prompts of generations",
+    "vision_videos_in_prefix": "videos whose KV came with a cached prefix (no encoder, no prefill of their tokens)",
     "object_ram_entries": "objects resident in RAM (counted in ram_entries too)",
     "object_ram_bytes": "RAM bytes those objects hold (counted in ram_used_bytes too)",
     "object_ssd_files": "objects on SSD (counted in ssd_files too)",
