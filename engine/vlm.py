@@ -167,10 +167,10 @@ class QwenVL(Family):
     def video_token(self) -> int:
         return int(self.config.video_token_id)
 
-    def split(self, batch: dict, count: int, kind: str = "") -> list[tuple[mx.array, tuple]]:
-        """(patches, grid) per item; kind "_videos" / "video": the processor's video batch."""
-        grids = [tuple(int(x) for x in g) for g in np.asarray(batch[f"{kind or 'image'}_grid_thw"]).tolist()]
-        pixels, out, at = batch["pixel_values" + (f"_{kind}s" if kind else "")], [], 0
+    def split(self, batch: dict, count: int, kind: str = "image") -> list[tuple[mx.array, tuple]]:
+        """(patches, grid) per image, or per video (kind "video": the processor's video batch)."""
+        grids = [tuple(int(x) for x in g) for g in np.asarray(batch[f"{kind}_grid_thw"]).tolist()]
+        pixels, out, at = batch["pixel_values" if kind == "image" else f"pixel_values_{kind}s"], [], 0
         for g in grids:
             n = g[0] * g[1] * g[2]
             out.append((pixels[at: at + n], g))
