@@ -188,7 +188,7 @@ def test_session_follow_up_keeps_the_clip(qwen, clips, tmp_path):
         assert shown(eng.sessions.get("chat").messages[0]["content"]) == "[image] [video] What happens?"
 
 
-def test_video_kinds_and_errors(qwen, clips, tmp_path):
+def test_video_kinds_and_errors(qwen, clips, tiny_model_dir, tmp_path):
     """An array, an mx array, a .npy file and a directory of frame PNGs of the same frames are
     one clip; bad input is an error that names the file or the limit."""
     import mlx.core as mx
@@ -220,6 +220,9 @@ def test_video_kinds_and_errors(qwen, clips, tmp_path):
         eng.load_model(build_vlm("gemma3", tmp_path / "gemma"), name="gemma")
         with pytest.raises(GenerationError, match="'gemma' .*takes no video"):
             eng.generate("Hi", videos=[arr], model="gemma", max_tokens=2)
+        eng.load_model(tiny_model_dir, name="text")
+        with pytest.raises(GenerationError, match="'text' is not a vision-language model: it takes no images or videos"):
+            eng.generate("Hi", videos=[arr], model="text", max_tokens=2)
 
 
 def test_too_many_frames_for_the_context(clips, tmp_path):
