@@ -4,6 +4,8 @@ A video (video.py reads and samples it) is one more media item: its span of
 video tokens, its identity (the image parts plus its sampled fps and frame
 indices, and the video processor's configuration) and its encoder output follow
 the image rules below; its positions come from the same `get_rope_index`.
+A recording (audio.py reads it; Gemma 4) is the third kind: its log-mel
+features take the place of pixels, under the same rules.
 
 - **Image identity** (`MediaItem.identity`): BLAKE3 of the exact preprocessed
   pixel bytes (dtype, shape), the image grid, the processor configuration, the
@@ -40,13 +42,16 @@ import blake3
 import mlx.core as mx
 import numpy as np
 
+from .audio import Recording, load_recording
 from .sampling import GenerationError
 from .video import Clip, load_clip
 from .vlm import MEDIA_REVISION, digest
 
 ENCODER_LABEL = "vision encoder"
 COUNTERS = ("vision_images", "vision_encoder_runs", "vision_encoder_s", "vision_encoder_reused",
-            "vision_images_in_prefix", "vision_videos", "vision_videos_in_prefix")
+            "vision_images_in_prefix", "vision_videos", "vision_videos_in_prefix", "vision_recordings",
+            "vision_recordings_in_prefix")
+PLURAL = {"image": "images", "video": "videos", "audio": "recordings"}  # the counters' and stats' words
 
 
 def new_counters() -> dict:
@@ -92,7 +97,7 @@ class MediaItem:
     identity: str
     pixels: mx.array
     grid: tuple
-    kind: str = "image"  # or "video"
+    kind: str = "image"  # "video", "audio"
     label: str = "image 1"  # for messages: "image 2", "video 1 (clip.mp4)"
 
     @property
@@ -113,7 +118,7 @@ class MediaPrompt:
     delta: int
     objects: Any  # the engine's ObjectCache (None: the cache is off for this request)
     counters: dict
-    images: list = field(default_factory=list)  # this turn's PIL images and Clips (sessions keep them)
+    images: list = field(default_factory=list)  # this turn's PIL images, Clips, Recordings (sessions keep them)
     sources: dict = field(default_factory=dict)  # item index -> where its features came from
     _features: dict = field(default_factory=dict)
 
@@ -185,18 +190,20 @@ class MediaPrompt:
     def stats(self, cached: int, source: str | None) -> dict:
         """Per image and per video, where it came from: "prefix:<tier>" (its KV came with
         the cached prefix), "encoder", or the object tier its encoder output came from."""
-        out = {"image": [], "video": []}
+        out = {kind: [] for kind in PLURAL}
         for s, e, i in self.spans:
             kind = self.items[i].kind
             if e <= cached:
                 out[kind].append(f"prefix:{source}")
-                self.counters[f"vision_{kind}s_in_prefix"] += 1
+                self.counters[f"vision_{PLURAL[kind]}_in_prefix"] += 1
             else:
                 out[kind].append(self.sources.get(i, "encoder"))
-        self.counters["vision_images"] += len(out["image"])
-        self.counters["vision_videos"] += len(out["video"])
-        return {"images": len(out["image"]), "image_sources": out["image"],
-                **({"videos": len(out["video"]), "video_sources": out["video"]} if out["video"] else {})}
+        stats = {"images": len(out["image"]), "image_sources": out["image"]}
+        for kind, words in PLURAL.items():
+            self.counters[f"vision_{words}"] += len(out[kind])
+            if out[kind] and kind != "image":
+                stats.update({words: len(out[kind]), f"{kind}_sources": out[kind]})
+        return stats
 
 
 def key_ids(identity: str, n: int, vocab: int) -> list[int]:
@@ -222,7 +229,8 @@ def image_spans(ids: list, image_token: int) -> list[tuple[int, int]]:
 def render(family, messages: list) -> str:
     """The conversation as text, through the model's own chat template (its processor's, else its tokenizer's)."""
     processor = family.processor
-    target = processor if getattr(processor, "chat_template", None) else getattr(processor, "tokenizer", None)
+    use_processor = getattr(processor, "chat_template", None) and not family.tokenizer_template
+    target = processor if use_processor else getattr(processor, "tokenizer", None)
     if not getattr(target, "chat_template", None):
         raise GenerationError("this model has no chat template: pass raw=True (--raw) with the model's own "
                               "image placeholders in the prompt")
@@ -230,29 +238,34 @@ def render(family, messages: list) -> str:
 
 
 def build_prompt(family, text: str, images: list, *, objects, counters: dict, new_images: list,
-                 clips: list = ()) -> MediaPrompt:
-    """Tokenize `text` with `images` and `clips` through the model's processor; identify every item."""
+                 clips: list = (), recordings: list = ()) -> MediaPrompt:
+    """Tokenize `text` with `images`, `clips` and `recordings` through the model's processor; identify every item."""
     processor = family.processor
     tok = getattr(processor, "tokenizer", processor)
     bos = getattr(tok, "bos_token", None)
     extra = {"videos": [c.frames for c in clips]} if clips else {}
+    if recordings:
+        extra["audio"] = [r.waveform for r in recordings]
     try:
         batch = processor(text=[text], images=images or None, add_special_tokens=not (bos and text.startswith(bos)),
                           **extra)
     except (ValueError, TypeError, IndexError) as e:
-        raise GenerationError(f"the model's processor refused the prompt and its {len(images)} image(s)"
-                              f"{f' and {len(clips)} video(s)' if clips else ''}: {e}") from None
+        raise GenerationError(f"the model's processor refused the prompt and its {len(images)} image(s), "
+                              f"{len(clips)} video(s) and {len(recordings)} recording(s): {e}") from None
     ids = [int(t) for t in np.asarray(batch["input_ids"])[0].tolist()]
     entries = []  # (start, end, kind, pixels, grid, identity parts, label)
     for kind, given, token, pieces in (
             ("image", images, family.image_token(), family.split(batch, len(images)) if images else []),
-            ("video", clips, family.video_token() if clips else None, family.split_videos(batch) if clips else [])):
+            ("video", clips, family.video_token() if clips else None, family.split_videos(batch) if clips else []),
+            ("audio", recordings, family.audio_token() if recordings else None,
+             family.split_audio(batch) if recordings else [])):
         found = image_spans(ids, token) if token is not None else []
         if len(found) != len(given):
             raise GenerationError(f"the prompt has {len(found)} {kind} placeholder(s) for {len(given)} {kind}(s)")
         for n, ((pixels, grid), (s, e), x) in enumerate(zip(pieces, found, given)):
-            parts = (family.video_processor_id, *x.parts) if kind == "video" else ()
-            label = f"video {n + 1} ({x.source})" if kind == "video" else f"image {n + 1}"
+            parts = {"image": (), "video": (family.video_processor_id,),
+                     "audio": (family.audio_processor_id,)}[kind] + (x.parts if kind != "image" else ())
+            label = f"{kind} {n + 1}" + (f" ({x.source})" if kind != "image" else "")
             entries.append((s, e, kind, pixels, grid, parts, label))
     entries.sort(key=lambda t: t[0])
     if entries and entries[-1][1] >= len(ids):
@@ -286,7 +299,7 @@ def check_context(family, ids: list, entries: list) -> None:
 
 def prompt_for(engine, m, text: str, images, *, system: str | None, raw: bool, session: str | None,
                use_cache: bool = True, videos=None, fps: float | None = None,
-               max_frames: int | None = None) -> MediaPrompt:
+               max_frames: int | None = None, audios=None) -> MediaPrompt:
     """The MediaPrompt of one `Engine.generate` call on a VLM: the session's earlier turns
     and media, then this turn's images, videos and text (raw: the text as written, with the
     model's image / video placeholders in it). use_cache=False: no encoder outputs from or to the cache."""
@@ -296,6 +309,10 @@ def prompt_for(engine, m, text: str, images, *, system: str | None, raw: bool, s
         images = [images]  # one path, picture or array
     if videos is not None and not isinstance(videos, (list, tuple)):
         videos = [videos]
+    if audios is not None and not isinstance(audios, (list, tuple)):
+        audios = [audios]
+    if audios and m.vision.audio_token() is None:
+        raise GenerationError(f"model {m.name!r} ({type(m.vision).__name__}) takes no audio; audio works with Gemma 4")
     if videos and m.vision.video_token() is None:
         raise GenerationError(f"model {m.name!r} ({type(m.vision).__name__}) takes no video; "
                               "video works with Qwen2-VL and Qwen2.5-VL")
@@ -303,20 +320,22 @@ def prompt_for(engine, m, text: str, images, *, system: str | None, raw: bool, s
         raise GenerationError("fps and max_frames apply to videos: pass videos= (--video) with them")
     new = [load_image(x, i) for i, x in enumerate(images or ())]
     clips = [load_clip(x, i, m.vision.processor, fps, max_frames) for i, x in enumerate(videos or ())]
-    everything = new + clips
+    recs = [load_recording(x, i, m.vision.processor) for i, x in enumerate(audios or ())]
+    everything = new + clips + recs
     if raw:
         rendered = text
     else:
         s = engine.sessions.get_or_create(session, system=system, model=m.name) if session is not None else None
         if s is not None:
-            messages = s.render_messages(text, system, images=len(new), videos=len(clips))
+            messages = s.render_messages(text, system, images=len(new), videos=len(clips), audios=len(recs))
             everything = s.images + everything
         else:
             from .sessions import user_content
 
             messages = ([{"role": "system", "content": system}] if system else []) + [
-                {"role": "user", "content": user_content(text, len(new), len(clips))}]
+                {"role": "user", "content": user_content(text, len(new), len(clips), len(recs))}]
         rendered = render(m.vision, messages)
-    return build_prompt(m.vision, rendered, [x for x in everything if not isinstance(x, Clip)],
+    return build_prompt(m.vision, rendered, [x for x in everything if not isinstance(x, (Clip, Recording))],
                         objects=engine.objects if use_cache else None, counters=engine.vision_counters,
-                        new_images=new + clips, clips=[x for x in everything if isinstance(x, Clip)])
+                        new_images=new + clips + recs, clips=[x for x in everything if isinstance(x, Clip)],
+                        recordings=[x for x in everything if isinstance(x, Recording)])

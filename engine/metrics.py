@@ -130,6 +130,8 @@ SCHEMA = {
     "vision_images_in_prefix": "images whose KV came with a cached prefix (no encoder, no prefill of their tokens)",
     "vision_videos": "videos in the prompts of generations",
     "vision_videos_in_prefix": "videos whose KV came with a cached prefix (no encoder, no prefill of their tokens)",
+    "vision_recordings": "audio recordings in the prompts of generations",
+    "vision_recordings_in_prefix": "recordings whose KV came with a cached prefix (no encoder, no prefill of their tokens)",
     "object_ram_entries": "objects resident in RAM (counted in ram_entries too)",
     "object_ram_bytes": "RAM bytes those objects hold (counted in ram_used_bytes too)",
     "object_ssd_files": "objects on SSD (counted in ssd_files too)",

@@ -16,6 +16,10 @@ Families:
   whole prompt and are passed explicitly to every forward; text after the
   last image continues at `offset + delta`. mlx-vlm's hidden
   `_rope_deltas` / `_position_ids` are never read.
+- `Gemma4` (audio): the audio tower and its embedder; positions from the cache
+  offset, causal attention over audio (as mlx-vlm runs it), per-layer input
+  embeddings from the text ids with media tokens as 0 (as mlx-vlm computes
+  them). Images and KV-shared layers are not supported yet.
 - `Gemma3`: positions from the cache offset; image attention is a policy:
   "bidirectional" (each image's tokens see the whole image, as the model was
   trained; the default) or "causal" (what mlx-vlm's own generate does). The
@@ -38,7 +42,7 @@ import numpy as np
 from .kv.caches import mlx_lm_caches
 
 MEDIA_REVISION = 1  # of the encoder-output objects and media prefix keys; a change is a miss
-SUPPORTED = {"qwen2_vl": "QwenVL", "qwen2_5_vl": "QwenVL", "gemma3": "Gemma3"}
+SUPPORTED = {"qwen2_vl": "QwenVL", "qwen2_5_vl": "QwenVL", "gemma3": "Gemma3", "gemma4": "Gemma4"}
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json", "chat_template.jinja")
 
 
@@ -121,6 +125,7 @@ class Family:
     """What differs between VLM families: pixels per image, the encoder, the forward."""
 
     policies = ("causal",)
+    tokenizer_template = False  # render chats with the tokenizer's template, not the processor's
 
     def __init__(self, vlm, processor, policy: str | None):
         self.vlm, self.processor = vlm, processor
@@ -131,11 +136,15 @@ class Family:
                              f"{', '.join(self.policies)}, got {policy!r}")
         self.embed = vlm.language_model.model.embed_tokens
         self.vocab = int(self.embed.weight.shape[0])  # media key ids start above it (media.key_ids)
+        self.embed_scale = 1.0  # of text rows merged with media features (Gemma 4 scales them there)
         text = getattr(self.config, "text_config", None)
         self.context = int(getattr(text, "max_position_embeddings", 0) or 0)  # 0: unknown
 
     def video_token(self) -> int | None:
         return None  # a family without video
+
+    def audio_token(self) -> int | None:
+        return None  # a family without audio
 
     def encoder_modules(self) -> tuple:
         return (self.vlm.vision_tower,)
@@ -146,7 +155,7 @@ class Family:
 
     def merge(self, ids: mx.array, rows: list) -> mx.array:
         """Token embeddings of `ids` (1, N) with `rows` [(start, features)] put in place."""
-        h = self.embed(ids)[0]
+        h = self.embed(ids)[0] if self.embed_scale == 1.0 else self.embed(ids)[0] * self.embed_scale
         if not rows:
             return h[None]
         parts, at = [], 0
@@ -252,7 +261,54 @@ class Gemma3(Family):
         return lm.lm_head(model.norm(h))
 
 
-FAMILIES = {"QwenVL": QwenVL, "Gemma3": Gemma3}
+class Gemma4(Family):
+    tokenizer_template = True  # mlx-vlm's processor re-orders the media parts of a turn
+
+    def __init__(self, vlm, processor, policy: str | None):
+        super().__init__(vlm, processor, policy)
+        text = self.config.text_config
+        if getattr(text, "num_kv_shared_layers", 0):
+            raise ValueError(f"Gemma 4 with KV-shared layers (num_kv_shared_layers={text.num_kv_shared_layers}) "
+                             "is not supported yet")
+        if getattr(vlm, "audio_tower", None) is None:
+            raise ValueError("this Gemma 4 checkpoint has no audio tower; only its audio is supported yet")
+        self.embed_scale = vlm.language_model.model.embed_scale
+
+    def image_token(self) -> int:
+        return int(self.config.image_token_id)
+
+    def audio_token(self) -> int:
+        return int(self.config.audio_token_id)
+
+    def encoder_modules(self) -> tuple:
+        return (self.vlm.audio_tower, self.vlm.embed_audio)
+
+    def split(self, batch: dict, count: int) -> list:
+        from .sampling import GenerationError
+
+        raise GenerationError("images for Gemma 4 are not supported yet (its audio is)")
+
+    def split_audio(self, batch: dict) -> list[tuple[mx.array, tuple]]:
+        """(log-mel features without padding, (frames,)) per recording."""
+        feats, valid = batch["input_features"], np.asarray(batch["input_features_mask"])
+        return [(feats[i: i + 1, : int(valid[i].sum())], (int(valid[i].sum()),)) for i in range(feats.shape[0])]
+
+    def encode(self, feats: mx.array, grid: tuple) -> mx.array:
+        enc, _ = self.vlm.audio_tower(feats, mx.zeros(feats.shape[:2], dtype=mx.bool_))  # no padding
+        return self.vlm.embed_audio(enc)[0]
+
+    def forward(self, ids: mx.array, embeds, caches, *, delta: int = 0, positions=None, spans=()) -> mx.array:
+        lm = self.vlm.language_model
+        if embeds is None:
+            return lm(ids, cache=caches).logits
+        per_layer = None
+        if lm.model.hidden_size_per_layer_input:
+            media = (ids == self.image_token()) | (ids == self.audio_token())
+            per_layer = lm.model.get_per_layer_inputs(mx.where(media, mx.zeros_like(ids), ids))
+        return lm(None, inputs_embeds=embeds, cache=caches, per_layer_inputs=per_layer).logits
+
+
+FAMILIES = {"QwenVL": QwenVL, "Gemma3": Gemma3, "Gemma4": Gemma4}
 
 
 def load_vlm(path: Path, config: dict, image_attention: str | None):
@@ -271,6 +327,9 @@ def load_vlm(path: Path, config: dict, image_attention: str | None):
     tokenizer = load_tokenizer(path, eos_token_ids=[eos] if isinstance(eos, int) else eos)
     family.encoder_id = weights_identity(*family.encoder_modules())
     family.processor_id = processor_identity(path, processor)
+    from .audio import extractor_identity
+
+    family.audio_processor_id = extractor_identity(processor)  # in each recording's identity (media.py)
     vp = getattr(processor, "video_processor", None)  # in each video's identity (media.py)
     family.video_processor_id = digest(type(vp).__name__, json.dumps(
         vp.to_dict() if hasattr(vp, "to_dict") else {}, sort_keys=True, default=str))

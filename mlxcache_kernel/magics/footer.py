@@ -120,6 +120,8 @@ class CellResult:
         ]
         if s.get("draft"):
             parts.insert(-1, draft_phrase(s))
+        if s.get("audio_sources"):
+            parts.insert(1, images_phrase(s["audio_sources"], "recording"))
         if s.get("video_sources"):
             parts.insert(1, images_phrase(s["video_sources"], "video"))
         if s.get("image_sources"):

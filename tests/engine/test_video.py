@@ -221,7 +221,7 @@ def test_video_kinds_and_errors(qwen, clips, tiny_model_dir, tmp_path):
         with pytest.raises(GenerationError, match="'gemma' .*takes no video"):
             eng.generate("Hi", videos=[arr], model="gemma", max_tokens=2)
         eng.load_model(tiny_model_dir, name="text")
-        with pytest.raises(GenerationError, match="'text' is not a vision-language model: it takes no images or videos"):
+        with pytest.raises(GenerationError, match="'text' is not a vision-language model: it takes no images, videos or audio"):
             eng.generate("Hi", videos=[arr], model="text", max_tokens=2)
 
 
