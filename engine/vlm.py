@@ -19,7 +19,8 @@ Families:
 - `Gemma4` (audio): the audio tower and its embedder; positions from the cache
   offset, causal attention over audio (as mlx-vlm runs it), per-layer input
   embeddings from the text ids with media tokens as 0 (as mlx-vlm computes
-  them). Images and KV-shared layers are not supported yet.
+  them); KV-shared layers have no cache of their own (mlx-vlm's make_cache). Its
+  images are not supported yet.
 - `Gemma3`: positions from the cache offset; image attention is a policy:
   "bidirectional" (each image's tokens see the whole image, as the model was
   trained; the default) or "causal" (what mlx-vlm's own generate does). The
@@ -266,10 +267,6 @@ class Gemma4(Family):
 
     def __init__(self, vlm, processor, policy: str | None):
         super().__init__(vlm, processor, policy)
-        text = self.config.text_config
-        if getattr(text, "num_kv_shared_layers", 0):
-            raise ValueError(f"Gemma 4 with KV-shared layers (num_kv_shared_layers={text.num_kv_shared_layers}) "
-                             "is not supported yet")
         if getattr(vlm, "audio_tower", None) is None:
             raise ValueError("this Gemma 4 checkpoint has no audio tower; only its audio is supported yet")
         self.embed_scale = vlm.language_model.model.embed_scale

@@ -140,8 +140,9 @@ def _gemma3(path: Path, window: int = GEMMA_WINDOW) -> dict:
 
 
 def _gemma4(path: Path, window: int = GEMMA_WINDOW) -> dict:
-    """Gemma 4 with an audio tower (a conformer) and per-layer input embeddings, no KV-shared layers;
-    the processor's numpy audio feature extractor (USM log-mel, 40 ms per audio token)."""
+    """Gemma 4 with an audio tower (a conformer), per-layer input embeddings and, as in E2B/E4B, KV-shared
+    layers (the last two of four reuse the first two's KV: two caches); the processor's numpy audio feature
+    extractor (USM log-mel, 40 ms per audio token)."""
     ids = _tokenizer(path, GEMMA4_SPECIALS, {
         "bos_token": "<bos>", "eos_token": "<end_of_turn>", "pad_token": "<pad>", "unk_token": "<pad>",
         "extra_special_tokens": {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>",
@@ -151,11 +152,11 @@ def _gemma4(path: Path, window: int = GEMMA_WINDOW) -> dict:
         "processor_class": "Gemma4Processor", "audio_seq_length": 750, "audio_ms_per_token": 40,
         "image_processor": {"patch_size": 16, "max_soft_tokens": GEMMA_IMAGE_TOKENS, "pooling_kernel_size": 3}}))
     vocab = ids["__len__"]
-    text = {"model_type": "gemma4_text", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+    text = {"model_type": "gemma4_text", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 128,
             "num_attention_heads": 4, "head_dim": 16, "global_head_dim": 16, "num_key_value_heads": 2,
-            "num_kv_shared_layers": 0, "hidden_size_per_layer_input": 8, "vocab_size": vocab,
+            "num_kv_shared_layers": 2, "hidden_size_per_layer_input": 8, "vocab_size": vocab,
             "vocab_size_per_layer_input": vocab, "sliding_window": window, "sliding_window_pattern": 2,
-            "layer_types": ["sliding_attention", "full_attention"], "use_double_wide_mlp": False,
+            "layer_types": ["sliding_attention", "full_attention"] * 2, "use_double_wide_mlp": False,
             "max_position_embeddings": 32768}
     return {
         "model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"], "hidden_size": 64,
