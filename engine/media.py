@@ -177,6 +177,8 @@ class MediaPrompt:
             return feats
         t0 = time.perf_counter()
         feats = self.family.encode(item.pixels, item.grid)
+        if item.kind == "audio" and feats.shape[0] > n:  # past the processor's token cap (Gemma 4: 30 s): its first
+            feats = feats[:n]  # n features, as mlx-vlm scatters them
         mx.eval(feats)
         self.counters["vision_encoder_runs"] += 1
         self.counters["vision_encoder_s"] += time.perf_counter() - t0

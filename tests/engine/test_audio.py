@@ -65,20 +65,24 @@ def test_followup_about_the_same_recording_cold_ram_ssd(gemma4, wavs, tmp_path):
     assert ssd[0]["audio_sources"] == ["prefix:ssd"] and ssd[-1]["encoder_runs"] == 0
 
 
-def test_cold_audio_generation_is_mlx_vlm_s_own(gemma4, wavs, tmp_path):
+@pytest.mark.parametrize("seconds", [1.0, 31.0])
+def test_cold_audio_generation_is_mlx_vlm_s_own(seconds, gemma4, wavs, tmp_path):
     """The engine's forward (merged features, per-layer inputs, chunks) gives the tokens
-    mlx-vlm's own generate gives for the same prompt and recording."""
+    mlx-vlm's own generate gives for the same prompt and recording; past the processor's
+    750-token cap (30 s) too (the first 750 features, as mlx-vlm takes them)."""
     import mlx_vlm
 
+    rec = wavs[1] if seconds == 1.0 else str(write_wav(tmp_path / "long.wav", 3, seconds))
     with Engine(cache_dir=tmp_path / "c", prefill_chunk=32) as eng:
         eng.load_model(gemma4)
-        r = eng.generate(DOC * 2, audios=[wavs[1]], max_tokens=10, use_cache=False)
+        r = eng.generate(DOC * 2, audios=[rec], max_tokens=10, use_cache=False)
     model, processor = mlx_vlm.load(str(gemma4))
     text = processor.tokenizer.apply_chat_template(
         [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": DOC * 2}]}],
         add_generation_prompt=True, tokenize=False)
-    ref = mlx_vlm.generate(model, processor, text, audio=[wavs[1]], max_tokens=10, temperature=0.0, verbose=False)
+    ref = mlx_vlm.generate(model, processor, text, audio=[rec], max_tokens=10, temperature=0.0, verbose=False)
     assert r.tokens == list(ref.token_ids)[: len(r.tokens)] and len(set(r.tokens)) > 2
+    assert r.stats["prompt_tokens"] > 750 * (seconds > 30)
 
 
 def test_another_recording_is_a_miss_and_the_same_one_reuses_its_encoder_output(gemma4, wavs, tmp_path):
