@@ -15,6 +15,7 @@ lookup's own restore is measured). Reports the TTFT medians and ratios (target
 equal the cold run's.
 
     .venv/bin/python benchmarks/bench_video.py [--text 1000] [--frames 32] [--fps 4] [--repeats 5]
+    .venv/bin/python benchmarks/bench_video.py --audio 10     # a 10 s WAV on the tiny Gemma 4 instead
 """
 
 from __future__ import annotations
@@ -35,81 +36,89 @@ from common import emit, median  # noqa: E402
 
 from mlxcache_kernel.engine import Engine  # noqa: E402
 from mlxcache_kernel.engine.media import prompt_for  # noqa: E402
-from tiny_vlm import build_vlm, make_clip, write_mp4  # noqa: E402
+from tiny_vlm import build_vlm, make_clip, write_mp4, write_wav  # noqa: E402
 
 SSD_RESTARTS = 3
 SIZE = (112, 112)
 
 
-def timed(eng: Engine, prompt: str, clip, fps, **kw):
+def timed(eng: Engine, prompt: str, media: dict, **kw):
     """(wall seconds to the first token, result) of the whole call with max_tokens=1."""
     t0 = time.perf_counter()
-    r = eng.generate(prompt, videos=[clip], fps=fps, max_tokens=1, **kw)
+    r = eng.generate(prompt, **media, max_tokens=1, **kw)
     return time.perf_counter() - t0, r
 
 
-def run_questions(eng: Engine, doc: str, clip, fps, questions: list, **kw) -> dict:
-    ttft, sources, videos = [], [], []
+def run_questions(eng: Engine, doc: str, media: dict, key: str, questions: list, **kw) -> dict:
+    ttft, sources, items = [], [], []
     for q in questions:
-        t, r = timed(eng, doc + q, clip, fps, **kw)
+        t, r = timed(eng, doc + q, media, **kw)
         ttft.append(t)
         sources.append(r.stats["cache_source"])
-        videos += r.stats["video_sources"]
-    tokens = [eng.generate(doc + q, videos=[clip], fps=fps, max_tokens=8, **kw).tokens for q in questions]
-    return {"ttft": ttft, "sources": sources, "video_sources": videos, "tokens": tokens}
+        items += r.stats[key]
+    tokens = [eng.generate(doc + q, **media, max_tokens=8, **kw).tokens for q in questions]
+    return {"ttft": ttft, "sources": sources, "items": items, "tokens": tokens}
 
 
-def warm_up(eng: Engine, root: Path) -> None:
-    """The first forward and the first video read of a process, on another clip."""
-    other = write_mp4(root / "warm.mp4", make_clip(99, 4, SIZE))
-    eng.generate("warm-up", videos=[str(other)], max_tokens=2, use_cache=False)
-
-
-def bench(root: Path, text: int, frames: int, fps: float, repeats: int) -> dict:
+def video_setup(root: Path, frames: int, fps: float) -> tuple:
+    """(model, media, warm-up media, sources key) for the clip on the tiny Qwen2-VL."""
     model = build_vlm("qwen2_vl", root / "qwen2_vl")
     # a video budget that keeps every frame at 112x112 (the tiny model's default would shrink a long clip's
     # frames to 28x28); as a checkpoint's video_preprocessor_config.json sets it
     config = json.loads((model / "preprocessor_config.json").read_text())
     (model / "video_preprocessor_config.json").write_text(json.dumps({**config, "max_pixels": frames * SIZE[0] * SIZE[1]}))
     clip = str(write_mp4(root / "clip.mp4", make_clip(5, frames, SIZE)))
+    warm = str(write_mp4(root / "warm.mp4", make_clip(99, 4, SIZE)))
+    return model, {"videos": [clip], "fps": fps}, {"videos": [warm]}, "video_sources"
+
+
+def audio_setup(root: Path, seconds: float) -> tuple:
+    """(model, media, warm-up media, sources key) for a recording on the tiny Gemma 4."""
+    model = build_vlm("gemma4", root / "gemma4")
+    rec, warm = write_wav(root / "rec.wav", 5, seconds), write_wav(root / "warm.wav", 99, 1.0)
+    return model, {"audios": [str(rec)]}, {"audios": [str(warm)]}, "audio_sources"
+
+
+def bench(root: Path, text: int, repeats: int, setup: tuple) -> dict:
+    model, media, warm, key = setup
     doc = document(text)
     questions = [f"\nQuestion {i}: what happens to item {i} in the clip?" for i in range(repeats + 1 + SSD_RESTARTS)]
     cache_dir = root / "cache"
     with Engine(cache_dir=cache_dir, prefetch_budget_bytes=0) as eng:
         eng.load_model(model)
-        warm_up(eng, root)
-        cold = run_questions(eng, doc, clip, fps, questions[1:repeats + 1], use_cache=False)
+        eng.generate("warm-up", **warm, max_tokens=2, use_cache=False)  # the first forward and read of a process
+        cold = run_questions(eng, doc, media, key, questions[1:repeats + 1], use_cache=False)
         before = eng.stats()["vision_encoder_runs"]
-        first = eng.generate(doc + questions[0], videos=[clip], fps=fps, max_tokens=8)
-        p = prompt_for(eng, eng.models.get(), doc + questions[0], None, system=None, raw=False, session=None,
-                       videos=[clip], fps=fps)
-        n_video, frames_sampled = sum(e - s for s, e, _ in p.spans), len(p.images[0].indices)
-        ram = run_questions(eng, doc, clip, fps, questions[1:repeats + 1])
+        first = eng.generate(doc + questions[0], **media, max_tokens=8)
+        p = prompt_for(eng, eng.models.get(), doc + questions[0], None, system=None, raw=False, session=None, **media)
+        n_media = sum(e - s for s, e, _ in p.spans)
+        frames = len(p.images[0].indices) if "videos" in media else None
+        ram = run_questions(eng, doc, media, key, questions[1:repeats + 1])
         ram_runs = eng.stats()["vision_encoder_runs"] - before - 1
         encoder_s = eng.stats()["vision_encoder_s"] / eng.stats()["vision_encoder_runs"]
-        cold_tokens = {q: eng.generate(doc + q, videos=[clip], fps=fps, max_tokens=8, use_cache=False).tokens
+        cold_tokens = {q: eng.generate(doc + q, **media, max_tokens=8, use_cache=False).tokens
                        for q in questions[repeats + 1:]}
     t_ssd, ssd_runs, ssd_exact, ssd_sources = [], 0, True, []
     for q in questions[repeats + 1:]:  # restarts: each follow-up (a new question) from SSD
         with Engine(cache_dir=cache_dir, prefetch_budget_bytes=0) as eng:
             eng.load_model(model)
-            warm_up(eng, root)
-            t, r_ssd = timed(eng, doc + q, clip, fps)
+            eng.generate("warm-up", **warm, max_tokens=2, use_cache=False)
+            t, r_ssd = timed(eng, doc + q, media)
             t_ssd.append(t)
-            ssd_sources += [r_ssd.stats["cache_source"]] + r_ssd.stats["video_sources"]
+            ssd_sources += [r_ssd.stats["cache_source"]] + r_ssd.stats[key]
             ssd_runs += eng.stats()["vision_encoder_runs"] - 1
-            ssd_exact &= eng.generate(doc + q, videos=[clip], fps=fps, max_tokens=8).tokens == cold_tokens[q]
+            ssd_exact &= eng.generate(doc + q, **media, max_tokens=8).tokens == cold_tokens[q]
     cold_ttft, ram_ttft = median(cold["ttft"]), median(ram["ttft"])
     return {
         "prompt_tokens": first.stats["prompt_tokens"],
-        "video_tokens": n_video,
-        "frames_sampled": frames_sampled,
+        "media_tokens": n_media,
+        **({"frames_sampled": frames} if frames is not None else {}),
         "encoder_run_s": encoder_s,
         "cold_ttft_s": cold_ttft,
         "followup_ram_ttft_s": ram_ttft,
         "ttft_ratio_ram": ram_ttft / cold_ttft,
         "followup_ram_sources": sorted(set(ram["sources"])),
-        "followup_ram_video_sources": sorted(set(ram["video_sources"])),
+        "followup_ram_media_sources": sorted(set(ram["items"])),
         "followup_ssd_ttft_s": median(t_ssd),
         "ttft_ratio_ssd": median(t_ssd) / cold_ttft,
         "followup_ssd_sources": sorted(set(ssd_sources)),
@@ -127,10 +136,14 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=32, help="frames in the .mp4 (4 fps)")
     ap.add_argument("--fps", type=float, default=4.0, help="sampling rate passed to generate")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--audio", type=float, default=None, metavar="SECONDS",
+                    help="instead of the clip: a recording of SECONDS on the tiny Gemma 4")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
-        result = bench(Path(d), args.text, args.frames, args.fps, args.repeats)
-    emit({"benchmark": "video_followup", "text_tokens": args.text, "frames": args.frames, "fps": args.fps,
+        setup = audio_setup(Path(d), args.audio) if args.audio else video_setup(Path(d), args.frames, args.fps)
+        result = bench(Path(d), args.text, args.repeats, setup)
+    media = {"audio_seconds": args.audio} if args.audio else {"frames": args.frames, "fps": args.fps}
+    emit({"benchmark": "audio_followup" if args.audio else "video_followup", "text_tokens": args.text, **media,
           "repeats": args.repeats, "loadavg": open("/proc/loadavg").read().split()[:3], "target_ttft_ratio": 0.2,
           "results": result})
 
