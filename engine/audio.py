@@ -9,12 +9,17 @@ encoder-output objects and prefix keys).
 - **Identity**: media.py hashes the feature extractor's output (the raw
   float32 log-mel features) with the extractor's settings, the audio tower's
   weights and `MEDIA_REVISION`; `Recording.parts` adds the rate and length.
+- **Features** (`prepare`): an exact-key object under the waveform's content
+  hash (with the extractor's settings), so a follow-up, in RAM or after a
+  restart, skips the extractor's STFT; the prompt's audio placeholders are
+  expanded as the processor expands them (its own token count per recording).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +53,38 @@ def extractor_identity(processor) -> str:
     plain = {k: v for k, v in vars(fe).items() if isinstance(v, (int, float, str, bool, list, tuple, type(None)))} \
         if fe is not None else {}
     return digest(type(fe).__name__, json.dumps(plain, sort_keys=True, default=str))
+
+
+FEATURES_LABEL = "audio features"
+
+
+def prepare(family, text: str, recordings: list, objects) -> tuple[str, list]:
+    """(text with each audio placeholder expanded to its tokens, (1, frames, mels) features per recording)."""
+    proc = family.processor
+    runs = [proc.boa_token + proc.audio_token * proc._compute_audio_num_tokens(r.waveform, r.rate) + proc.eoa_token
+            for r in recordings]
+    found = re.findall(re.escape(proc.audio_token), text)
+    if len(found) != len(runs):
+        raise GenerationError(f"the prompt has {len(found)} audio placeholder(s) for {len(runs)} recording(s)")
+    at = iter(runs)
+    return re.sub(re.escape(proc.audio_token), lambda _: next(at), text), [features(family, r, objects) for r in recordings]
+
+
+def features(family, rec: Recording, objects) -> mx.array:
+    """The extractor's log-mel features of one recording (its valid frames): from the object cache, else computed."""
+    from .vlm import MEDIA_REVISION, digest
+
+    key = ("audio-features", digest(MEDIA_REVISION, family.audio_processor_id, rec.rate,
+                                    memoryview(rec.waveform).cast("B")))
+    value, _ = objects.lookup(key) if objects is not None else (None, None)
+    if isinstance(value, mx.array):
+        return value
+    out = family.processor.feature_extractor([rec.waveform], sampling_rate=rec.rate, return_attention_mask=True)
+    valid = int(np.asarray(out["input_features_mask"])[0].sum())
+    feats = mx.array(np.asarray(out["input_features"])[:1, :valid])
+    if objects is not None:
+        objects.put(key, feats, label=FEATURES_LABEL)
+    return feats
 
 
 def load_recording(item: Any, index: int, processor) -> Recording:

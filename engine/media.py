@@ -42,7 +42,7 @@ import blake3
 import mlx.core as mx
 import numpy as np
 
-from .audio import Recording, load_recording
+from .audio import Recording, load_recording, prepare as prepare_audio
 from .sampling import GenerationError
 from .video import Clip, load_clip
 from .vlm import MEDIA_REVISION, digest
@@ -246,8 +246,7 @@ def build_prompt(family, text: str, images: list, *, objects, counters: dict, ne
     tok = getattr(processor, "tokenizer", processor)
     bos = getattr(tok, "bos_token", None)
     extra = {"videos": [c.frames for c in clips]} if clips else {}
-    if recordings:
-        extra["audio"] = [r.waveform for r in recordings]
+    text, audio = prepare_audio(family, text, recordings, objects) if recordings else (text, [])
     try:
         batch = processor(text=[text], images=images or None, add_special_tokens=not (bos and text.startswith(bos)),
                           **extra)
@@ -260,7 +259,7 @@ def build_prompt(family, text: str, images: list, *, objects, counters: dict, ne
             ("image", images, family.image_token(), family.split(batch, len(images)) if images else []),
             ("video", clips, family.video_token() if clips else None, family.split_videos(batch) if clips else []),
             ("audio", recordings, family.audio_token() if recordings else None,
-             family.split_audio(batch) if recordings else [])):
+             [(f, (f.shape[1],)) for f in audio])):
         found = image_spans(ids, token) if token is not None else []
         if len(found) != len(given):
             raise GenerationError(f"the prompt has {len(found)} {kind} placeholder(s) for {len(given)} {kind}(s)")

@@ -285,11 +285,6 @@ class Gemma4(Family):
 
         raise GenerationError("images for Gemma 4 are not supported yet (its audio is)")
 
-    def split_audio(self, batch: dict) -> list[tuple[mx.array, tuple]]:
-        """(log-mel features without padding, (frames,)) per recording."""
-        feats, valid = batch["input_features"], np.asarray(batch["input_features_mask"])
-        return [(feats[i: i + 1, : int(valid[i].sum())], (int(valid[i].sum()),)) for i in range(feats.shape[0])]
-
     def encode(self, feats: mx.array, grid: tuple) -> mx.array:
         enc, _ = self.vlm.audio_tower(feats, mx.zeros(feats.shape[:2], dtype=mx.bool_))  # no padding
         return self.vlm.embed_audio(enc)[0]
