@@ -94,8 +94,11 @@ def test_another_recording_is_a_miss_and_the_same_one_reuses_its_encoder_output(
         other = eng.generate(Q1, audios=[b], max_tokens=8)
         assert other.stats["cached_tokens"] <= start and other.stats["audio_sources"] == ["encoder"]
         assert other.tokens == eng.generate(Q1, audios=[b], max_tokens=8, use_cache=False).tokens
+        puts, hits = eng.stats()["object_puts"], eng.stats()["object_ram_hits"]
         again = eng.generate(Q1, audios=[a], max_tokens=8, system="Answer briefly.")  # another conversation
         assert again.stats["audio_sources"] == ["ram"] and eng.stats()["vision_encoder_reused"] == 1
+        # its features and its encoder output both read back (no feature extractor, no encoder), nothing stored
+        assert eng.stats()["object_ram_hits"] == hits + 2 and eng.stats()["object_puts"] == puts
         from mlx_vlm.utils import load_audio
 
         wave = load_audio(a, sr=16000)  # the same waveform as an array: the same recording
