@@ -17,7 +17,6 @@ encoder-output objects and prefix keys).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -43,16 +42,6 @@ class Recording:
 
 def rate_of(processor) -> int:
     return int(getattr(getattr(processor, "feature_extractor", None), "sampling_rate", 16000))
-
-
-def extractor_identity(processor) -> str:
-    """The feature extractor's settings as they take effect (its scalar and list attributes)."""
-    from .vlm import digest
-
-    fe = getattr(processor, "feature_extractor", None)
-    plain = {k: v for k, v in vars(fe).items() if isinstance(v, (int, float, str, bool, list, tuple, type(None)))} \
-        if fe is not None else {}
-    return digest(type(fe).__name__, json.dumps(plain, sort_keys=True, default=str))
 
 
 FEATURES_LABEL = "audio features"

@@ -319,9 +319,10 @@ def load_vlm(path: Path, config: dict, image_attention: str | None):
     tokenizer = load_tokenizer(path, eos_token_ids=[eos] if isinstance(eos, int) else eos)
     family.encoder_id = weights_identity(*family.encoder_modules())
     family.processor_id = processor_identity(path, processor)
-    from .audio import extractor_identity
-
-    family.audio_processor_id = extractor_identity(processor)  # in each recording's identity (media.py)
+    fe = getattr(processor, "feature_extractor", None)  # its settings: in each recording's identity (media.py)
+    family.audio_processor_id = digest(type(fe).__name__, json.dumps(
+        {k: v for k, v in vars(fe).items() if isinstance(v, (int, float, str, bool, list, tuple, type(None)))}
+        if fe is not None else {}, sort_keys=True, default=str))
     vp = getattr(processor, "video_processor", None)  # in each video's identity (media.py)
     family.video_processor_id = digest(type(vp).__name__, json.dumps(
         vp.to_dict() if hasattr(vp, "to_dict") else {}, sort_keys=True, default=str))
