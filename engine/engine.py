@@ -179,24 +179,24 @@ class Engine:
                  system: str | None = None, raw: bool = False, use_cache: bool = True,
                  on_text: Callable[[str], None] | None = None,
                  on_progress: Callable[[str, int, int], None] | None = None,
-                 checkpoint_every: int | None = None, images: Sequence | None = None,
+                 checkpoint_every: int | None = None, images: Sequence | None = None, videos: Sequence | None = None,
+                 fps: float | None = None, max_frames: int | None = None, audios: Sequence | None = None,
                  draft: str | None = None, num_draft_tokens: int | None = None, **sampling) -> GenerationResult:
-        """sampling: SamplingParams's options (max_tokens=256, temperature=0.0, top_p=1.0, top_k=0,
-        seed=0, stop=()). images: paths, PIL images or (H, W, 3) arrays, for a vision-language model;
-        they come before the prompt text in the user turn (a session keeps them for later turns).
-        draft: a loaded model's name; it proposes num_draft_tokens (default 4) tokens that the model
-        verifies in one forward (speculative.py): the same tokens as without it, faster."""
+        """sampling: SamplingParams's options (max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop=()).
+        images (paths, PIL images, (H, W, 3) arrays), videos (paths, (T, C, H, W) arrays, sampled at fps, up to
+        max_frames: video.py), audios (paths, 1-D waveforms: audio.py) for a VLM come before the text in the user turn
+        (a session keeps them). draft: a loaded model proposing num_draft_tokens (default 4) per verify forward."""
         self._check_open()
         self.poll(prepare=False)  # no buffers allocated for prefetches on the way to the first token
         params = SamplingParams.of(**sampling)
         m = self.models.get(model)
         params.validate(_vocab_size(m))
-        media = None
-        if m.vision is not None:  # the model's processor; cache keys carry each image's identity
-            media = media_prompt(self, m, prompt, images, system=system, raw=raw, session=session, use_cache=use_cache)
+        media = media_prompt(self, m, prompt, images, system=system, raw=raw, session=session, use_cache=use_cache,
+                             videos=videos, fps=fps, max_frames=max_frames, audios=audios) if m.vision else None
+        if media is not None:  # the model's processor; cache keys carry each media item's identity
             tokens = media.keys
-        elif images:
-            raise GenerationError(f"model {m.name!r} is not a vision-language model: it takes no images")
+        elif images or videos or audios:
+            raise GenerationError(f"model {m.name!r} is not a vision-language model: it takes no images, videos or audio")
         else:
             tokens = self.encode_prompt(prompt, model=m.name, system=system, raw=raw, session=session)
         result = self.generate_tokens(

@@ -27,22 +27,28 @@ class Session:
     system: str | None = None
     model: str | None = None
     messages: list = field(default_factory=list)  # {"role", "content"}: a string, or parts with images
-    images: list = field(default_factory=list)  # a VLM conversation's images, in order
+    images: list = field(default_factory=list)  # a VLM conversation's images, Clips and Recordings, in order
     created: float = field(default_factory=time.time)
     last_prompt_tokens: int = 0
     # Provenance: the token ids of the last turn's prompt and of prompt +
     # generated reply, with their decoded text once known.
     history: list = field(default_factory=list, repr=False)  # [(ids, text or None)], longest first
 
-    def render_messages(self, user_text: str, system: str | None = None, images: int = 0) -> list:
+    def render_messages(self, user_text: str, system: str | None = None, images: int = 0, videos: int = 0,
+                        audios: int = 0) -> list:
         system = system if system is not None else self.system
         head = [{"role": "system", "content": system}] if system else []
-        return head + self.messages + [{"role": "user", "content": user_content(user_text, images)}]
+        return head + self.messages + [{"role": "user", "content": user_content(user_text, images, videos, audios)}]
 
     def record_turn(self, user_text: str, reply: str, prompt_ids: list, generated_ids: list,
                     images: list | tuple = ()) -> None:
+        from .audio import Recording
+        from .video import Clip
+
+        clips = sum(1 for x in images if isinstance(x, Clip))
+        recs = sum(1 for x in images if isinstance(x, Recording))  # the rest are images
         self.messages += [
-            {"role": "user", "content": user_content(user_text, len(images))},
+            {"role": "user", "content": user_content(user_text, len(images) - clips - recs, clips, recs)},
             {"role": "assistant", "content": reply},
         ]
         self.images += list(images)
@@ -84,16 +90,20 @@ class Session:
         }
 
 
-def user_content(text: str, images: int) -> str | list:
-    """A user turn: the text, or (a VLM turn) its images first, then the text."""
-    return [{"type": "image"}] * images + [{"type": "text", "text": text}] if images else text
+def user_content(text: str, images: int, videos: int = 0, audios: int = 0) -> str | list:
+    """A user turn: the text, or (a VLM turn) its images first, then its videos and recordings, then the text."""
+    if not images and not videos and not audios:
+        return text
+    return ([{"type": "image"}] * images + [{"type": "video"}] * videos + [{"type": "audio"}] * audios
+            + [{"type": "text", "text": text}])
 
 
 def shown(content: str | list) -> str:
-    """A turn's content as text: its images as [image], then its text."""
+    """A turn's content as text: its images as [image], videos as [video], recordings as [audio], then its text."""
     if isinstance(content, str):
         return content
-    return " ".join("[image]" if part.get("type") == "image" else part.get("text", "") for part in content)
+    return " ".join(f"[{part['type']}]" if part.get("type") in ("image", "video", "audio") else part.get("text", "")
+                    for part in content)
 
 
 class Sessions:

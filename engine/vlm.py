@@ -10,11 +10,17 @@ merge features into the embeddings and forward a chunk with the model's own
 positions and image attention (media.py drives it).
 
 Families:
-- `QwenVL` (qwen2_vl, qwen2_5_vl): multimodal rotary positions (t, h, w).
+- `QwenVL` (qwen2_vl, qwen2_5_vl): multimodal rotary positions (t, h, w);
+  images and videos (the same vision tower; a video's grid has t > 1).
   Positions come from the model's own `get_rope_index(ids, grids)` over the
   whole prompt and are passed explicitly to every forward; text after the
   last image continues at `offset + delta`. mlx-vlm's hidden
   `_rope_deltas` / `_position_ids` are never read.
+- `Gemma4` (audio): the audio tower and its embedder; positions from the cache
+  offset, causal attention over audio (as mlx-vlm runs it), per-layer input
+  embeddings from the text ids with media tokens as 0 (as mlx-vlm computes
+  them); KV-shared layers have no cache of their own (mlx-vlm's make_cache). Its
+  images are not supported yet.
 - `Gemma3`: positions from the cache offset; image attention is a policy:
   "bidirectional" (each image's tokens see the whole image, as the model was
   trained; the default) or "causal" (what mlx-vlm's own generate does). The
@@ -37,7 +43,7 @@ import numpy as np
 from .kv.caches import mlx_lm_caches
 
 MEDIA_REVISION = 1  # of the encoder-output objects and media prefix keys; a change is a miss
-SUPPORTED = {"qwen2_vl": "QwenVL", "qwen2_5_vl": "QwenVL", "gemma3": "Gemma3"}
+SUPPORTED = {"qwen2_vl": "QwenVL", "qwen2_5_vl": "QwenVL", "gemma3": "Gemma3", "gemma4": "Gemma4"}
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json", "chat_template.jinja")
 
 
@@ -120,6 +126,7 @@ class Family:
     """What differs between VLM families: pixels per image, the encoder, the forward."""
 
     policies = ("causal",)
+    tokenizer_template = False  # render chats with the tokenizer's template, not the processor's
 
     def __init__(self, vlm, processor, policy: str | None):
         self.vlm, self.processor = vlm, processor
@@ -130,17 +137,26 @@ class Family:
                              f"{', '.join(self.policies)}, got {policy!r}")
         self.embed = vlm.language_model.model.embed_tokens
         self.vocab = int(self.embed.weight.shape[0])  # media key ids start above it (media.key_ids)
+        self.embed_scale = 1.0  # of text rows merged with media features (Gemma 4 scales them there)
+        text = getattr(self.config, "text_config", None)
+        self.context = int(getattr(text, "max_position_embeddings", 0) or 0)  # 0: unknown
+
+    def video_token(self) -> int | None:
+        return None  # a family without video
+
+    def audio_token(self) -> int | None:
+        return None  # a family without audio
 
     def encoder_modules(self) -> tuple:
         return (self.vlm.vision_tower,)
 
-    def positions(self, ids: list, grids: list) -> tuple[mx.array | None, int]:
+    def positions(self, ids: list, grids: list, video_grids: list = ()) -> tuple[mx.array | None, int]:
         """Per-token positions of the whole prompt (None: the cache offset) and the delta after it."""
         return None, 0
 
     def merge(self, ids: mx.array, rows: list) -> mx.array:
         """Token embeddings of `ids` (1, N) with `rows` [(start, features)] put in place."""
-        h = self.embed(ids)[0]
+        h = self.embed(ids)[0] if self.embed_scale == 1.0 else self.embed(ids)[0] * self.embed_scale
         if not rows:
             return h[None]
         parts, at = [], 0
@@ -158,23 +174,31 @@ class QwenVL(Family):
     def image_token(self) -> int:
         return int(self.config.image_token_id)
 
-    def split(self, batch: dict, count: int) -> list[tuple[mx.array, tuple]]:
-        grids = [tuple(int(x) for x in g) for g in np.asarray(batch["image_grid_thw"]).tolist()]
-        pixels, out, at = batch["pixel_values"], [], 0
+    def video_token(self) -> int:
+        return int(self.config.video_token_id)
+
+    def split(self, batch: dict, count: int, kind: str = "image") -> list[tuple[mx.array, tuple]]:
+        """(patches, grid) per image, or per video (kind "video": the processor's video batch)."""
+        grids = [tuple(int(x) for x in g) for g in np.asarray(batch[f"{kind}_grid_thw"]).tolist()]
+        pixels, out, at = batch["pixel_values" if kind == "image" else f"pixel_values_{kind}s"], [], 0
         for g in grids:
             n = g[0] * g[1] * g[2]
             out.append((pixels[at: at + n], g))
             at += n
         return out
 
+    def split_videos(self, batch: dict) -> list[tuple[mx.array, tuple]]:
+        return self.split(batch, 0, "video")
+
     def encode(self, pixels: mx.array, grid: tuple) -> mx.array:
         dtype = self.vlm.vision_tower.patch_embed.proj.weight.dtype
         return self.vlm.vision_tower(pixels.astype(dtype), mx.array([grid]), output_hidden_states=False)
 
-    def positions(self, ids: list, grids: list) -> tuple[mx.array | None, int]:
-        if not grids:
+    def positions(self, ids: list, grids: list, video_grids: list = ()) -> tuple[mx.array | None, int]:
+        if not grids and not video_grids:
             return None, 0
-        pos, deltas = self.vlm.language_model.get_rope_index(mx.array([ids]), mx.array(grids))
+        pos, deltas = self.vlm.language_model.get_rope_index(
+            mx.array([ids]), mx.array(grids) if grids else None, mx.array(video_grids) if video_grids else None)
         return pos[:, 0, :], int(np.asarray(deltas).reshape(-1)[0])
 
     def forward(self, ids: mx.array, embeds, caches, *, delta: int = 0, positions=None, spans=()) -> mx.array:
@@ -238,7 +262,45 @@ class Gemma3(Family):
         return lm.lm_head(model.norm(h))
 
 
-FAMILIES = {"QwenVL": QwenVL, "Gemma3": Gemma3}
+class Gemma4(Family):
+    tokenizer_template = True  # mlx-vlm's processor re-orders the media parts of a turn
+
+    def __init__(self, vlm, processor, policy: str | None):
+        super().__init__(vlm, processor, policy)
+        if getattr(vlm, "audio_tower", None) is None:
+            raise ValueError("this Gemma 4 checkpoint has no audio tower; only its audio is supported yet")
+        self.embed_scale = vlm.language_model.model.embed_scale
+
+    def image_token(self) -> int:
+        return int(self.config.image_token_id)
+
+    def audio_token(self) -> int:
+        return int(self.config.audio_token_id)
+
+    def encoder_modules(self) -> tuple:
+        return (self.vlm.audio_tower, self.vlm.embed_audio)
+
+    def split(self, batch: dict, count: int) -> list:
+        from .sampling import GenerationError
+
+        raise GenerationError("images for Gemma 4 are not supported yet (its audio is)")
+
+    def encode(self, feats: mx.array, grid: tuple) -> mx.array:
+        enc, _ = self.vlm.audio_tower(feats, mx.zeros(feats.shape[:2], dtype=mx.bool_))  # no padding
+        return self.vlm.embed_audio(enc)[0]
+
+    def forward(self, ids: mx.array, embeds, caches, *, delta: int = 0, positions=None, spans=()) -> mx.array:
+        lm = self.vlm.language_model
+        if embeds is None:
+            return lm(ids, cache=caches).logits
+        per_layer = None
+        if lm.model.hidden_size_per_layer_input:
+            media = (ids == self.image_token()) | (ids == self.audio_token())
+            per_layer = lm.model.get_per_layer_inputs(mx.where(media, mx.zeros_like(ids), ids))
+        return lm(None, inputs_embeds=embeds, cache=caches, per_layer_inputs=per_layer).logits
+
+
+FAMILIES = {"QwenVL": QwenVL, "Gemma3": Gemma3, "Gemma4": Gemma4}
 
 
 def load_vlm(path: Path, config: dict, image_attention: str | None):
@@ -257,6 +319,13 @@ def load_vlm(path: Path, config: dict, image_attention: str | None):
     tokenizer = load_tokenizer(path, eos_token_ids=[eos] if isinstance(eos, int) else eos)
     family.encoder_id = weights_identity(*family.encoder_modules())
     family.processor_id = processor_identity(path, processor)
+    fe = getattr(processor, "feature_extractor", None)  # its settings: in each recording's identity (media.py)
+    family.audio_processor_id = digest(type(fe).__name__, json.dumps(
+        {k: v for k, v in vars(fe).items() if isinstance(v, (int, float, str, bool, list, tuple, type(None)))}
+        if fe is not None else {}, sort_keys=True, default=str))
+    vp = getattr(processor, "video_processor", None)  # in each video's identity (media.py)
+    family.video_processor_id = digest(type(vp).__name__, json.dumps(
+        vp.to_dict() if hasattr(vp, "to_dict") else {}, sort_keys=True, default=str))
     extras = {"vision": {"runtime": f"mlx-vlm {mlx_vlm.__version__}", "processor": family.processor_id,
                          "encoder": family.encoder_id, "image_attention": family.policy,
                          "media_revision": MEDIA_REVISION}}

@@ -56,8 +56,8 @@ def footer_html(stats: dict, words: str) -> str:
 _TIERS = {"ram": "RAM", "ssd": "SSD", "remote": "remote"}
 
 
-def images_phrase(sources: list) -> str:
-    """Where each image came from, e.g. "2 images: in the cached prefix (RAM), encoded"."""
+def images_phrase(sources: list, noun: str = "image") -> str:
+    """Where each image (or video) came from, e.g. "2 images: in the cached prefix (RAM), encoded"."""
     words = []
     for s in sources:
         if s.startswith("prefix:"):
@@ -66,7 +66,7 @@ def images_phrase(sources: list) -> str:
             words.append("encoded")
         else:
             words.append(f"encoder output from {_TIERS.get(s, s)}")
-    return f"{len(sources)} image{'' if len(sources) == 1 else 's'}: " + ", ".join(words)
+    return f"{len(sources)} {noun}{'' if len(sources) == 1 else 's'}: " + ", ".join(words)
 
 
 def draft_phrase(s: dict) -> str:
@@ -120,6 +120,10 @@ class CellResult:
         ]
         if s.get("draft"):
             parts.insert(-1, draft_phrase(s))
+        if s.get("audio_sources"):
+            parts.insert(1, images_phrase(s["audio_sources"], "recording"))
+        if s.get("video_sources"):
+            parts.insert(1, images_phrase(s["video_sources"], "video"))
         if s.get("image_sources"):
             parts.insert(1, images_phrase(s["image_sources"]))
         resumed = s.get("resumed_from")

@@ -35,7 +35,7 @@ from .prompt import interpolate, warn_undefined
 
 __all__ = ["GenerateMagics"]
 
-_IMAGE_VAR = re.compile(r"((?:^|\s)(?:--image|-i)(?:\s+|=))\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_IMAGE_VAR = re.compile(r"((?:^|\s)(?:--image|-i|--video|--audio)(?:\s+|=))\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
 def _in_kernel(shell) -> bool:
@@ -64,6 +64,15 @@ class GenerateMagics(EngineMagics):
     @argument("--image", "-i", action="append", default=[], metavar="PATH",
               help="an image for a vision-language model (repeatable, in order); {var} names a variable "
                    "holding a path, a PIL image or an array")
+    @argument("--video", action="append", default=[], metavar="PATH",
+              help="a video for Qwen2-VL / Qwen2.5-VL (repeatable, in order, after the images): a video file, a "
+                   "directory of frame images, a .npy/.npz file, or {var} holding one or a (T, C, H, W) array")
+    @argument("--fps", type=float, default=None, metavar="F",
+              help="frames per second to sample from each --video (default: the model's processor's)")
+    @argument("--max-frames", type=int, default=None, metavar="N", help="at most N frames per --video")
+    @argument("--audio", action="append", default=[], metavar="PATH",
+              help="a recording for Gemma 4 (repeatable, in order, after the videos): an audio file (WAV, FLAC, "
+                   "MP3) or {var} holding one or a 1-D float waveform at the model's sampling rate")
     @argument("--draft", default=None, metavar="NAME",
               help="speculative decoding: the loaded model NAME proposes tokens the model verifies "
                    "(same tokens as without it)")
@@ -92,6 +101,10 @@ class GenerateMagics(EngineMagics):
         line, held = self._expand_line(line)
         args = parse_args(self.generate, line)
         args.image = [held.get(spec, spec) for spec in args.image]
+        args.video = [held.get(spec, spec) for spec in args.video]
+        args.audio = [held.get(spec, spec) for spec in args.audio]
+        if (args.fps is not None or args.max_frames is not None) and not args.video:
+            raise UsageError("--fps and --max-frames go with --video")
         if args.out is not None and (not args.out.isidentifier() or keyword.iskeyword(args.out)):
             raise UsageError(f"--out needs a variable name, got {args.out!r}")
         if args.draft is not None and (args.batch is not None or args.samples is not None):
@@ -119,6 +132,11 @@ class GenerateMagics(EngineMagics):
             kwargs.update(draft=args.draft, num_draft_tokens=args.draft_tokens)
         if args.image:
             kwargs["images"] = [self._image(spec) for spec in args.image]
+        if args.video:
+            kwargs.update(videos=[self._image(spec, "--video") for spec in args.video], fps=args.fps,
+                          max_frames=args.max_frames)
+        if args.audio:
+            kwargs["audios"] = [self._image(spec, "--audio") for spec in args.audio]
         if args.checkpoint_every is not None:
             if "checkpoint_every" not in inspect.signature(eng.generate).parameters:
                 raise UsageError("this engine does not support --checkpoint-every yet")
@@ -133,7 +151,7 @@ class GenerateMagics(EngineMagics):
 
     def _expand_line(self, line: str) -> tuple[str, dict]:
         """The options line with {name} and $name expanded from the notebook namespace, as
-        IPython does for other magics, except `--image {name}`: held back (placeholder ->
+        IPython does for other magics, except `--image {name}` / `--video {name}` / `--audio {name}`: held back (placeholder ->
         "{name}") so the image is the variable's object, not its text."""
         from IPython.utils.text import DollarFormatter
 
@@ -151,13 +169,13 @@ class GenerateMagics(EngineMagics):
             pass  # as IPython does: a line that cannot be expanded is used as written
         return line, held
 
-    def _image(self, spec: str):
-        """--image: a path, or {name} of a variable holding a path, a PIL image or an array."""
+    def _image(self, spec: str, option: str = "--image"):
+        """--image / --video / --audio: a path, or {name} of a variable holding a path, a PIL image or an array."""
         m = re.fullmatch(r"\{([A-Za-z_][A-Za-z0-9_]*)\}", spec.strip())
         if m is None:
             return spec
         if m.group(1) not in self.shell.user_ns:
-            raise UsageError(f"--image {spec}: {m.group(1)!r} is not defined")
+            raise UsageError(f"{option} {spec}: {m.group(1)!r} is not defined")
         return self.shell.user_ns[m.group(1)]
 
     def _prompt(self, cell: str, *, literal: bool) -> str:

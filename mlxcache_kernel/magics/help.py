@@ -28,6 +28,8 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%%generate --no-cache", "neither look up nor publish prompt caches (a cold baseline)"),
         ("%%generate --image cat.png", "a vision-language model sees the image (repeatable: -i a.png -i b.png)"),
         ("%%generate --image {picture}", "a variable holding a path, a PIL image or an array"),
+        ("%%generate --video clip.mp4 --fps 1 --max-frames 16", "Qwen2-VL / Qwen2.5-VL see the clip (sampled frames)"),
+        ("%%generate --audio talk.wav", "Gemma 4 hears the recording (or --audio {waveform})"),
         ("%%generate --literal", "no {name} interpolation (or write {{name}} for one literal {name})"),
         ("%%generate --batch questions", "the cell is a template: one row per item ({item}); a table of results"),
         ("%%generate --batch df --out answers", "{question} names a column of DataFrame df; answers keeps the table"),
