@@ -164,9 +164,9 @@ class LoadedModel:
 
     @cached_property
     def forward(self):
-        """The model as generations call it: with a delayed KV quantization, converting the caches
-        at exactly kv_start (kv/quantize_start.py)."""
-        if self.kv_bits is None or not self.kv_start:
+        """The model as generations call it: with quantized KV, converting the caches at exactly
+        kv_start and attending long forwards over it dequantized (kv/quantize_start.py)."""
+        if self.kv_bits is None or self.vision is not None:
             return self.model
         return QuantizeFrom(self.model, self.kv_start, self.kv_bits, self.kv_group_size)
 

@@ -237,12 +237,13 @@ def _model_modules(model) -> list:
 
 
 @contextmanager
-def routing(model):
-    """While in it, `model`'s modules attend through `routed_attention` (calls with other caches are
-    mlx-lm's own); afterwards they are as they were. Yields whether any module was routed."""
+def routing(model, attend=None):
+    """While in it, `model`'s modules attend through `attend` (default `routed_attention`: calls with
+    other caches are mlx-lm's own); afterwards they are as they were. Yields whether any module was
+    routed (none inside another routing: a module already routed is left to it)."""
     modules = _model_modules(model)
     for m in modules:
-        m.scaled_dot_product_attention = routed_attention
+        m.scaled_dot_product_attention = attend or routed_attention
     try:
         yield bool(modules)
     finally:

@@ -10,13 +10,22 @@ prompt takes an earlier full-precision checkpoint or prefills.
 
 Kinds without a quantized form (sliding windows, recurrent state, lists of caches) stay in
 full precision, as they do with kv_bits from the first token.
+
+A forward of many tokens over quantized KV (a prefill chunk, a long rest of a prompt after a hit)
+attends over the keys and values dequantized (`dequantized_attention`): MLX's CPU quantized
+matmuls are about 4x slower than its fused attention there (benchmarks/bench_quantized_attention.py);
+a few queries (decode, a short rest) keep mlx-lm's quantized attention, which is faster for them.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx_lm.models import base as lm_base
 
+from .cascade import routing
 from .codecs import codec, kind_of
+
+MIN_DEQUANTIZED_QUERIES = 64  # from here on dequantize + fused attention beats quantized matmuls on a CPU
 
 
 def convert(c, start: int, bits: int, group_size: int):
@@ -40,6 +49,12 @@ class QuantizeFrom:
         self.model, self.start, self.bits, self.group_size = model, start, bits, group_size
 
     def __call__(self, inputs: mx.array, cache: list, **kwargs) -> mx.array:
+        if inputs.shape[1] >= MIN_DEQUANTIZED_QUERIES and mx.default_device() == mx.cpu:
+            with routing(self.model, dequantized_attention):
+                return self._forward(inputs, cache, **kwargs)
+        return self._forward(inputs, cache, **kwargs)
+
+    def _forward(self, inputs: mx.array, cache: list, **kwargs) -> mx.array:
         at = self.start - min(int(c.offset) for c in cache)  # positions before the conversion
         if at <= 0 or at > inputs.shape[1]:
             self.convert(cache)  # (a no-op once converted, and below the start)
@@ -69,3 +84,15 @@ def check_quantizable(model, caches: list, bits: int, group_size: int) -> str | 
     except ValueError as e:
         return f"kv_bits={bits} with kv_group_size={group_size} does not fit this model's KV: {e}"
     return None
+
+
+def dequantized_attention(queries, keys, values, cache, scale, mask, sinks=None):
+    """mlx-lm's attention, except that many queries over quantized KV attend over it dequantized."""
+    bits = getattr(cache, "bits", None)
+    if bits is None or sinks is not None or queries.shape[2] < MIN_DEQUANTIZED_QUERIES:
+        return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    k, v = (mx.dequantize(*x, group_size=cache.group_size, bits=bits).astype(queries.dtype) for x in (keys, values))
+    return _ORIGINAL(queries, k, v, cache=None, scale=scale, mask=mask)
+
+
+_ORIGINAL = lm_base.scaled_dot_product_attention

@@ -217,3 +217,33 @@ def test_the_minimum_reusable_offset_rides_the_remote_tier(server, wide_model_di
     with engine(tmp_path, wide_model_dir, name="c", remote_url=url, remote_secret=SECRET) as c:
         r = c.generate_tokens(short, GREEDY)
         assert r.stats["cached_tokens"] == 0 and r.tokens == cold(tmp_path, wide_model_dir, short, GREEDY)
+
+
+def test_long_forwards_attend_over_the_quantized_kv_dequantized(wide_model_dir, tmp_path):
+    """Many queries over quantized KV (a prefill chunk past the start) attend over it dequantized with
+    MLX's fused attention (faster on a CPU); the numbers are mlx-lm's quantized attention's to float32
+    rounding, and a cold run, any chunking and a hit still agree."""
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention
+
+    from mlxcache_kernel.engine.kv.quantize_start import MIN_DEQUANTIZED_QUERIES, dequantized_attention
+
+    class Quantized:  # what the attention asks of a cache
+        bits, group_size = 8, 32
+
+    def queries(n):  # a fresh array for each call (mlx-lm's quantized attention scales its queries in place)
+        return mx.random.normal((1, 4, n, 32), key=mx.random.key(1))
+
+    k, v = (mx.quantize(mx.random.normal((1, 2, 300, 32), key=mx.random.key(s)), group_size=32, bits=8) for s in (2, 3))
+    mlx_lm = lambda q: quantized_scaled_dot_product_attention(q, k, v, scale=0.2, mask="causal", group_size=32, bits=8)
+    n = MIN_DEQUANTIZED_QUERIES
+    got = dequantized_attention(queries(n), k, v, Quantized(), 0.2, "causal")
+    assert 0 < mx.abs(got - mlx_lm(queries(n))).max().item() < 1e-4  # (another path: roundings differ)
+    few = dequantized_attention(queries(8), k, v, Quantized(), 0.2, "causal")  # few queries: mlx-lm's own
+    assert mx.array_equal(few, mlx_lm(queries(8))).item()
+    long_doc = ids(400, 21)  # forwards of up to 360 tokens past the start
+    runs = {chunk: cold(tmp_path, wide_model_dir, long_doc, GREEDY, chunk) for chunk in (7, 100, 512)}
+    assert runs[7] == runs[100] == runs[512], runs
+    with engine(tmp_path, wide_model_dir, name="long") as eng:
+        eng.generate_tokens(long_doc[:120], SamplingParams(max_tokens=1))  # quantized, from 40
+        r = eng.generate_tokens(long_doc, GREEDY)  # a hit, then 280 tokens in one forward
+        assert r.stats["cached_tokens"] >= 119 and r.tokens == runs[512]
