@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 from redis.exceptions import NoPermissionError, ReadOnlyError, ResponseError
 
 from .client import RemoteError
-from .keys import block_name, is_block_name
+from .keys import AEAD_OVERHEAD, block_name, is_block_name
 from .publisher import Publisher
 from .records import (EXACT, MAX_RECORD_BYTES, ExactRecord, ObjectRecord, RemoteRecord, encode_layout, names_digest,
                       seal_chain, seal_exact, seal_object, unseal)
@@ -166,7 +166,7 @@ class Publication:
         """SET the values the remote lacks (or holds at a wrong size), in byte-bounded pipelines;
         (name, why) of the first one that could not be read locally."""
         space = self.spaces[self.keys[0].key_id]
-        unique = list({v.name: v for v in values}.values())
+        unique = list({v.name: v for v in values}.values())  # stored encrypted: AEAD_OVERHEAD bytes longer
         present: set[str] = set()
         for chunk in _chunks(unique, META_BATCH):
             replies = self._write("publish: check blocks", lambda p, c=chunk: [
@@ -174,7 +174,7 @@ class Publication:
             for v, size, refreshed in zip(chunk, replies[0::2], replies[1::2]):
                 if isinstance(refreshed, Exception):
                     raise RemoteError(f"publish: check blocks: {self._describe(refreshed)}")
-                if size == v.size:
+                if size == v.size + AEAD_OVERHEAD:
                     present.add(v.name)
         self.count(blocks_skipped=len(present))
         batch, size = [], 0
@@ -198,10 +198,11 @@ class Publication:
         return None
 
     def _set_values(self, batch: list[tuple[str, bytes]]) -> None:
-        space = self.spaces[self.keys[0].key_id]
-        n_bytes = sum(len(v) for _, v in batch)
-        self._write("publish: upload blocks", lambda p: [p.set(space.block(n), v, ex=self.ttl_s) for n, v in batch],
-                    n_bytes)
+        keys = self.keys[0]
+        space = self.spaces[keys.key_id]
+        sealed = [(k, keys.encrypt(k.encode(), v)) for k, v in ((space.block(n), v) for n, v in batch)]
+        n_bytes = sum(len(v) for _, v in sealed)
+        self._write("publish: upload blocks", lambda p: [p.set(k, v, ex=self.ttl_s) for k, v in sealed], n_bytes)
         self.count(blocks_uploaded=len(batch), bytes_written=n_bytes)
 
     def _set_records(self, values: list[tuple[str, bytes]], only_new: bool = False) -> None:

@@ -34,7 +34,7 @@ from typing import Sequence
 from .breaker import Breaker
 from .client import GuardedClient, RemoteError, describe
 from .config import parse_remote_url, reveal
-from .keys import OPEN, KeySpace, TeamKeys, block_name, is_block_name, team_keys
+from .keys import AEAD_OVERHEAD, OPEN, KeySpace, TeamKeys, block_name, is_block_name, team_keys
 from .meter import Meter, fetch_beats_recompute
 from .publish import Publication
 from .records import (CHAIN, EXACT, MAX_AGE_S, MAX_RECORD_BYTES, MAX_VALUE_BYTES, OBJECT, ExactRecord, ObjectRecord,
@@ -276,11 +276,12 @@ class RemoteTier(Publication):
         sized, why = self._sized(items, space, deadline)
         for chunk in _chunks(sized, GET_BATCH):
             for (n, size), v in zip(chunk, self._read_values(chunk, space, deadline)):
-                if len(v) != size or block_name(v) != n:
+                v = space.keys.decrypt(space.block(n).encode(), v)  # one AEAD call per value
+                if v is None or len(v) != size or block_name(v) != n:
                     self.count(bad_blocks=1)
                     self.remove_bad([space.block(n)])
-                    raise RemoteMiss(f"block {n[:16]} failed verification ({len(v)} bytes that do not hash to its "
-                                     "name); removed")
+                    raise RemoteMiss(f"block {n[:16]} failed verification (it does not decrypt under this secret "
+                                     "or hash to its name); removed")
                 out.append(v)
         if why is not None:
             raise RemoteMiss(why)
@@ -292,6 +293,7 @@ class RemoteTier(Publication):
             sizes = self.reader.pipeline("read block sizes", lambda p, c=chunk: [p.strlen(space.block(n)) for n, _ in c],
                                          _left(deadline))
             for i, ((n, want), got) in enumerate(zip(chunk, sizes), first):
+                want += AEAD_OVERHEAD  # stored encrypted (TeamKeys.encrypt)
                 if got == want:
                     continue
                 if got == 0:
@@ -304,7 +306,8 @@ class RemoteTier(Publication):
 
     def _read_values(self, chunk: list, space: KeySpace, deadline) -> list[bytes]:
         t0 = time.perf_counter()
-        values = self.reader.pipeline("read blocks", lambda p: [p.getrange(space.block(n), 0, s - 1) for n, s in chunk],
+        values = self.reader.pipeline("read blocks", lambda p: [p.getrange(space.block(n), 0, s + AEAD_OVERHEAD - 1)
+                                                                 for n, s in chunk],
                                       _left(deadline))
         values = [v if isinstance(v, bytes) else b"" for v in values]
         n_bytes = sum(len(v) for v in values)

@@ -12,7 +12,7 @@ from remote_fixtures import PW, SECRET, kind, server  # noqa: F401  (fixtures)
 from mlxcache_kernel.engine import Engine
 from mlxcache_kernel.engine.cache.objects.cache import namespace_of
 from mlxcache_kernel.engine.cache.remote import TeamKeys
-from mlxcache_kernel.engine.cache.remote.keys import KeySpace
+from mlxcache_kernel.engine.cache.remote.keys import AEAD_OVERHEAD, KeySpace
 from mlxcache_kernel.engine.cache.objects.values import digest
 
 
@@ -60,7 +60,7 @@ def test_other_teams_and_bad_chunks_are_misses(server, tmp_path):
     c = server.client()
     space = KeySpace(TeamKeys(SECRET.encode()))
     chunk_keys = [k for k in c.scan_iter(match=space.block("*").rsplit(":", 1)[0] + ":*")
-                  if c.strlen(k) == 4 << 20]
+                  if c.strlen(k) == (4 << 20) + AEAD_OVERHEAD]  # a 4 MiB chunk, encrypted
     assert chunk_keys
     value = bytearray(c.get(chunk_keys[0]))
     value[7] ^= 1  # the same size, other bytes

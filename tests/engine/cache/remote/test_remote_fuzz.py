@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from mlxcache_kernel.engine.cache.remote import TeamKeys
 from mlxcache_kernel.engine.cache.remote.records import (CHAIN, CHAIN_HEAD, EXACT, MAGIC, MAX_RECORD_BYTES,
-                                                         MAX_VALUE_BYTES, SIGNED, ExactSet, RemoteRecord, _tag, unseal)
+                                                         MAX_VALUE_BYTES, SIGNED, ExactSet, RemoteRecord, _ad, unseal)
 from mlxcache_kernel.engine.cache.remote.rebuild import SpanLayout, parse_layout
 
 EXAMPLES = {"raw": 10_000, "json_bodies": 2_000, "seeded_bodies": 30_000, "mutated_records": 24_000,
@@ -86,9 +86,8 @@ def damaged(rng: random.Random, text: bytes) -> bytes:
 
 
 def sealed(kind: str, body: bytes) -> bytes:
-    """A value whose MAC is valid for `body` (unsigned): the parser behind the MAC is what is fuzzed."""
-    body = bytes(SIGNED) + body
-    return MAGIC + _tag(kind, PREFIX, body, KEYS) + body
+    """A value that decrypts and authenticates to `body` (unsigned): the parser behind the AEAD is what is fuzzed."""
+    return MAGIC + KEYS.encrypt(_ad(kind, PREFIX), bytes(SIGNED) + body)
 
 
 def check_unseal(kind: str, value) -> None:
