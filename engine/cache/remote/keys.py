@@ -1,4 +1,4 @@
-"""Remote key names, derived from the team secret: prefix keys, block keys, the record MAC key.
+"""Remote key names, derived from the team secret: prefix keys, block keys, the encryption key.
 
 A prefix key names "this exact token prefix, in this namespace, for this
 team": key_0 = H(root || tokens of block 0), key_i = H(key_{i-1} || tokens
@@ -41,7 +41,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ...config import reveal
 
-REMOTE_FORMAT = 2  # of the key derivation and the records; a change is a new key space
+REMOTE_FORMAT = 3  # of the key derivation and the records; a change is a new key space
 OPEN = "open"  # the key id of the unauthenticated key space
 MIN_SECRET_BYTES = 16
 _NAME_RE = re.compile(r"[0-9a-f]{64}")
