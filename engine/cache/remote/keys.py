@@ -190,6 +190,9 @@ class KeySpace:
     def object(self, root: bytes) -> str:
         return f"{self.base}:obj:{root.hex()}"
 
+    def tomb(self, key: bytes) -> str:
+        return f"{self.base}:tomb:{key.hex()}"
+
 
 def secrets_of(secret) -> list[tuple[bytes, float | None]]:
     """[(current, not after), (previous, not after)...] from bytes, a str (one secret per line) or a

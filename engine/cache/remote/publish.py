@@ -33,8 +33,8 @@ from redis.exceptions import NoPermissionError, ReadOnlyError, ResponseError
 from .client import RemoteError
 from .keys import AEAD_OVERHEAD, block_name, is_block_name
 from .publisher import Publisher
-from .records import (EXACT, MAX_RECORD_BYTES, ExactRecord, ObjectRecord, RemoteRecord, encode_layout, names_digest,
-                      seal_chain, seal_exact, seal_object, unseal)
+from .records import (EXACT, MAX_RECORD_BYTES, MAX_SKEW_S, ExactRecord, ObjectRecord, RemoteRecord, encode_layout,
+                      names_digest, seal_chain, seal_exact, seal_object, seal_tomb, unseal)
 
 META_BATCH = 256  # small commands per pipeline
 UPLOAD_BATCH_BYTES = 64 << 20  # bytes of values per upload pipeline (bounds memory)
@@ -60,11 +60,12 @@ def _denied(reply) -> bool:
 
 
 class Publication:
-    """The publishing half of RemoteTier (which provides keys, spaces, writer, ttl_s, count, _describe)."""
+    """The publishing half of RemoteTier (which provides keys, spaces, writer, ttl_s, max_age_s, count, _describe)."""
 
     def __init__(self, max_pending: int):
         self._publisher = Publisher(self._describe, max_pending=max_pending)
         self._denied: set[str] = set()  # best-effort commands the server refused (NOPERM, READONLY)
+        self._removed = 0  # the second of this writer's last remove(): what it seals later is issued after it
 
     def publish(self, namespace: str, tokens: Sequence[int], block_size: int, blocks: Sequence[Value],
                 layout: dict) -> bool:
@@ -91,7 +92,7 @@ class Publication:
         failure = self._upload(blocks)
         # Records for the blocks before one that could not be uploaded: probes stop at the gap anyway.
         usable = len(blocks) if failure is None else [b.name for b in blocks].index(failure[0])
-        now, digest, records = time.time(), b"", []
+        now, digest, records = self._now(), b"", []
         for i, k in enumerate(chain[:usable]):
             digest = names_digest(digest, blocks[i].name)
             records.append((space.record(k), seal_chain(k, RemoteRecord(i, i * bs, (i + 1) * bs, blocks[i].name,
@@ -123,7 +124,7 @@ class Publication:
         failure = self._upload(list(blocks) + [head])
         if failure is not None:
             raise RemoteError(f"block {failure[0][:16]}: {failure[1]}; the state was not published")
-        now = time.time()
+        now = self._now()
         markers, digest = [], b""
         for i, k in enumerate(chain):
             digest = names_digest(digest, None)
@@ -161,6 +162,11 @@ class Publication:
         now, root = time.time(), keys.root(namespace)
         rec = ObjectRecord(manifest.name, manifest.size, sum(v.size for v in values), namespace)
         self._set_records([(self.spaces[keys.key_id].object(root), seal_object(root, rec, keys, now, self.signer))])
+
+    def _now(self) -> float:
+        """The issue time of a new record: after this writer's last tombstone (a record issued in the
+        second of a removal would be removed with it)."""
+        return max(time.time(), self._removed + 1)
 
     def _upload(self, values: list[Value]) -> tuple[str, str] | None:
         """SET the values the remote lacks (or holds at a wrong size), in byte-bounded pipelines;
@@ -250,10 +256,18 @@ class Publication:
     # --- deletion ---
 
     def remove(self, namespace: str, tokens: Sequence[int], block_size: int) -> int:
-        """UNLINK the records of `tokens` (blocks stay: other prefixes may name them; their TTL ends them)."""
+        """Leave a signed tombstone at every prefix key of `tokens` (records there issued until now are
+        misses, even written back), then UNLINK the records; the number unlinked. Blocks stay (other
+        prefixes may name them; their TTL ends them). A tombstone lives as long as what it outranks."""
         keys = self.keys[0]
         space = self.spaces[keys.key_id]
         chain = keys.prefix_keys(namespace, tokens, block_size)
+        now, ttl = time.time(), int(max(self.ttl_s, self.max_age_s) + MAX_SKEW_S)
+        self._removed = int(now)
+        if self.may_publish:  # a member outside the allow-list could only write tombstones nobody reads
+            tombs = [(space.tomb(k), seal_tomb(k, i, namespace, keys, now, self.signer)) for i, k in enumerate(chain)]
+            for chunk in _chunks(tombs, META_BATCH):
+                self._write("remove: write tombstones", lambda p, c=chunk: [p.set(k, x, ex=ttl) for k, x in c])
         return self._unlink([space.record(k) for k in chain] + [space.exact(k) for k in chain])
 
     def remove_blocks(self, names: Sequence[str]) -> int:

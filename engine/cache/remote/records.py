@@ -33,6 +33,8 @@ Two kinds hang from a prefix key (the chain key of full blocks 0..i):
 A third kind hangs from a namespace's root key instead: an object record
 (kind "o", JSON) names the manifest of an exact tensor object
 (Engine.objects; the namespace holds its key digest; object_remote.py).
+A fourth, a tombstone (kind "t", JSON, at its own key), is what remove()
+leaves: records at its prefix key issued no later than it are misses.
 
 Every body carries the key id of the secret that sealed it (rotation) and
 its issue time: a record older than `max_age_s` (7 days), or issued more
@@ -67,7 +69,7 @@ MAX_AGE_S = 7 * 24 * 3600  # a record must be republished (re-sealed) within thi
 MAX_SKEW_S = 5 * 60  # clocks disagree by minutes; a record further in the future is refused
 MAX_VALUE_BYTES = 1 << 30  # no block or manifest is larger
 MAX_EXACT_STATES = 8  # exact states kept under one prefix key, newest first
-CHAIN, EXACT, OBJECT = "c", "x", "o"
+CHAIN, EXACT, OBJECT, TOMB = "c", "x", "o", "t"
 # version, flags (1: a block, 2: a layout), key id, issued, index, start, end, block digest, namespace length
 CHAIN_HEAD = struct.Struct("<BB6sQIII32sH")
 _MAX_INDEX = 1 << 24
@@ -144,6 +146,18 @@ class ObjectRecord:
     manifest: str  # BLAKE3 hex of the manifest value
     size: int  # the manifest's bytes
     nbytes: int  # the manifest and every chunk it names: what a fetch reads
+    namespace: str
+    key_id: str = ""
+    issued: int = 0
+    writer: str = ""
+
+
+@dataclass(frozen=True)
+class Tombstone:
+    """A signed removal at a prefix key (kind "t", its own key): every chain or exact record at that
+    key issued at or before `issued` is a miss, so writing captured values back does not undo it."""
+
+    index: int
     namespace: str
     key_id: str = ""
     issued: int = 0
@@ -227,6 +241,11 @@ def seal_object(root_key: bytes, rec: ObjectRecord, keys: TeamKeys, now: float,
     return _seal(OBJECT, root_key, fields, keys, now, signer)
 
 
+def seal_tomb(prefix_key: bytes, index: int, namespace: str, keys: TeamKeys, now: float,
+              signer: SigningKey | None = None) -> bytes:
+    return _seal(TOMB, prefix_key, {"ns": namespace, "i": index}, keys, now, signer)
+
+
 def _no_floats(text):
     raise ValueError(f"no floats or constants in a record: {text[:20]!r}")
 
@@ -236,7 +255,8 @@ def _int(v, lo: int, hi: int) -> bool:
 
 
 def unseal(kind: str, prefix_key: bytes, value, keys: TeamKeys, *, now: float, max_age_s: float = MAX_AGE_S,
-           writers: Writers | None = None) -> tuple[RemoteRecord | ExactSet | ObjectRecord | None, str | None]:
+           writers: Writers | None = None) -> tuple[RemoteRecord | ExactSet | ObjectRecord | Tombstone | None,
+                                                    str | None]:
     """(record, None), or (None, why): "mac" (not sealed by this secret for this key and kind),
     "malformed" (verified but not a record this build reads), "stale" (too old, or from the future),
     or, with an allow-list `writers`, "unknown_writer" / "signature" (an exact or object record not
@@ -256,14 +276,14 @@ def unseal(kind: str, prefix_key: bytes, value, keys: TeamKeys, *, now: float, m
             return None, why
     try:  # deep nesting (RecursionError), huge integers, bad UTF-8: a miss like any other malformed body
         d = json.loads(body, parse_float=_no_floats, parse_constant=_no_floats)
-        rec = _parse_object(d, keys, writer) if kind == OBJECT else _parse_exact(d, keys, writer)
+        rec = (_parse_object if kind == OBJECT else _parse_tomb if kind == TOMB else _parse_exact)(d, keys, writer)
     except Exception:  # noqa: BLE001 - a verified body from another build is still only a miss
         return None, "malformed"
     if rec is None:
         return None, "malformed"
     if not now - max_age_s <= rec.issued <= now + MAX_SKEW_S:
         return None, "stale"
-    if kind == OBJECT:
+    if kind in (OBJECT, TOMB):
         return rec, None
     return dataclasses.replace(rec, states=tuple(x for x in rec.states if now - max_age_s <= x.issued)), None
 
@@ -300,6 +320,12 @@ def _parse_object(d, keys: TeamKeys, writer: bytes) -> ObjectRecord | None:
             and _int(d.get("bytes"), d["size"], 1 << 50)):
         return None
     return ObjectRecord(d["manifest"], d["size"], d["bytes"], d["ns"], d["kid"], d["iat"], _wid(writer))
+
+
+def _parse_tomb(d, keys: TeamKeys, writer: bytes) -> Tombstone | None:
+    if not _head_ok(TOMB, d, keys):
+        return None
+    return Tombstone(d["i"], d["ns"], d["kid"], d["iat"], _wid(writer))
 
 
 def _wid(writer: bytes) -> str:

@@ -4,6 +4,7 @@
     <prefix>:<key id>:rec:<prefix key>       a sealed chain record per full block of a prefix
     <prefix>:<key id>:ext:<prefix key>       a sealed exact record (a state exact at its own length)
     <prefix>:<key id>:obj:<namespace root>   a sealed object record (an exact tensor object, find_object)
+    <prefix>:<key id>:tomb:<prefix key>      a signed tombstone: remove() was here (records.Tombstone)
 
 Reads use read commands only (STRLEN, GETRANGE), so a read-only ACL user
 or a replica serves lookups, and every read is bounded before it is made:
@@ -37,8 +38,8 @@ from .config import parse_remote_url, reveal
 from .keys import AEAD_OVERHEAD, OPEN, KeySpace, TeamKeys, block_name, is_block_name, team_keys
 from .meter import Meter, fetch_beats_recompute
 from .publish import Publication
-from .records import (CHAIN, EXACT, MAX_AGE_S, MAX_RECORD_BYTES, MAX_VALUE_BYTES, OBJECT, ExactRecord, ObjectRecord,
-                      chain_signature, names_digest, unseal)
+from .records import (CHAIN, EXACT, MAX_AGE_S, MAX_RECORD_BYTES, MAX_VALUE_BYTES, OBJECT, TOMB, ExactRecord,
+                      ObjectRecord, chain_signature, names_digest, unseal)
 from .writers import NO_WRITER, SigningKey, Writers
 
 PROBE_BATCH = 16  # prefix keys per round trip
@@ -48,7 +49,7 @@ META_BATCH = 256  # small commands (STRLEN, EXPIRE, record SET, UNLINK) per pipe
 MIN_FETCH_TOKENS = 256  # below this, recomputing is cheaper than any round trip worth making
 COUNTERS = ("hits", "misses", "bytes_read", "bytes_written", "blocks_uploaded", "blocks_skipped", "records_written",
             "records_found", "probes", "mac_rejected", "malformed", "stale", "wrong_size", "bad_blocks",
-            "unknown_writer", "signature_rejected")
+            "unknown_writer", "signature_rejected", "tombstoned")
 
 
 class RemoteMiss(Exception):
@@ -156,11 +157,12 @@ class RemoteTier(Publication):
     def _probe(self, keys: TeamKeys, namespace, tokens, block_size, deadline, exact) -> Found:
         chain, space = keys.prefix_keys(namespace, tokens, block_size), self.spaces[keys.key_id]
         found, plain, now = Found(key_id=keys.key_id, chain=chain), True, time.time()
-        step = 4 if exact else 2
+        step = 6 if exact else 4
 
-        def fill(p, chunk):
+        def fill(p, chunk):  # per key: its tombstone, its chain record (and its exact record)
             for k in chunk:
-                for name in (space.record(k), space.exact(k)) if exact else (space.record(k),):
+                for name in (space.tomb(k), space.record(k), space.exact(k)) if exact else (space.tomb(k),
+                                                                                           space.record(k)):
                     p.strlen(name)
                     p.getrange(name, 0, MAX_RECORD_BYTES - 1)
 
@@ -174,12 +176,16 @@ class RemoteTier(Publication):
             self.meter.round_trip(time.perf_counter() - t0)
             for i, k in enumerate(chunk, first):
                 r = replies[(i - first) * step:(i - first + 1) * step]
-                xs = self._unseal(EXACT, k, r[2:], keys, now) if exact else None
+                removed = self._removed_at(k, r[:2], keys, now, namespace, i)
+                xs = self._unseal(EXACT, k, r[4:], keys, now) if exact else None
                 if xs is not None and xs.namespace == namespace and xs.index == i:
-                    fits = [x for x in xs.states if x.length(block_size) <= len(tokens)
+                    fits = [x for x in xs.states if x.length(block_size) <= len(tokens) and x.issued > removed
                             and tuple(tokens[(i + 1) * block_size:x.length(block_size)]) == x.tail]
                     found.exact = max(fits, key=lambda x: len(x.tail), default=found.exact)
-                rec = self._unseal(CHAIN, k, r[:2], keys, now)
+                rec = self._unseal(CHAIN, k, r[2:4], keys, now)
+                if rec is not None and rec.issued <= removed:
+                    self.count(tombstoned=1)  # a removed record written back: a miss
+                    return found
                 if rec is None or (rec.namespace, rec.index, rec.start, rec.end) != (
                         namespace, i, i * block_size, (i + 1) * block_size):
                     if rec is not None:
@@ -190,6 +196,11 @@ class RemoteTier(Publication):
                     found.records.append(rec)
         self._vouched(found)
         return found
+
+    def _removed_at(self, key: bytes, reply: list, keys: TeamKeys, now: float, namespace: str, index: int) -> int:
+        """The issue time of the tombstone at `key` (records issued up to it are removed), or -1."""
+        t = self._unseal(TOMB, key, reply, keys, now)
+        return t.issued if t is not None and (t.namespace, t.index) == (namespace, index) else -1
 
     def _vouched(self, found: Found) -> None:
         """Cut found.records to the longest run whose last record is signed, over the names of the
