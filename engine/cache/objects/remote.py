@@ -72,8 +72,9 @@ def _read_range(path, offset: int, size: int) -> bytes:
 
 
 def fetch(tier: RemoteTier, namespace: str, key_digest: str, revision: int):
-    """(tree, leaves, label) of the object in `namespace`, read and verified from the remote;
-    None when the remote has no usable record, RemoteMiss when a read fails or does not verify."""
+    """(tree, leaves, label, record) of the object in `namespace`, read and verified from the remote
+    (the record says its writer and key id: its origin); None when the remote has no usable record,
+    RemoteMiss when a read fails or does not verify."""
     if tier.breaker.is_open():
         return None
     deadline = time.monotonic() + DEADLINE_S
@@ -97,7 +98,7 @@ def fetch(tier: RemoteTier, namespace: str, key_digest: str, revision: int):
             views[leaf][lo:lo + size] = np.frombuffer(value, np.uint8)
     leaves = [stored_leaf(*s, b) for s, b in zip(specs, buffers)]
     mx.eval(leaves)
-    return tree, leaves, label
+    return tree, leaves, label, rec
 
 
 def _plan(body: bytes, key_digest: str, revision: int, chunk_bytes: int):
