@@ -13,7 +13,7 @@ Values go before what names them; chunks another object or publication
 stored already are not sent again.
 
 A lookup that misses RAM and SSD (`fetch`, owner thread) reads the record
-(bounded, MAC-checked), the manifest (size-checked, verified, then parsed
+(bounded, decrypted and authenticated), the manifest (size-checked, verified, then parsed
 and checked whole: it must be this key's, in this revision, its chunks
 exactly covering its arrays), then the chunks, each verified against its
 name and copied straight into the MLX buffer of its array. Anything wrong is

@@ -1,6 +1,6 @@
 """RemoteTier: KV blocks and prefix records in Redis / Valkey (one server or a cluster).
 
-    <prefix>:<key id>:blk:<keyed block id>   a block's or manifest's bytes verbatim, TTL ttl_s
+    <prefix>:<key id>:blk:<keyed block id>   a block's or manifest's bytes, encrypted, TTL ttl_s
     <prefix>:<key id>:rec:<prefix key>       a sealed chain record per full block of a prefix
     <prefix>:<key id>:ext:<prefix key>       a sealed exact record (a state exact at its own length)
     <prefix>:<key id>:obj:<namespace root>   a sealed object record (an exact tensor object, find_object)
