@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_remote_ttft.py [--lengths 2048 8192] [--repeat 3] [--cold-max 2048]
 
 A machine publishes a prompt's KV (its blocks and prefix records, keyed and
-sealed with a team secret) to a redis-server this benchmark starts; then,
+sealed with a team secret, signed by a listed writer) to a redis-server this benchmark starts; then,
 each in a fresh process: another machine's engine (its own empty cache
 directory) reruns the prompt and is served from the remote; the publishing
 machine's directory, restarted without a remote, is served from its SSD; and
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -167,6 +168,10 @@ def main() -> None:
         args.cold_max = 0
     if missing():
         raise SystemExit(missing())
+    from mlxcache_kernel.engine.cache.remote.writers import SigningKey
+
+    key = SigningKey.generate()  # every machine here signs with it and lists it: signatures on, as a team runs
+    os.environ.update(MLXCACHE_REMOTE_SIGNING_KEY=key.seed_text(), MLXCACHE_REMOTE_WRITERS=f"bench={key.public_text()}")
     rows = []
     with tempfile.TemporaryDirectory() as d:
         server = RedisServer(Path(d) / "redis", password=PW).start()
