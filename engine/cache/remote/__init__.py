@@ -2,8 +2,8 @@
 
 Below RAM and SSD. Blocks are the SSD tier's immutable block values, stored
 encrypted; prefix records (one per full block, at a chained key of the token
-prefix) say which block holds each span and carry a keyed MAC. Keys and
-MACs derive from the team secret: without it nobody can find, test or
+prefix) say which block holds each span, authenticated by their AEAD tag. Keys and
+the encryption key derive from the team secret: without it nobody can find, test or
 forge what a team stored, and teams sharing a server never collide. A
 shared tier without a secret is refused unless chosen by name (insecure).
 Nothing here knows MLX or the SSD format: the engine hands in bytes and gets
