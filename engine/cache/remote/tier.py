@@ -157,12 +157,11 @@ class RemoteTier(Publication):
     def _probe(self, keys: TeamKeys, namespace, tokens, block_size, deadline, exact) -> Found:
         chain, space = keys.prefix_keys(namespace, tokens, block_size), self.spaces[keys.key_id]
         found, plain, now = Found(key_id=keys.key_id, chain=chain), True, time.time()
-        step = 6 if exact else 4
+        step = 4 if exact else 2
 
-        def fill(p, chunk):  # per key: its tombstone, its chain record (and its exact record)
+        def fill(p, chunk):
             for k in chunk:
-                for name in (space.tomb(k), space.record(k), space.exact(k)) if exact else (space.tomb(k),
-                                                                                           space.record(k)):
+                for name in (space.record(k), space.exact(k)) if exact else (space.record(k),):
                     p.strlen(name)
                     p.getrange(name, 0, MAX_RECORD_BYTES - 1)
 
@@ -176,52 +175,66 @@ class RemoteTier(Publication):
             self.meter.round_trip(time.perf_counter() - t0)
             for i, k in enumerate(chunk, first):
                 r = replies[(i - first) * step:(i - first + 1) * step]
-                removed = self._removed_at(k, r[:2], keys, now, namespace, i)
-                xs = self._unseal(EXACT, k, r[4:], keys, now) if exact else None
+                xs = self._unseal(EXACT, k, r[2:], keys, now) if exact else None
                 if xs is not None and xs.namespace == namespace and xs.index == i:
-                    fits = [x for x in xs.states if x.length(block_size) <= len(tokens) and x.issued > removed
+                    fits = [x for x in xs.states if x.length(block_size) <= len(tokens)
                             and tuple(tokens[(i + 1) * block_size:x.length(block_size)]) == x.tail]
                     found.exact = max(fits, key=lambda x: len(x.tail), default=found.exact)
-                rec = self._unseal(CHAIN, k, r[2:4], keys, now)
-                if rec is not None and rec.issued <= removed:
-                    self.count(tombstoned=1)  # a removed record written back: a miss
-                    return found
+                rec = self._unseal(CHAIN, k, r[:2], keys, now)
                 if rec is None or (rec.namespace, rec.index, rec.start, rec.end) != (
                         namespace, i, i * block_size, (i + 1) * block_size):
                     if rec is not None:
                         self.count(malformed=1)
-                    return found
+                    break
                 plain = plain and rec.layout is not None and rec.block is not None
                 if plain:
                     found.records.append(rec)
-        self._vouched(found)
+            else:
+                continue
+            break
+        self._vouched(found, self._removals(found, keys, namespace, deadline, now))
         return found
 
-    def _removed_at(self, key: bytes, reply: list, keys: TeamKeys, now: float, namespace: str, index: int) -> int:
-        """The issue time of the tombstone at `key` (records issued up to it are removed), or -1."""
-        t = self._unseal(TOMB, key, reply, keys, now)
-        return t.issued if t is not None and (t.namespace, t.index) == (namespace, index) else -1
+    def _removals(self, found: Found, keys: TeamKeys, namespace: str, deadline, now: float) -> dict:
+        """{index: issue time} of the tombstones at the keys a hit can end on (the last SIGNATURE_TRIES
+        of the run, the exact record's): only the record a hit ends on needs to be no older than its
+        key's removal, since its signature vouches for the names before it. One round trip, none for
+        a miss; unreadable: every candidate counts as removed (a miss)."""
+        idx = sorted({*range(max(0, len(found.records) - SIGNATURE_TRIES), len(found.records)),
+                      *((found.exact.index,) if found.exact is not None else ())})
+        space = self.spaces[keys.key_id]
+        try:
+            replies = self.reader.pipeline("tombstones", lambda p: [(p.strlen(space.tomb(found.chain[i])), p.getrange(
+                space.tomb(found.chain[i]), 0, MAX_RECORD_BYTES - 1)) for i in idx], _left(deadline)) if idx else []
+        except RemoteError:
+            return dict.fromkeys(idx, 1 << 62)
+        out = {}
+        for n, i in enumerate(idx):
+            t = self._unseal(TOMB, found.chain[i], replies[2 * n:2 * n + 2], keys, now)
+            out[i] = t.issued if t is not None and (t.namespace, t.index) == (namespace, i) else -1
+        return out
 
-    def _vouched(self, found: Found) -> None:
-        """Cut found.records to the longest run whose last record is signed, over the names of the
-        whole run, by an allow-listed writer (trying SIGNATURE_TRIES from the end); none verifies: empty.
-        Without an allow-list the run stays, its writer the last record's (or "" unsigned)."""
-        records = found.records
-        if not records:
-            return
-        if not self.writers:
-            w = records[-1].writer
-            found.writer = "" if w == NO_WRITER else w.hex()
-            return
-        digests, d = [], b""
-        for r in records:
+    def _vouched(self, found: Found, removed: dict) -> None:
+        """Cut found.records to the longest run whose last record is not removed (its key's tombstone
+        is older) and is signed, over the names of the whole run, by an allow-listed writer (trying
+        SIGNATURE_TRIES from the end; without an allow-list, not removed is enough); none: empty.
+        An exact record issued before its key's removal is dropped."""
+        x = found.exact
+        if x is not None and x.issued <= removed.get(x.index, -1):
+            self.count(tombstoned=1)  # a removed record written back: a miss
+            found.exact = None
+        records, digests, d = found.records, [], b""
+        for r in records if self.writers else ():
             d = names_digest(d, r.block)
             digests.append(d)
         for j in range(len(records) - 1, max(-1, len(records) - 1 - SIGNATURE_TRIES), -1):
-            why = chain_signature(found.chain[j], records[j], digests[j], self.writers)
+            if records[j].issued <= removed.get(j, -1):
+                self.count(tombstoned=1)
+                continue
+            why = chain_signature(found.chain[j], records[j], digests[j], self.writers) if self.writers else None
             if why is None:
                 del records[j + 1:]
-                found.writer = records[j].writer.hex()
+                found.writer = "" if records[j].writer == NO_WRITER else records[j].writer.hex()
                 return
             self.count(**{"signature_rejected" if why == "signature" else why: 1})
         records.clear()
