@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_remote_ttft.py [--lengths 2048 8192] [--repeat 3] [--cold-max 2048]
 
 A machine publishes a prompt's KV (its blocks and prefix records, keyed and
-sealed with a team secret) to a redis-server this benchmark starts; then,
+sealed with a team secret, signed by a listed writer) to a redis-server this benchmark starts; then,
 each in a fresh process: another machine's engine (its own empty cache
 directory) reruns the prompt and is served from the remote; the publishing
 machine's directory, restarted without a remote, is served from its SSD; and
@@ -13,10 +13,12 @@ minutes here), so their cold TTFT is taken from the measured prefill rate
 instead (marked "estimated").
 
 The cost of authentication per lookup is the CPU work the secret adds to a
-lookup: deriving every keyed prefix key of the prompt and checking the MAC
-of (and parsing) every record the probe read, timed over the records the
+lookup: deriving every keyed prefix key of the prompt and decrypting (AES-GCM,
+which authenticates) and parsing every record the probe read, timed over the records the
 server really holds (median of 50: wall-clock, and this thread's CPU time,
-which a busy machine inflates less).
+which a busy machine inflates less). The values' part: one AES-GCM decryption
+per block value a hit reads (what encryption adds; thread CPU time, median of
+3) and the BLAKE3 check of its name that was there before.
 
 Targets: remote hit <= 0.1x cold at 2k; authentication <= 1 ms per lookup at
 8k (--auth-only measures only that, in a minute). Prints one JSON document.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -104,6 +107,35 @@ def _auth_cost(server: RedisServer, ns: str, ids: list[int], rounds: int = 50) -
             "auth_ms_per_lookup": round(median(wall) * 1e3, 3), "auth_cpu_ms_per_lookup": round(median(cpu) * 1e3, 3)}
 
 
+def _values_cost(server: RedisServer, ns: str, ids: list[int], rounds: int = 3) -> dict:
+    """The CPU a hit spends on its block values as the server holds them: one AES-GCM decryption
+    per value (what encryption adds) and the BLAKE3 check of its name (there before)."""
+    from mlxcache_kernel.engine.cache.remote import TeamKeys
+    from mlxcache_kernel.engine.cache.remote.keys import KeySpace, block_name
+    from mlxcache_kernel.engine.cache.remote.records import CHAIN, unseal
+
+    keys = TeamKeys(SECRET.encode())
+    space, c = KeySpace(keys), server.client()
+    toks = np.asarray(ids[: (len(ids) - 1) // 32 * 32], dtype=np.int64)
+    names = [unseal(CHAIN, k, c.get(space.record(k)), keys, now=time.time())[0].block
+             for k in keys.prefix_keys(ns, toks, 32)]
+    stored = [(space.block(n).encode(), c.get(space.block(n))) for n in names]
+    plain = [keys.decrypt(ad, v) for ad, v in stored]
+    assert all(p is not None and block_name(p) == n for p, n in zip(plain, names))
+    dec, b3 = [], []
+    for _ in range(rounds):
+        c0 = time.thread_time()
+        for ad, v in stored:
+            keys.decrypt(ad, v)
+        dec.append(time.thread_time() - c0)
+        c0 = time.thread_time()
+        for p in plain:
+            block_name(p)
+        b3.append(time.thread_time() - c0)
+    return {"values": len(stored), "value_bytes": sum(len(p) for p in plain),
+            "decrypt_cpu_ms_per_hit": round(median(dec) * 1e3, 1), "blake3_cpu_ms_per_hit": round(median(b3) * 1e3, 1)}
+
+
 def _child(cache_dir: str, url: str, ids_file: str) -> None:
     """One rerun in a fresh process: prints its TTFT, source and the remote bytes moved."""
     from mlxcache_kernel.engine import SamplingParams
@@ -136,6 +168,10 @@ def main() -> None:
         args.cold_max = 0
     if missing():
         raise SystemExit(missing())
+    from mlxcache_kernel.engine.cache.remote.writers import SigningKey
+
+    key = SigningKey.generate()  # every machine here signs with it and lists it: signatures on, as a team runs
+    os.environ.update(MLXCACHE_REMOTE_SIGNING_KEY=key.seed_text(), MLXCACHE_REMOTE_WRITERS=f"bench={key.public_text()}")
     rows = []
     with tempfile.TemporaryDirectory() as d:
         server = RedisServer(Path(d) / "redis", password=PW).start()
@@ -146,7 +182,8 @@ def main() -> None:
                 a = str(Path(d) / f"a{n}")
                 pub = _publish(a, url, n, args.cold_max)
                 if args.auth_only:
-                    rows.append({"tokens": n, "auth": _auth_cost(server, pub["namespace"], pub["ids"])})
+                    rows.append({"tokens": n, "auth": _auth_cost(server, pub["namespace"], pub["ids"]),
+                                 "values": _values_cost(server, pub["namespace"], pub["ids"])})
                     continue
                 ids_file = Path(d) / f"ids{n}.json"
                 ids_file.write_text(json.dumps(pub["ids"]))
@@ -155,6 +192,7 @@ def main() -> None:
                 assert all(r["source"] == "remote" for r in remote), remote
                 assert all(r["source"] == "ssd" for r in ssd), ssd
                 row = {"tokens": n, "auth": _auth_cost(server, pub["namespace"], pub["ids"]),
+                       "values": _values_cost(server, pub["namespace"], pub["ids"]),
                        "remote_hit_ttft_s": median([r["ttft_s"] for r in remote]),
                        "ssd_hit_ttft_s": median([r["ttft_s"] for r in ssd]),
                        "remote_bytes_per_hit": remote[0]["remote_bytes_read"], "cached_tokens": remote[0]["cached"],

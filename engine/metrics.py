@@ -155,6 +155,7 @@ SCHEMA = {
     "remote_revoked_dropped": "local entries from the remote dropped at start: their writer or secret was revoked",
     "remote_unknown_writer": "remote records refused: not signed by a writer on the allow-list (a miss)",
     "remote_signature_rejected": "remote records whose writer's signature did not verify (a miss)",
+    "remote_tombstoned": "remote records written back after a remove() (older than its signed tombstone: a miss)",
     "remote_publish_pending": "publications waiting or running",
     "remote_publish_failed": "publications that failed",
     "remote_blocks_uploaded": "blocks uploaded (the remote lacked them)",

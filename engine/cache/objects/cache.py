@@ -126,6 +126,8 @@ class ObjectCache:
         ns = namespace_of(d)
         self.cache.poll()
         self._remove(ns)
+        if self.cache.remote is not None:  # a value put here is this member's own, whoever wrote the last
+            self.cache.remote.origins.discard(ns, _NO_TOKENS)
         self._register(ns, {"object": REVISION, "key": d, "label": label})
         if self.cache.pressure is not None:
             self.cache.pressure.check("object")
@@ -269,9 +271,11 @@ class ObjectCache:
             return None
         if found is None:
             return None
-        tree, leaves, label = found
+        tree, leaves, label, rec = found
         self._register(ns, {"object": REVISION, "key": d, "label": label})
         cp = ObjectValue.of(tree, leaves)
+        # Its writer, before its write-through commits: revoked, it leaves the SSD; never republished as ours.
+        self.cache.remote.origins.add(ns, _NO_TOKENS, rec.writer, rec.key_id)
         self.cache.put(cp, ns)  # dirty: write-behind stores it on this machine's SSD
         seconds = time.perf_counter() - t0
         self.counters["object_remote_hits"] += 1

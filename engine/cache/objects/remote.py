@@ -13,7 +13,7 @@ Values go before what names them; chunks another object or publication
 stored already are not sent again.
 
 A lookup that misses RAM and SSD (`fetch`, owner thread) reads the record
-(bounded, MAC-checked), the manifest (size-checked, verified, then parsed
+(bounded, decrypted and authenticated), the manifest (size-checked, verified, then parsed
 and checked whole: it must be this key's, in this revision, its chunks
 exactly covering its arrays), then the chunks, each verified against its
 name and copied straight into the MLX buffer of its array. Anything wrong is
@@ -72,8 +72,9 @@ def _read_range(path, offset: int, size: int) -> bytes:
 
 
 def fetch(tier: RemoteTier, namespace: str, key_digest: str, revision: int):
-    """(tree, leaves, label) of the object in `namespace`, read and verified from the remote;
-    None when the remote has no usable record, RemoteMiss when a read fails or does not verify."""
+    """(tree, leaves, label, record) of the object in `namespace`, read and verified from the remote
+    (the record says its writer and key id: its origin); None when the remote has no usable record,
+    RemoteMiss when a read fails or does not verify."""
     if tier.breaker.is_open():
         return None
     deadline = time.monotonic() + DEADLINE_S
@@ -97,7 +98,7 @@ def fetch(tier: RemoteTier, namespace: str, key_digest: str, revision: int):
             views[leaf][lo:lo + size] = np.frombuffer(value, np.uint8)
     leaves = [stored_leaf(*s, b) for s, b in zip(specs, buffers)]
     mx.eval(leaves)
-    return tree, leaves, label
+    return tree, leaves, label, rec
 
 
 def _plan(body: bytes, key_digest: str, revision: int, chunk_bytes: int):

@@ -1,18 +1,18 @@
 """The remote tier: KV blocks and prefix records shared across machines in Redis / Valkey.
 
 Below RAM and SSD. Blocks are the SSD tier's immutable block values, stored
-verbatim; prefix records (one per full block, at a chained key of the token
-prefix) say which block holds each span and carry a keyed MAC. Keys and
-MACs derive from the team secret: without it nobody can find, test or
+encrypted; prefix records (one per full block, at a chained key of the token
+prefix) say which block holds each span, authenticated by their AEAD tag. Keys and
+the encryption key derive from the team secret: without it nobody can find, test or
 forge what a team stored, and teams sharing a server never collide. A
 shared tier without a secret is refused unless chosen by name (insecure).
 Nothing here knows MLX or the SSD format: the engine hands in bytes and gets
 bytes back, and every remote problem is a miss.
 
-Everyone with read access to the server can still read the values stored
-there (token ids in blocks): share a server only with people who may see
-each other's prompts. The secret stops forgery and probing by outsiders,
-not reading; per-writer signatures and the team's allow-list (writers.py)
+Records and block values are encrypted (AES-256-GCM under a key derived
+from the secret, keys.TeamKeys.encrypt): a server reader sees key names,
+sizes and access times, not KV, tokens or block names. The secret stops
+forgery, probing and reading by outsiders; per-writer signatures and the team's allow-list (writers.py)
 say which member wrote a record, and revoking one drops its records and
 the local copies taken from them (origins.py).
 

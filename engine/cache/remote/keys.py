@@ -1,4 +1,4 @@
-"""Remote key names, derived from the team secret: prefix keys, block keys, the record MAC key.
+"""Remote key names, derived from the team secret: prefix keys, block keys, the encryption key.
 
 A prefix key names "this exact token prefix, in this namespace, for this
 team": key_0 = H(root || tokens of block 0), key_i = H(key_{i-1} || tokens
@@ -11,8 +11,12 @@ test whether a prompt was run. The root binds the namespace (model
 identity, KV scheme, backend, block format) and the format of these keys.
 
 Blocks are stored under a keyed hash of their content name, so they too
-cannot be probed for by someone who computed the same KV; a block is still
-verified by the BLAKE3 of its value, which the record (MAC'd) names.
+cannot be probed for by someone who computed the same KV, and encrypted
+(AES-256-GCM, `encrypt`, the key name as associated data), as records are:
+the server holds no plain KV, token ids or block names to compare a guessed
+prompt's against. A block is still verified by the BLAKE3 of its plaintext,
+which the record (signed by its writer) names: the AEAD only says that a
+holder of the secret sealed it.
 
 Every Redis key carries the secret's key id (`<prefix>:<key id>:...`): two
 teams never share a key, and after a rotation an operator can find (SCAN)
@@ -25,16 +29,19 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import os
 import re
 import time
 from typing import Sequence
 
 import blake3
 import numpy as np
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ...config import reveal
 
-REMOTE_FORMAT = 2  # of the key derivation and the records; a change is a new key space
+REMOTE_FORMAT = 3  # of the key derivation and the records; a change is a new key space
 OPEN = "open"  # the key id of the unauthenticated key space
 MIN_SECRET_BYTES = 16
 _NAME_RE = re.compile(r"[0-9a-f]{64}")
@@ -45,6 +52,8 @@ def _context(what: str) -> str:
     return f"mlxcache-kernel 2026-12 remote tier v{REMOTE_FORMAT} {what}"
 
 
+NONCE_BYTES = 12
+AEAD_OVERHEAD = NONCE_BYTES + 16  # a random nonce before the ciphertext, the GCM tag after it
 MIN_DISTINCT_BYTES = 8
 SCRYPT = dict(n=2**14, r=8, p=1)  # ~70 ms once per secret and process: each offline guess costs as much
 _stretched: dict = {}  # BLAKE3 of a secret -> its stretched form (a process derives each once)
@@ -78,14 +87,31 @@ class TeamKeys:
 
     def __init__(self, secret: bytes | None, not_after: float | None = None):
         self.not_after = not_after  # epoch seconds after which this secret is not read (None: no end)
-        if secret is None:
-            self._chain = self.mac = None
+        if secret is None:  # the open space's "encryption" key is public: integrity against corruption only
+            self._chain = None
             self.key_id = OPEN
+            self._aead = AESGCM(blake3.blake3(_context("open space").encode()).digest())
         else:
             secret = stretch(check_secret(secret))
             self._chain = blake3.blake3(secret, derive_key_context=_context("prefix keys")).digest()
-            self.mac = blake3.blake3(secret, derive_key_context=_context("record MAC")).digest()
             self.key_id = blake3.blake3(secret, derive_key_context=_context("key id")).hexdigest()[:12]
+            self._aead = AESGCM(blake3.blake3(secret, derive_key_context=_context("encryption")).digest())
+
+    def encrypt(self, ad: bytes, data: bytes) -> bytes:
+        """AES-256-GCM under this secret, a fresh random nonce, `ad` (what names the value) bound in:
+        a value copied to another key does not open. len(data) + AEAD_OVERHEAD bytes."""
+        nonce = os.urandom(NONCE_BYTES)
+        return nonce + self._aead.encrypt(nonce, data, ad)
+
+    def decrypt(self, ad: bytes, value) -> bytes | None:
+        """The plaintext of an encrypt(ad, ...) value, or None (another key, another name, altered)."""
+        if len(value) < AEAD_OVERHEAD:
+            return None
+        view = memoryview(value)
+        try:
+            return self._aead.decrypt(view[:NONCE_BYTES], view[NONCE_BYTES:], ad)
+        except InvalidTag:
+            return None
 
     @property
     def key_id_bytes(self) -> bytes:
@@ -163,6 +189,9 @@ class KeySpace:
 
     def object(self, root: bytes) -> str:
         return f"{self.base}:obj:{root.hex()}"
+
+    def tomb(self, key: bytes) -> str:
+        return f"{self.base}:tomb:{key.hex()}"
 
 
 def secrets_of(secret) -> list[tuple[bytes, float | None]]:

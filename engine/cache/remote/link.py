@@ -270,7 +270,7 @@ def close(link: RemoteLink | None, timeout: float) -> list[str]:
 
 _TIER_KEYS = ("publish_pending", "publish_failed", "blocks_uploaded", "blocks_skipped", "bytes_read", "bytes_written",
               "mac_rejected", "malformed", "stale", "wrong_size", "bad_blocks", "deadline_missed", "errors",
-              "unknown_writer", "signature_rejected",
+              "unknown_writer", "signature_rejected", "tombstoned",
               "get_bandwidth_bytes_per_s")
 
 

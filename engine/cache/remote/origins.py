@@ -67,6 +67,17 @@ class Origins:
                               {"ns": namespace, "tokens": list(o.tokens), "writer": writer, "kid": key_id})
         return o
 
+    def discard(self, namespace: str, tokens: Sequence[int]) -> None:
+        """Forget the origin of exactly (namespace, tokens): the entry there is this member's own now."""
+        tokens = tuple(int(t) for t in tokens)
+        with self._lock:
+            kept = [o for o in self._by_ns.get(namespace, ()) if o.tokens != tokens]
+            if len(kept) == len(self._by_ns.get(namespace, ())):
+                return
+            self._by_ns[namespace] = kept
+        if self.root is not None:
+            (self.root / f"{_name(namespace, tokens)}.json").unlink(missing_ok=True)
+
     def of(self, namespace: str, tokens: Sequence[int]) -> Origin | None:
         """The origin of a checkpoint of `tokens`: its own, or that of a remote entry it extends."""
         tokens = tuple(tokens)

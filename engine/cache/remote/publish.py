@@ -31,10 +31,10 @@ from typing import Callable, Sequence
 from redis.exceptions import NoPermissionError, ReadOnlyError, ResponseError
 
 from .client import RemoteError
-from .keys import block_name, is_block_name
+from .keys import AEAD_OVERHEAD, block_name, is_block_name
 from .publisher import Publisher
-from .records import (EXACT, MAX_RECORD_BYTES, ExactRecord, ObjectRecord, RemoteRecord, encode_layout, names_digest,
-                      seal_chain, seal_exact, seal_object, unseal)
+from .records import (EXACT, MAX_RECORD_BYTES, MAX_SKEW_S, ExactRecord, ObjectRecord, RemoteRecord, encode_layout,
+                      names_digest, seal_chain, seal_exact, seal_object, seal_tomb, unseal)
 
 META_BATCH = 256  # small commands per pipeline
 UPLOAD_BATCH_BYTES = 64 << 20  # bytes of values per upload pipeline (bounds memory)
@@ -60,11 +60,12 @@ def _denied(reply) -> bool:
 
 
 class Publication:
-    """The publishing half of RemoteTier (which provides keys, spaces, writer, ttl_s, count, _describe)."""
+    """The publishing half of RemoteTier (which provides keys, spaces, writer, ttl_s, max_age_s, count, _describe)."""
 
     def __init__(self, max_pending: int):
         self._publisher = Publisher(self._describe, max_pending=max_pending)
         self._denied: set[str] = set()  # best-effort commands the server refused (NOPERM, READONLY)
+        self._removed = 0  # the second of this writer's last remove(): what it seals later is issued after it
 
     def publish(self, namespace: str, tokens: Sequence[int], block_size: int, blocks: Sequence[Value],
                 layout: dict) -> bool:
@@ -91,7 +92,7 @@ class Publication:
         failure = self._upload(blocks)
         # Records for the blocks before one that could not be uploaded: probes stop at the gap anyway.
         usable = len(blocks) if failure is None else [b.name for b in blocks].index(failure[0])
-        now, digest, records = time.time(), b"", []
+        now, digest, records = self._now(), b"", []
         for i, k in enumerate(chain[:usable]):
             digest = names_digest(digest, blocks[i].name)
             records.append((space.record(k), seal_chain(k, RemoteRecord(i, i * bs, (i + 1) * bs, blocks[i].name,
@@ -123,7 +124,7 @@ class Publication:
         failure = self._upload(list(blocks) + [head])
         if failure is not None:
             raise RemoteError(f"block {failure[0][:16]}: {failure[1]}; the state was not published")
-        now = time.time()
+        now = self._now()
         markers, digest = [], b""
         for i, k in enumerate(chain):
             digest = names_digest(digest, None)
@@ -162,11 +163,16 @@ class Publication:
         rec = ObjectRecord(manifest.name, manifest.size, sum(v.size for v in values), namespace)
         self._set_records([(self.spaces[keys.key_id].object(root), seal_object(root, rec, keys, now, self.signer))])
 
+    def _now(self) -> float:
+        """The issue time of a new record: after this writer's last tombstone (a record issued in the
+        second of a removal would be removed with it)."""
+        return max(time.time(), self._removed + 1)
+
     def _upload(self, values: list[Value]) -> tuple[str, str] | None:
         """SET the values the remote lacks (or holds at a wrong size), in byte-bounded pipelines;
         (name, why) of the first one that could not be read locally."""
         space = self.spaces[self.keys[0].key_id]
-        unique = list({v.name: v for v in values}.values())
+        unique = list({v.name: v for v in values}.values())  # stored encrypted: AEAD_OVERHEAD bytes longer
         present: set[str] = set()
         for chunk in _chunks(unique, META_BATCH):
             replies = self._write("publish: check blocks", lambda p, c=chunk: [
@@ -174,7 +180,7 @@ class Publication:
             for v, size, refreshed in zip(chunk, replies[0::2], replies[1::2]):
                 if isinstance(refreshed, Exception):
                     raise RemoteError(f"publish: check blocks: {self._describe(refreshed)}")
-                if size == v.size:
+                if size == v.size + AEAD_OVERHEAD:
                     present.add(v.name)
         self.count(blocks_skipped=len(present))
         batch, size = [], 0
@@ -198,10 +204,11 @@ class Publication:
         return None
 
     def _set_values(self, batch: list[tuple[str, bytes]]) -> None:
-        space = self.spaces[self.keys[0].key_id]
-        n_bytes = sum(len(v) for _, v in batch)
-        self._write("publish: upload blocks", lambda p: [p.set(space.block(n), v, ex=self.ttl_s) for n, v in batch],
-                    n_bytes)
+        keys = self.keys[0]
+        space = self.spaces[keys.key_id]
+        sealed = [(k, keys.encrypt(k.encode(), v)) for k, v in ((space.block(n), v) for n, v in batch)]
+        n_bytes = sum(len(v) for _, v in sealed)
+        self._write("publish: upload blocks", lambda p: [p.set(k, v, ex=self.ttl_s) for k, v in sealed], n_bytes)
         self.count(blocks_uploaded=len(batch), bytes_written=n_bytes)
 
     def _set_records(self, values: list[tuple[str, bytes]], only_new: bool = False) -> None:
@@ -249,10 +256,18 @@ class Publication:
     # --- deletion ---
 
     def remove(self, namespace: str, tokens: Sequence[int], block_size: int) -> int:
-        """UNLINK the records of `tokens` (blocks stay: other prefixes may name them; their TTL ends them)."""
+        """Leave a signed tombstone at every prefix key of `tokens` (records there issued until now are
+        misses, even written back), then UNLINK the records; the number unlinked. Blocks stay (other
+        prefixes may name them; their TTL ends them). A tombstone lives as long as what it outranks."""
         keys = self.keys[0]
         space = self.spaces[keys.key_id]
         chain = keys.prefix_keys(namespace, tokens, block_size)
+        now, ttl = time.time(), int(max(self.ttl_s, self.max_age_s) + MAX_SKEW_S)
+        self._removed = int(now)
+        if self.may_publish:  # a member outside the allow-list could only write tombstones nobody reads
+            tombs = [(space.tomb(k), seal_tomb(k, i, namespace, keys, now, self.signer)) for i, k in enumerate(chain)]
+            for chunk in _chunks(tombs, META_BATCH):
+                self._write("remove: write tombstones", lambda p, c=chunk: [p.set(k, x, ex=ttl) for k, x in c])
         return self._unlink([space.record(k) for k in chain] + [space.exact(k) for k in chain])
 
     def remove_blocks(self, names: Sequence[str]) -> int:

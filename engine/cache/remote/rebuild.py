@@ -6,7 +6,7 @@ Two shapes of remote state (remote/records.py):
   layers; `parse_layout` checks it whole (types, names, bounded shapes, the
   codecs' own cut to n tokens) before anything is sized from it, and
   `build_spans` copies verified blocks straight into MLX buffers.
-- an exact checkpoint: its manifest (an SSD format-2 file, sent verbatim),
+- an exact checkpoint: its manifest (an SSD format-2 file, sent whole, encrypted like every value),
   parsed by the SSD format's own reader from a private temporary file and
   checked again here (raw tensors only, every size recomputed in Python
   integers, tokens and namespace as asked), its inline state read and

@@ -1,9 +1,10 @@
-"""Prefix records: what a prefix key points at, sealed with a keyed BLAKE3 MAC.
+"""Prefix records: what a prefix key points at, encrypted and authenticated under the team secret.
 
-    value = b"MXR3" || tag (32 bytes) || writer id (8) || signature (64) || body
-    tag   = BLAKE3-keyed(mac key, kind || prefix key || writer id || signature || body)
-            (a chain record's layout enters as its BLAKE3: every record of a
-            probe carries the same layout, hashed once, see _digest)
+    value = b"MXR4" || nonce (12) || AES-256-GCM(writer id (8) || signature (64) || body) || GCM tag (16)
+            the associated data is the kind and the prefix key (TeamKeys.encrypt): a server
+            reader sees neither the block names (BLAKE3 content names, which anyone
+            running the same public model on a guessed prompt could compute) nor the
+            namespace, tokens or times; the tag says a holder of the secret sealed it
     signature = Ed25519 by the writer (writers.py) of what the record says:
             a chain record i signs its prefix key, the digest of the block
             names 0..i (`names_digest`: so one signature vouches for the
@@ -32,10 +33,12 @@ Two kinds hang from a prefix key (the chain key of full blocks 0..i):
 A third kind hangs from a namespace's root key instead: an object record
 (kind "o", JSON) names the manifest of an exact tensor object
 (Engine.objects; the namespace holds its key digest; object_remote.py).
+A fourth, a tombstone (kind "t", JSON, at its own key), is what remove()
+leaves: records at its prefix key issued no later than it are misses.
 
 Every body carries the key id of the secret that sealed it (rotation) and
 its issue time: a record older than `max_age_s` (7 days), or issued more
-than MAX_SKEW_S (5 minutes) ahead of this clock, is stale. The tag covers the kind and the prefix key,
+than MAX_SKEW_S (5 minutes) ahead of this clock, is stale. The associated data covers the kind and the prefix key,
 so a record copied to another key fails: otherwise anyone able to write to
 the server could make a prompt load another prompt's KV.
 
@@ -48,7 +51,6 @@ kind is (None, reason). Nothing here is parsed before its size is bounded
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import json
 import struct
 from dataclasses import dataclass
@@ -56,19 +58,18 @@ from typing import NamedTuple, Sequence
 
 import blake3
 
-from .keys import REMOTE_FORMAT, TeamKeys, is_block_name
+from .keys import AEAD_OVERHEAD, REMOTE_FORMAT, TeamKeys, is_block_name
 from .writers import NO_SIGNATURE, NO_WRITER, SIG_BYTES, WRITER_ID_BYTES, SigningKey, Writers
 
-MAGIC = b"MXR3"
+MAGIC = b"MXR4"
 SIGNED = WRITER_ID_BYTES + SIG_BYTES  # writer id and signature, after the tag
-TAG_BYTES = 32
 MAX_RECORD_BYTES = 64 * 1024  # a longer value at a record key is not read
 MAX_LAYOUT_BYTES = MAX_RECORD_BYTES - 1024
 MAX_AGE_S = 7 * 24 * 3600  # a record must be republished (re-sealed) within this (the values' TTL)
 MAX_SKEW_S = 5 * 60  # clocks disagree by minutes; a record further in the future is refused
 MAX_VALUE_BYTES = 1 << 30  # no block or manifest is larger
 MAX_EXACT_STATES = 8  # exact states kept under one prefix key, newest first
-CHAIN, EXACT, OBJECT = "c", "x", "o"
+CHAIN, EXACT, OBJECT, TOMB = "c", "x", "o", "t"
 # version, flags (1: a block, 2: a layout), key id, issued, index, start, end, block digest, namespace length
 CHAIN_HEAD = struct.Struct("<BB6sQIII32sH")
 _MAX_INDEX = 1 << 24
@@ -151,6 +152,18 @@ class ObjectRecord:
     writer: str = ""
 
 
+@dataclass(frozen=True)
+class Tombstone:
+    """A signed removal at a prefix key (kind "t", its own key): every chain or exact record at that
+    key issued at or before `issued` is a miss, so writing captured values back does not undo it."""
+
+    index: int
+    namespace: str
+    key_id: str = ""
+    issued: int = 0
+    writer: str = ""
+
+
 def encode_layout(layout: dict) -> str:
     """The layout as compact JSON, checked now so a bad one fails in the caller, not the publisher."""
     if not isinstance(layout, dict):
@@ -161,13 +174,9 @@ def encode_layout(layout: dict) -> str:
     return text
 
 
-def _tag(kind: str, prefix_key: bytes, body: bytes, keys: TeamKeys) -> bytes:
-    """The MAC of what follows the tag (writer id, signature, body); a chain body's layout enters
-    through its BLAKE3 (see _chain_tag)."""
-    if kind == CHAIN and len(body) >= SIGNED + CHAIN_HEAD.size:
-        at = SIGNED + CHAIN_HEAD.size + CHAIN_HEAD.unpack_from(body, SIGNED)[-1]
-        return _chain_tag(prefix_key, body[:at], body[at:], keys)
-    return _mac(kind.encode() + prefix_key + body, keys)
+def _ad(kind: str, prefix_key: bytes) -> bytes:
+    """What a record's AEAD binds in: its kind and key (copied to another key, it does not open)."""
+    return b"mlxcache record " + kind.encode() + prefix_key
 
 
 def _signed_part(signer: SigningKey | None, data: bytes) -> bytes:
@@ -176,14 +185,6 @@ def _signed_part(signer: SigningKey | None, data: bytes) -> bytes:
 
 def _record_signed(kind: str, prefix_key: bytes, body: bytes) -> bytes:
     return b"mlxcache record signature" + kind.encode() + prefix_key + body
-
-
-def _chain_tag(prefix_key: bytes, head: bytes, layout: bytes, keys: TeamKeys) -> bytes:
-    return _mac(CHAIN.encode() + prefix_key + head + _digest(layout), keys)
-
-
-def _mac(data: bytes, keys: TeamKeys) -> bytes:
-    return (blake3.blake3(data, key=keys.mac) if keys.mac is not None else blake3.blake3(data)).digest()
 
 
 _last_layout = (b"", blake3.blake3(b"").digest())
@@ -206,7 +207,7 @@ def _seal(kind: str, prefix_key: bytes, fields: dict, keys: TeamKeys, now: float
     doc = {"v": REMOTE_FORMAT, "t": kind, "kid": keys.key_id, "iat": int(now), **fields}
     body = json.dumps(doc, separators=(",", ":")).encode()
     body = _signed_part(signer, _record_signed(kind, prefix_key, body)) + body
-    return MAGIC + _tag(kind, prefix_key, body, keys) + body
+    return MAGIC + keys.encrypt(_ad(kind, prefix_key), body)
 
 
 def seal_chain(prefix_key: bytes, rec: RemoteRecord, layout_json: str | None, keys: TeamKeys, now: float,
@@ -221,8 +222,7 @@ def seal_chain(prefix_key: bytes, rec: RemoteRecord, layout_json: str | None, ke
         signed = NO_WRITER + NO_SIGNATURE
     else:
         signed = signer.id + signer.sign(_chain_signed(prefix_key, digest, signer.id, head, layout))
-    body = signed + head + layout
-    return MAGIC + _tag(CHAIN, prefix_key, body, keys) + body
+    return MAGIC + keys.encrypt(_ad(CHAIN, prefix_key), signed + head + layout)
 
 
 def seal_exact(prefix_key: bytes, states: Sequence[ExactRecord], keys: TeamKeys, now: float,
@@ -241,6 +241,11 @@ def seal_object(root_key: bytes, rec: ObjectRecord, keys: TeamKeys, now: float,
     return _seal(OBJECT, root_key, fields, keys, now, signer)
 
 
+def seal_tomb(prefix_key: bytes, index: int, namespace: str, keys: TeamKeys, now: float,
+              signer: SigningKey | None = None) -> bytes:
+    return _seal(TOMB, prefix_key, {"ns": namespace, "i": index}, keys, now, signer)
+
+
 def _no_floats(text):
     raise ValueError(f"no floats or constants in a record: {text[:20]!r}")
 
@@ -250,61 +255,58 @@ def _int(v, lo: int, hi: int) -> bool:
 
 
 def unseal(kind: str, prefix_key: bytes, value, keys: TeamKeys, *, now: float, max_age_s: float = MAX_AGE_S,
-           writers: Writers | None = None) -> tuple[RemoteRecord | ExactSet | ObjectRecord | None, str | None]:
+           writers: Writers | None = None) -> tuple[RemoteRecord | ExactSet | ObjectRecord | Tombstone | None,
+                                                    str | None]:
     """(record, None), or (None, why): "mac" (not sealed by this secret for this key and kind),
     "malformed" (verified but not a record this build reads), "stale" (too old, or from the future),
     or, with an allow-list `writers`, "unknown_writer" / "signature" (an exact or object record not
     signed by a listed writer; a chain record's signature is checked over its run: chain_signature)."""
-    head = len(MAGIC) + TAG_BYTES
-    if not isinstance(value, bytes) or not head + SIGNED < len(value) <= MAX_RECORD_BYTES or not value.startswith(
-            MAGIC):
+    if not isinstance(value, bytes) or not len(MAGIC) + AEAD_OVERHEAD + SIGNED < len(value) <= MAX_RECORD_BYTES \
+            or not value.startswith(MAGIC):
         return None, "malformed"
-    if kind == CHAIN:
-        return _unseal_chain(prefix_key, value, keys, now, max_age_s)
-    if not hmac.compare_digest(value[len(MAGIC):head], _tag(kind, prefix_key, value[head:], keys)):
+    plain = keys.decrypt(_ad(kind, prefix_key), memoryview(value)[len(MAGIC):])
+    if plain is None:
         return None, "mac"
-    writer, signature, body = value[head:head + WRITER_ID_BYTES], value[head + WRITER_ID_BYTES:head + SIGNED], value[
-        head + SIGNED:]
+    if kind == CHAIN:
+        return _unseal_chain(plain, keys, now, max_age_s)
+    writer, signature, body = plain[:WRITER_ID_BYTES], plain[WRITER_ID_BYTES:SIGNED], plain[SIGNED:]
     if writers:
         why = writers.verify(writer, signature, writer + _record_signed(kind, prefix_key, body))
         if why is not None:
             return None, why
     try:  # deep nesting (RecursionError), huge integers, bad UTF-8: a miss like any other malformed body
         d = json.loads(body, parse_float=_no_floats, parse_constant=_no_floats)
-        rec = _parse_object(d, keys, writer) if kind == OBJECT else _parse_exact(d, keys, writer)
+        rec = (_parse_object if kind == OBJECT else _parse_tomb if kind == TOMB else _parse_exact)(d, keys, writer)
     except Exception:  # noqa: BLE001 - a verified body from another build is still only a miss
         return None, "malformed"
     if rec is None:
         return None, "malformed"
     if not now - max_age_s <= rec.issued <= now + MAX_SKEW_S:
         return None, "stale"
-    if kind == OBJECT:
+    if kind in (OBJECT, TOMB):
         return rec, None
     return dataclasses.replace(rec, states=tuple(x for x in rec.states if now - max_age_s <= x.issued)), None
 
 
-def _unseal_chain(prefix_key: bytes, value: bytes, keys: TeamKeys, now: float, max_age_s: float):
-    """unseal() of a chain record: its head unpacked once, its layout sliced once (a probe does hundreds)."""
-    head = len(MAGIC) + TAG_BYTES
-    if len(value) < head + SIGNED + CHAIN_HEAD.size:
+def _unseal_chain(plain: bytes, keys: TeamKeys, now: float, max_age_s: float):
+    """unseal() of a decrypted chain record: its head unpacked once, its layout sliced once (a probe does hundreds)."""
+    if len(plain) < SIGNED + CHAIN_HEAD.size:
         return None, "malformed"
-    v, flags, kid, issued, index, start, end, block, ns_len = CHAIN_HEAD.unpack_from(value, head + SIGNED)
-    at = head + SIGNED + CHAIN_HEAD.size + ns_len
-    layout = value[at:]
-    if not hmac.compare_digest(value[len(MAGIC):head], _chain_tag(prefix_key, value[head:at], layout, keys)):
-        return None, "mac"
+    v, flags, kid, issued, index, start, end, block, ns_len = CHAIN_HEAD.unpack_from(plain, SIGNED)
+    at = SIGNED + CHAIN_HEAD.size + ns_len
+    layout = plain[at:]
     if (v != REMOTE_FORMAT or flags > 3 or kid != keys.key_id_bytes or index > _MAX_INDEX or not start < end
-            or not 0 < ns_len <= 1024 or len(value) < at or bool(layout) != bool(flags & 2)):
+            or not 0 < ns_len <= 1024 or len(plain) < at or bool(layout) != bool(flags & 2)):
         return None, "malformed"
     try:
-        namespace = value[head + SIGNED + CHAIN_HEAD.size:at].decode()
+        namespace = plain[SIGNED + CHAIN_HEAD.size:at].decode()
     except UnicodeDecodeError:
         return None, "malformed"
     if not now - max_age_s <= issued <= now + MAX_SKEW_S:
         return None, "stale"
     return RemoteRecord(index, start, end, block.hex() if flags & 1 else None, namespace, layout or None,
-                        keys.key_id, issued, value[head:head + WRITER_ID_BYTES],
-                        value[head + WRITER_ID_BYTES:head + SIGNED], value[head + SIGNED:at]), None
+                        keys.key_id, issued, plain[:WRITER_ID_BYTES], plain[WRITER_ID_BYTES:SIGNED],
+                        plain[SIGNED:at]), None
 
 
 def _head_ok(kind: str, d, keys: TeamKeys) -> bool:
@@ -318,6 +320,12 @@ def _parse_object(d, keys: TeamKeys, writer: bytes) -> ObjectRecord | None:
             and _int(d.get("bytes"), d["size"], 1 << 50)):
         return None
     return ObjectRecord(d["manifest"], d["size"], d["bytes"], d["ns"], d["kid"], d["iat"], _wid(writer))
+
+
+def _parse_tomb(d, keys: TeamKeys, writer: bytes) -> Tombstone | None:
+    if not _head_ok(TOMB, d, keys):
+        return None
+    return Tombstone(d["i"], d["ns"], d["kid"], d["iat"], _wid(writer))
 
 
 def _wid(writer: bytes) -> str:

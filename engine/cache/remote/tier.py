@@ -1,9 +1,10 @@
 """RemoteTier: KV blocks and prefix records in Redis / Valkey (one server or a cluster).
 
-    <prefix>:<key id>:blk:<keyed block id>   a block's or manifest's bytes verbatim, TTL ttl_s
+    <prefix>:<key id>:blk:<keyed block id>   a block's or manifest's bytes, encrypted, TTL ttl_s
     <prefix>:<key id>:rec:<prefix key>       a sealed chain record per full block of a prefix
     <prefix>:<key id>:ext:<prefix key>       a sealed exact record (a state exact at its own length)
     <prefix>:<key id>:obj:<namespace root>   a sealed object record (an exact tensor object, find_object)
+    <prefix>:<key id>:tomb:<prefix key>      a signed tombstone: remove() was here (records.Tombstone)
 
 Reads use read commands only (STRLEN, GETRANGE), so a read-only ACL user
 or a replica serves lookups, and every read is bounded before it is made:
@@ -34,11 +35,11 @@ from typing import Sequence
 from .breaker import Breaker
 from .client import GuardedClient, RemoteError, describe
 from .config import parse_remote_url, reveal
-from .keys import OPEN, KeySpace, TeamKeys, block_name, is_block_name, team_keys
+from .keys import AEAD_OVERHEAD, OPEN, KeySpace, TeamKeys, block_name, is_block_name, team_keys
 from .meter import Meter, fetch_beats_recompute
 from .publish import Publication
-from .records import (CHAIN, EXACT, MAX_AGE_S, MAX_RECORD_BYTES, MAX_VALUE_BYTES, OBJECT, ExactRecord, ObjectRecord,
-                      chain_signature, names_digest, unseal)
+from .records import (CHAIN, EXACT, MAX_AGE_S, MAX_RECORD_BYTES, MAX_VALUE_BYTES, OBJECT, TOMB, ExactRecord,
+                      ObjectRecord, chain_signature, names_digest, unseal)
 from .writers import NO_WRITER, SigningKey, Writers
 
 PROBE_BATCH = 16  # prefix keys per round trip
@@ -48,7 +49,7 @@ META_BATCH = 256  # small commands (STRLEN, EXPIRE, record SET, UNLINK) per pipe
 MIN_FETCH_TOKENS = 256  # below this, recomputing is cheaper than any round trip worth making
 COUNTERS = ("hits", "misses", "bytes_read", "bytes_written", "blocks_uploaded", "blocks_skipped", "records_written",
             "records_found", "probes", "mac_rejected", "malformed", "stale", "wrong_size", "bad_blocks",
-            "unknown_writer", "signature_rejected")
+            "unknown_writer", "signature_rejected", "tombstoned")
 
 
 class RemoteMiss(Exception):
@@ -184,33 +185,56 @@ class RemoteTier(Publication):
                         namespace, i, i * block_size, (i + 1) * block_size):
                     if rec is not None:
                         self.count(malformed=1)
-                    return found
+                    break
                 plain = plain and rec.layout is not None and rec.block is not None
                 if plain:
                     found.records.append(rec)
-        self._vouched(found)
+            else:
+                continue
+            break
+        self._vouched(found, self._removals(found, keys, namespace, deadline, now))
         return found
 
-    def _vouched(self, found: Found) -> None:
-        """Cut found.records to the longest run whose last record is signed, over the names of the
-        whole run, by an allow-listed writer (trying SIGNATURE_TRIES from the end); none verifies: empty.
-        Without an allow-list the run stays, its writer the last record's (or "" unsigned)."""
-        records = found.records
-        if not records:
-            return
-        if not self.writers:
-            w = records[-1].writer
-            found.writer = "" if w == NO_WRITER else w.hex()
-            return
-        digests, d = [], b""
-        for r in records:
+    def _removals(self, found: Found, keys: TeamKeys, namespace: str, deadline, now: float) -> dict:
+        """{index: issue time} of the tombstones at the keys a hit can end on (the last SIGNATURE_TRIES
+        of the run, the exact record's): only the record a hit ends on needs to be no older than its
+        key's removal, since its signature vouches for the names before it. One round trip, none for
+        a miss; unreadable: every candidate counts as removed (a miss)."""
+        idx = sorted({*range(max(0, len(found.records) - SIGNATURE_TRIES), len(found.records)),
+                      *((found.exact.index,) if found.exact is not None else ())})
+        space = self.spaces[keys.key_id]
+        try:
+            replies = self.reader.pipeline("tombstones", lambda p: [(p.strlen(space.tomb(found.chain[i])), p.getrange(
+                space.tomb(found.chain[i]), 0, MAX_RECORD_BYTES - 1)) for i in idx], _left(deadline)) if idx else []
+        except RemoteError:
+            return dict.fromkeys(idx, 1 << 62)
+        out = {}
+        for n, i in enumerate(idx):
+            t = self._unseal(TOMB, found.chain[i], replies[2 * n:2 * n + 2], keys, now)
+            out[i] = t.issued if t is not None and (t.namespace, t.index) == (namespace, i) else -1
+        return out
+
+    def _vouched(self, found: Found, removed: dict) -> None:
+        """Cut found.records to the longest run whose last record is not removed (its key's tombstone
+        is older) and is signed, over the names of the whole run, by an allow-listed writer (trying
+        SIGNATURE_TRIES from the end; without an allow-list, not removed is enough); none: empty.
+        An exact record issued before its key's removal is dropped."""
+        x = found.exact
+        if x is not None and x.issued <= removed.get(x.index, -1):
+            self.count(tombstoned=1)  # a removed record written back: a miss
+            found.exact = None
+        records, digests, d = found.records, [], b""
+        for r in records if self.writers else ():
             d = names_digest(d, r.block)
             digests.append(d)
         for j in range(len(records) - 1, max(-1, len(records) - 1 - SIGNATURE_TRIES), -1):
-            why = chain_signature(found.chain[j], records[j], digests[j], self.writers)
+            if records[j].issued <= removed.get(j, -1):
+                self.count(tombstoned=1)
+                continue
+            why = chain_signature(found.chain[j], records[j], digests[j], self.writers) if self.writers else None
             if why is None:
                 del records[j + 1:]
-                found.writer = records[j].writer.hex()
+                found.writer = "" if records[j].writer == NO_WRITER else records[j].writer.hex()
                 return
             self.count(**{"signature_rejected" if why == "signature" else why: 1})
         records.clear()
@@ -276,11 +300,12 @@ class RemoteTier(Publication):
         sized, why = self._sized(items, space, deadline)
         for chunk in _chunks(sized, GET_BATCH):
             for (n, size), v in zip(chunk, self._read_values(chunk, space, deadline)):
-                if len(v) != size or block_name(v) != n:
+                v = space.keys.decrypt(space.block(n).encode(), v)  # one AEAD call per value
+                if v is None or len(v) != size or block_name(v) != n:
                     self.count(bad_blocks=1)
                     self.remove_bad([space.block(n)])
-                    raise RemoteMiss(f"block {n[:16]} failed verification ({len(v)} bytes that do not hash to its "
-                                     "name); removed")
+                    raise RemoteMiss(f"block {n[:16]} failed verification (it does not decrypt under this secret "
+                                     "or hash to its name); removed")
                 out.append(v)
         if why is not None:
             raise RemoteMiss(why)
@@ -292,6 +317,7 @@ class RemoteTier(Publication):
             sizes = self.reader.pipeline("read block sizes", lambda p, c=chunk: [p.strlen(space.block(n)) for n, _ in c],
                                          _left(deadline))
             for i, ((n, want), got) in enumerate(zip(chunk, sizes), first):
+                want += AEAD_OVERHEAD  # stored encrypted (TeamKeys.encrypt)
                 if got == want:
                     continue
                 if got == 0:
@@ -304,7 +330,8 @@ class RemoteTier(Publication):
 
     def _read_values(self, chunk: list, space: KeySpace, deadline) -> list[bytes]:
         t0 = time.perf_counter()
-        values = self.reader.pipeline("read blocks", lambda p: [p.getrange(space.block(n), 0, s - 1) for n, s in chunk],
+        values = self.reader.pipeline("read blocks", lambda p: [p.getrange(space.block(n), 0, s + AEAD_OVERHEAD - 1)
+                                                                 for n, s in chunk],
                                       _left(deadline))
         values = [v if isinstance(v, bytes) else b"" for v in values]
         n_bytes = sum(len(v) for v in values)

@@ -438,7 +438,7 @@ def test_wrong_types_at_keys_are_misses_not_outages(server):
 def test_a_planted_bad_block_is_replaced_by_the_next_publisher(server):
     c = server.client()
     with published(server, "ns-tamper", 4, seed=6) as (tier, space, values, blocks, toks):
-        flipped = bytearray(values[2])
+        flipped = bytearray(c.get(space.block(blocks[2].name)))  # as stored: encrypted
         flipped[1000] ^= 1
         c.set(space.block(blocks[2].name), bytes(flipped))  # same size, wrong bytes: only a reader can tell
         miss = _outcome(tier.get_blocks, items(blocks))

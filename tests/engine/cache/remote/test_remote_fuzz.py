@@ -26,9 +26,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from mlxcache_kernel.engine.cache.remote import TeamKeys
+from mlxcache_kernel.engine.cache.remote import REMOTE_FORMAT, TeamKeys
 from mlxcache_kernel.engine.cache.remote.records import (CHAIN, CHAIN_HEAD, EXACT, MAGIC, MAX_RECORD_BYTES,
-                                                         MAX_VALUE_BYTES, SIGNED, ExactSet, RemoteRecord, _tag, unseal)
+                                                         MAX_VALUE_BYTES, SIGNED, ExactSet, RemoteRecord, _ad, unseal)
 from mlxcache_kernel.engine.cache.remote.rebuild import SpanLayout, parse_layout
 
 EXAMPLES = {"raw": 10_000, "json_bodies": 2_000, "seeded_bodies": 30_000, "mutated_records": 24_000,
@@ -86,9 +86,8 @@ def damaged(rng: random.Random, text: bytes) -> bytes:
 
 
 def sealed(kind: str, body: bytes) -> bytes:
-    """A value whose MAC is valid for `body` (unsigned): the parser behind the MAC is what is fuzzed."""
-    body = bytes(SIGNED) + body
-    return MAGIC + _tag(kind, PREFIX, body, KEYS) + body
+    """A value that decrypts and authenticates to `body` (unsigned): the parser behind the AEAD is what is fuzzed."""
+    return MAGIC + KEYS.encrypt(_ad(kind, PREFIX), bytes(SIGNED) + body)
 
 
 def check_unseal(kind: str, value) -> None:
@@ -99,14 +98,14 @@ def check_unseal(kind: str, value) -> None:
 
 
 def real_exact() -> dict:
-    return {"v": 2, "t": EXACT, "kid": KEYS.key_id, "iat": int(NOW), "ns": "ns", "i": 3,
+    return {"v": REMOTE_FORMAT, "t": EXACT, "kid": KEYS.key_id, "iat": int(NOW), "ns": "ns", "i": 3,
             "states": [{"tail": [1, 2], "manifest": "cd" * 32, "size": 10, "bytes": 20, "iat": int(NOW)}]}
 
 
 def chain_body(rng: random.Random | None = None) -> bytes:
     """A chain record's packed body: the real one, or (with rng) one with fields out of range,
     a namespace of any bytes and a layout that is nasty, mutated or absent."""
-    fields = [2, 3, KEYS.key_id_bytes, int(NOW), 3, 96, 128, bytes(range(32)), 2]
+    fields = [REMOTE_FORMAT, 3, KEYS.key_id_bytes, int(NOW), 3, 96, 128, bytes(range(32)), 2]
     widest = [255, 255, None, 2**64 - 1, 2**32 - 1, 2**32 - 1, 2**32 - 1, None, 2**16 - 1]  # what each field holds
     ns, layout = b"ns", json.dumps(real_layout()).encode()
     if rng is not None:

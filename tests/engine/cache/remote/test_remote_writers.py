@@ -147,6 +147,8 @@ def test_with_an_allow_list_only_listed_signers_are_read(server, tmp_path):
         assert t.publish(ns, toks, bs, blocks_, {"layers": 1}) and t.wait() == []
     with RemoteTier(url, writers=listed(ALICE), **tier_kw) as t:
         assert t.probe(ns, toks, bs).records == [] and t.stats()["unknown_writer"] >= 1
+        longer = toks + list(range(500, 500 + 3 * bs))  # a prompt that goes on past what is stored (every new cell)
+        assert t.probe(ns, longer, bs).records == []  # the run ends early: still only a listed signer's
     with RemoteTier(url, writers=listed(ALICE, FORGER), **tier_kw) as t:
         found = t.probe(ns, toks, bs)
         assert len(found.records) == 2 and found.writer == FORGER.id.hex()
