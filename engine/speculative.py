@@ -104,7 +104,7 @@ class Drafter:
     """The draft model's side: its caches (lent by the tiered cache), proposals, rollback, publication.
 
     `held` is exactly the tokens the draft caches hold; `sync(truth)` cuts them back to the longest
-    common prefix with the tokens decided so far.
+    common prefix with the tokens decided so far but the last.
     """
 
     def __init__(self, services, model: LoadedModel, use_cache: bool, prompt_tokens: int, target_ns: str = ""):
@@ -140,7 +140,8 @@ class Drafter:
     def sync(self, truth: Sequence[int]) -> list:
         """Cut the caches back to what agrees with `truth`; returns the tokens of truth they lack."""
         n = 0
-        limit = min(len(self.held), len(truth))
+        limit = min(len(self.held), len(truth) - 1)  # the last token is always forwarded (a round cut
+        # short at a boundary can leave the draft holding every token decided)
         while n < limit and self.held[n] == truth[n]:
             n += 1
         if n < len(self.held):
@@ -220,11 +221,12 @@ def decode_speculative(
             while agreed < len(drafts) and drafts[agreed] == samples[agreed]:
                 agreed += 1
             emit = samples[: agreed + 1]
+            judged = len(drafts)  # proposals compared with the target's samples
             for i, token in enumerate(emit):  # a round ends at an eos or where a boundary is captured
                 if token in eos_ids or (sync_at is not None and sync_at(step + i)):
-                    emit = emit[: i + 1]
+                    emit, judged = emit[: i + 1], i  # the proposals after it were never judged
                     break
-            drafter.counts.proposed += len(drafts)
+            drafter.counts.proposed += judged
             drafter.counts.accepted += len(emit) - 1
             before = len(result.tokens)
             # the caches hold inputs + drafts: keep the drafts that were emitted but the last one
