@@ -32,9 +32,33 @@ DEFAULT_DRAFT_TOKENS = 4
 MAX_DRAFT_TOKENS = 32
 
 
-def resolve_draft(models, target: LoadedModel, draft: str | None, num_draft_tokens) -> tuple:
-    """(the draft LoadedModel or None, K) for a generation; a clear error for bad input."""
-    if draft is None:
+def load_with_draft(models, draft: str | None, path_or_id, name: str, **kv) -> LoadedModel:
+    """models.load(...), with `draft` (a loaded model's name) as the new model's default draft."""
+    if draft is not None and (not isinstance(draft, str) or draft not in models):
+        raise ModelError(f"unknown draft model {draft!r}: load it before the model it drafts for; "
+                         f"loaded: {', '.join(sorted(models.names())) or 'none'}")
+    if draft is not None and draft == name:
+        raise ModelError(f"model {name!r} cannot be its own default draft: it replaces the loaded {draft!r}")
+    loaded = models.load(path_or_id, name, **kv)
+    if draft is not None:
+        try:
+            check_draft(loaded, models.get(draft))
+        except GenerationError as e:
+            models.unload(name)
+            raise ModelError(f"model {name!r} not loaded: {e}") from None
+        loaded.info["draft"] = draft
+    return loaded
+
+
+def resolve_draft(models, target: LoadedModel, draft: str | bool | None, num_draft_tokens) -> tuple:
+    """(the draft LoadedModel or None, K) for a generation; a clear error for bad input.
+    draft=None: the model's default draft (load_model(..., draft=NAME)), if any; False: none."""
+    if draft is None and target.info.get("draft") is not None:
+        draft = target.info["draft"]
+        if draft not in models:
+            raise ModelError(f"model {target.name!r}'s default draft {draft!r} is not loaded: load it again, "
+                             "or pass draft=False (%%generate --no-draft)")
+    if draft is None or draft is False:
         if num_draft_tokens is not None:
             raise GenerationError("num_draft_tokens needs a draft model (draft=NAME)")
         return None, 0

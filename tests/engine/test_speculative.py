@@ -194,3 +194,34 @@ def test_a_vision_language_draft_is_a_clear_error(dirs, tmp_path):
         eng.load_model(vlm, name="v")
         with pytest.raises(GenerationError, match="draft model 'v' is a vision-language model"):
             eng.generate("hi", model="m", draft="v")
+
+
+def test_a_default_draft_per_model(dirs, tmp_path):
+    prompt = DOC + "Where are the ships?"
+    expected = plain(dirs, tmp_path, prompt, max_tokens=12)
+    with Engine(cache_dir=tmp_path / "c", prefetch_budget_bytes=0) as eng:
+        eng.load_model(dirs["other"], name="small")
+        with pytest.raises(ModelError, match="unknown draft model 'nope': load it before the model it drafts for"):
+            eng.load_model(dirs["target"], name="m", draft="nope")
+        assert "m" not in eng.models
+        info = eng.load_model(dirs["target"], name="m", draft="small")
+        assert info["draft"] == "small"
+        r = eng.generate(prompt, model="m", max_tokens=12)  # no draft= : the default one
+        assert r.tokens == expected.tokens and r.stats["draft"] == "small" and r.stats["num_draft_tokens"] == 4
+        assert r.stats["draft_tokens_proposed"] > 0
+        k = eng.generate(prompt, model="m", max_tokens=12, num_draft_tokens=2)
+        assert k.tokens == expected.tokens and k.stats["draft"] == "small" and k.stats["num_draft_tokens"] == 2
+        off = eng.generate(prompt, model="m", max_tokens=12, draft=False)
+        assert off.tokens == expected.tokens and "draft" not in off.stats
+        assert eng.generate(prompt, model="small", max_tokens=4).stats.get("draft") is None  # its own, none
+        eng.unload_model("small")
+        with pytest.raises(ModelError, match="model 'm''s default draft 'small' is not loaded.*draft=False"):
+            eng.generate(prompt, model="m", max_tokens=4)
+        assert eng.generate(prompt, model="m", max_tokens=12, draft=False).tokens == expected.tokens
+        odd = tmp_path / "odd"
+        shutil.copytree(dirs["other"], odd)
+        save_byte_level_tokenizer(odd, SPECIALS + ["<|extra|>"])
+        eng.load_model(odd, name="odd")
+        with pytest.raises(ModelError, match="model 'm2' not loaded: draft model 'odd' has another tokenizer"):
+            eng.load_model(dirs["target"], name="m2", draft="odd")
+        assert "m2" not in eng.models
