@@ -136,7 +136,8 @@ def test_stop_strings_eos_logprobs_and_the_last_token(dirs, tmp_path):
             r = eng.generate(prompt, model="m", draft=draft, num_draft_tokens=4, max_tokens=30, logprobs=2)
             assert r.tokens == base.tokens
             for a, b in zip(r.logprobs, base.logprobs):
-                assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-4
+                # 1e-3: the verify forward over K + 1 positions sums in another order than one position
+                assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-3
                 assert [t for t, _ in a.top] == [t for t, _ in b.top]
             stopped = eng.generate(prompt, model="m", draft=draft, num_draft_tokens=4, max_tokens=30, stop=stop)
             assert stopped.text == plain(dirs, tmp_path, prompt, max_tokens=30, stop=stop).text
