@@ -239,7 +239,6 @@ class Generation:
                 self.services.events.emit("notice", model=req.model.name, message=self.draft_fallback)
             else:
                 self.drafter = Drafter(self.services, req.draft, req.use_cache, len(req.tokens), req.ns)
-                self.drafter.start(known)
                 run, extra = decode_speculative, dict(drafter=self.drafter, num_draft_tokens=req.num_draft_tokens,
                                                       context=known)
         run(model, caches, pending, req.params, eos_ids=req.model.eos_token_ids,

@@ -11,7 +11,9 @@ them, or a delayed KV quantization converting during the generation cannot roll 
 `fallback_reason` names it and the generation decodes plainly, after a one-line notice.
 
 The draft's KV lives in the same tiered cache under the draft model's own namespace: taken at
-the start (the longest cached prefix of the prompt, any tier), published at the end.
+its first proposal (the longest cached prefix, any tier), published at the end. The first round
+proposes nothing, so the first token comes as fast as without a draft (the draft's lookup and
+prefill come after it).
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ class DraftCounts:
     proposed: int = 0
     accepted: int = 0
     cached: int = 0  # draft tokens that came from the cache
-    prefilled: int = 0  # draft tokens prefilled before decoding
+    prefilled: int = 0  # draft tokens prefilled before its first proposal
     source: str | None = None
 
     def stats(self, name: str, k: int, fallback: str | None) -> dict:
@@ -137,6 +139,7 @@ class Drafter:
         self.prompt_tokens = prompt_tokens
         self.caches: list = []
         self.held: list = []
+        self.started = False
         self.loan = None
         self.counts = DraftCounts()
 
@@ -160,6 +163,7 @@ class Drafter:
             prefill(self.model.forward, self.caches, rest, chunk=self.services.prefill_chunk)
         self.counts.prefilled = len(rest)
         self.held = truth[:-1]
+        self.started = True
 
     def sync(self, truth: Sequence[int]) -> list:
         """Cut the caches back to what agrees with `truth`; returns the tokens of truth they lack."""
@@ -176,6 +180,8 @@ class Drafter:
 
     def propose(self, truth: Sequence[int], k: int, params: SamplingParams, step: int) -> list:
         """k draft tokens after `truth`; the i-th drawn with the sampler of step + i (as the target's)."""
+        if not self.started:
+            self.start(truth)
         missing = self.sync(truth)
         out: list = []
         inputs = missing
@@ -231,11 +237,13 @@ def decode_speculative(
     result = into if into is not None else DecodeResult()
     truth = list(context)
     inputs = list(pending)
+    first = True  # the first round proposes nothing: the first token as soon as without a draft
     step = first_step
     try:
         while True:
             left = params.max_tokens - first_step - len(result.tokens)
-            drafts = drafter.propose(truth, min(num_draft_tokens, left - 1), params, step) if left > 1 else []
+            drafts = drafter.propose(truth, min(num_draft_tokens, left - 1), params, step) if left > 1 and not first else []
+            first = False
             logits = model(mx.array(inputs + drafts)[None], cache=caches)[0, -(len(drafts) + 1):, :]
             ys = mx.concatenate([sample(logits[i : i + 1], params, step + i) for i in range(len(drafts) + 1)])
             picked = pick(log_softmax(logits), ys, params.logprobs) if params.logprobs is not None else None

@@ -64,10 +64,11 @@ def test_tokens_equal_plain_decoding_cold_and_from_ram(draft, mode, dirs, tmp_pa
                 if draft != "small":  # the target's own model proposes what the target samples
                     assert s["draft_tokens_accepted"] == s["draft_tokens_proposed"]
             n = len(rerun.prompt_tokens) - 1
-            assert cold.stats["cached_tokens"] == 0 and cold.stats["draft_prefilled_tokens"] == n
+            # the draft starts at its first proposal, after the first token: it holds the whole prompt
+            assert cold.stats["cached_tokens"] == 0 and cold.stats["draft_prefilled_tokens"] == n + 1
             assert rerun.stats["cache_source"] == "ram" and rerun.stats["cached_tokens"] == n
             assert rerun.stats["draft_prefilled_tokens"] == 0 and rerun.stats["draft_cache_source"] == "ram"
-            assert rerun.stats["draft_cached_tokens"] == n
+            assert rerun.stats["draft_cached_tokens"] == n + 1
         # the target's KV is the one plain generation of the model uses (and the other way round)
         again = eng.generate(prompt, model="m", **sampling)
         assert again.tokens == expected.tokens and again.stats["cached_tokens"] == n
@@ -80,9 +81,9 @@ def test_a_second_question_over_a_cached_document_prefills_neither_models_docume
         doc_tokens = len(eng.encode_prompt(DOC, model="m", raw=True))
         second = eng.generate(DOC + "And the weather?", model="m", draft="small", max_tokens=8)
         assert second.tokens == plain(dirs, tmp_path, DOC + "And the weather?", max_tokens=8).tokens
-        assert first.stats["draft_prefilled_tokens"] == len(first.prompt_tokens) - 1
+        assert first.stats["draft_prefilled_tokens"] == len(first.prompt_tokens)
         assert second.stats["cached_tokens"] >= doc_tokens and second.stats["draft_cached_tokens"] >= doc_tokens
-        assert second.stats["draft_prefilled_tokens"] == len(second.prompt_tokens) - 1 - second.stats["draft_cached_tokens"]
+        assert second.stats["draft_prefilled_tokens"] == len(second.prompt_tokens) - second.stats["draft_cached_tokens"]
 
 
 WORKER = """
@@ -119,7 +120,7 @@ def test_both_models_state_from_ssd_in_a_new_process(dirs, tmp_path):
     for mode, (tokens, stats) in out.items():
         assert tokens == expected[mode], mode
         n = stats["cached_tokens"]
-        assert n > 0 and stats["draft_cached_tokens"] == n and stats["draft_prefilled_tokens"] == 0, stats
+        assert n > 0 and stats["draft_cached_tokens"] == n + 1 and stats["draft_prefilled_tokens"] == 0, stats
     assert out["greedy"][1]["cache_source"] == "ssd" and out["greedy"][1]["draft_cache_source"] == "ssd"
 
 
@@ -144,6 +145,8 @@ def test_stop_strings_eos_logprobs_and_the_last_token(dirs, tmp_path):
             assert stopped.stats["finish_reason"] == "stop"
             one = eng.generate(prompt, model="m", draft=draft, num_draft_tokens=4, max_tokens=1)
             assert one.tokens == base.tokens[:1]
+            # the first token comes before the draft runs at all (TTFT as without a draft)
+            assert one.stats["draft_tokens_proposed"] == 0 and one.stats["draft_prefilled_tokens"] == 0
             eos = eng.generate("Count with me:", model="m", draft=draft, num_draft_tokens=4, max_tokens=30)
             assert eos.tokens == short.tokens and eos.stats["finish_reason"] == "eos"
             assert eng.generate("Count with me:", model="m", max_tokens=30).tokens == short.tokens  # its state

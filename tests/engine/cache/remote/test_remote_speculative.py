@@ -30,7 +30,7 @@ def test_a_second_machine_prefills_neither_models_cached_tokens(server, tiny_mod
         expected = ref.generate_tokens(PROMPT, PARAMS, use_cache=False).tokens
     with engine(tmp_path / "a", tiny_model_dir, draft, url) as a:
         cold = a.generate_tokens(PROMPT, PARAMS, model="m", draft="small", num_draft_tokens=3)
-        assert cold.tokens == expected and cold.stats["draft_prefilled_tokens"] == len(PROMPT) - 1
+        assert cold.tokens == expected and cold.stats["draft_prefilled_tokens"] == len(PROMPT)
         report = a.flush()
         assert report["remote_failed"] == [] and a.stats()["remote_blocks_uploaded"] >= 2 * 9  # both models'
     with engine(tmp_path / "b", tiny_model_dir, draft, url) as b:
@@ -40,7 +40,7 @@ def test_a_second_machine_prefills_neither_models_cached_tokens(server, tiny_mod
         assert s["cache_source"] == "remote" and s["remote_tokens"] == 9 * 32
         assert s["draft_cache_source"] == "remote" and s["draft_cached_tokens"] == 9 * 32
         assert s["prefilled_tokens"] == len(PROMPT) - 9 * 32  # the rest, with the last token
-        assert s["draft_prefilled_tokens"] == len(PROMPT) - 1 - 9 * 32
+        assert s["draft_prefilled_tokens"] == len(PROMPT) - 9 * 32  # it starts after the first token
         assert b.stats()["remote_hits"] == 2 and b.stats()["remote_kv_mismatch"] == 0
         b.flush()  # written through to this machine's SSD: both models
     with Engine(cache_dir=tmp_path / "b", prefetch_budget_bytes=0) as local:  # no remote now
