@@ -250,7 +250,8 @@ class Generation:
     def _publish_draft(self) -> None:
         """The draft's state over the tokens decided (also after an interrupt); never masks an error."""
         try:
-            self.drafter.publish(self.req.tokens + self.emitted + self.decoded.tokens)
+            self.drafter.publish(self.req.tokens + self.emitted + self.decoded.tokens,
+                                 clean=self.decoded.finish_reason in ("eos", "stop", "length"))
         except Exception as e:
             self.services.events.emit("notice", model=self.req.draft.name, message=f"draft state not cached: {e}")
         finally:

@@ -5,9 +5,10 @@ Exact by construction: the token at step i is the target's sample at step i, dra
 A draft token is accepted iff it equals that sample, so the draft only decides how many target
 samples one forward yields, never which (greedy and seeded output equal plain decoding's).
 
-Rejected tokens are trimmed from both models' caches, so both need kinds that can always be cut
-back (plain and quantized KV). A sliding window that may wrap, recurrent state, a list holding
-them, or a delayed KV quantization converting during the generation cannot roll back exactly:
+Rejected tokens are cut back from both models' caches (spec_rewind.py): plain and quantized KV
+trimmed; a sliding window that may wrap, recurrent state, chunked attention or a list of them
+restored from before the forward and the accepted tokens forwarded again. What cannot roll back
+exactly (an unknown cache kind, a delayed KV quantization converting during the generation):
 `fallback_reason` names it and the generation decodes plainly, after a one-line notice.
 
 The draft's KV lives in the same tiered cache under the draft model's own namespace: taken at
@@ -24,11 +25,12 @@ from typing import Callable, Sequence
 import mlx.core as mx
 
 from .decoding import DecodeResult, prefill
-from .kv.caches import always_cuttable, unsupported
+from .kv.caches import unsupported
 from .kv.checkpoint import Checkpoint
 from .logprobs import log_softmax, pick, read
 from .models import LoadedModel, ModelError
 from .sampling import GenerationError, SamplingParams, sample
+from .spec_rewind import Rewind, cuttable
 
 DEFAULT_DRAFT_TOKENS = 4
 MAX_DRAFT_TOKENS = 32
@@ -100,10 +102,9 @@ def fallback_reason(target: LoadedModel, caches: list, draft: LoadedModel, known
     """Why rejected tokens could not be rolled back exactly (then: plain decoding), or None."""
     draft_caches = draft.new_caches()
     for m, cs in ((target, caches), (draft, draft_caches)):
-        if unsupported(cs) or not always_cuttable(cs):
-            kinds = "+".join(sorted({type(c).__name__ for c in cs}))
-            return (f"speculative decoding needs caches that can be cut back; model {m.name!r} has {kinds}: "
-                    "decoding without the draft (same tokens)")
+        if unsupported(cs):
+            return (f"speculative decoding needs cache kinds it can roll back; model {m.name!r} has "
+                    f"{'+'.join(unsupported(cs))}: decoding without the draft (same tokens)")
         if _converts(m, 0, known + max_tokens + MAX_DRAFT_TOKENS):
             return (f"model {m.name!r} converts its KV to {m.kv_bits} bits at token {m.kv_start} during this "
                     "generation, which a rollback cannot undo: decoding without the draft (same tokens)")
@@ -140,6 +141,8 @@ class Drafter:
         self.caches: list = []
         self.held: list = []
         self.started = False
+        self.rewind: Rewind | None = None
+        self.marked = 0  # len(held) at the rewind's mark
         self.loan = None
         self.counts = DraftCounts()
 
@@ -153,9 +156,10 @@ class Drafter:
         if self.use_cache:
             self.loan = self.services.cache.take(truth, self.ns)  # no move: the target may lend the same entry
         self.caches = self.loan.caches if self.loan else self.model.new_caches()
+        self.rewind = Rewind(self.model.forward, self.caches)
         n = min(self.loan.length, len(truth) - 1) if self.loan else 0
         for c in self.caches:
-            if c.offset > n:
+            if cuttable(c) and c.offset > n:  # other kinds are lent at exact lengths only
                 c.trim(c.offset - n)
         self.counts.cached, self.counts.source = n, (self.loan.source if self.loan else None)
         rest = truth[n:-1]
@@ -164,6 +168,10 @@ class Drafter:
         self.counts.prefilled = len(rest)
         self.held = truth[:-1]
         self.started = True
+        if rest and self.use_cache and self.rewind.exact and self.ns != self.target_ns:
+            # a state that serves its own length only (a window, recurrent state): keep this one,
+            # the boundary a rerun's draft starts at (as Generation.snapshot_prompt does for the target)
+            self.services.cache.put(Checkpoint.capture(self.held, self.caches, copy=True), self.ns, defer_write=True)
 
     def sync(self, truth: Sequence[int]) -> list:
         """Cut the caches back to what agrees with `truth`; returns the tokens of truth they lack."""
@@ -173,8 +181,12 @@ class Drafter:
         while n < limit and self.held[n] == truth[n]:
             n += 1
         if n < len(self.held):
-            for c in self.caches:
-                c.trim(len(self.held) - n)
+            if self.rewind.exact:  # back to before this round's forwards; the rest forwarded again
+                self.rewind.restore(len(self.held) - self.marked)
+                n = self.marked
+            else:
+                for c in self.caches:
+                    c.trim(len(self.held) - n)
             del self.held[n:]
         return list(truth[n:])
 
@@ -183,6 +195,8 @@ class Drafter:
         if not self.started:
             self.start(truth)
         missing = self.sync(truth)
+        self.rewind.mark(())
+        self.marked = len(self.held)
         out: list = []
         inputs = missing
         for i in range(k):
@@ -193,14 +207,15 @@ class Drafter:
             inputs = [token]
         return out
 
-    def publish(self, truth: Sequence[int]) -> None:
-        """Publish the draft's state over the tokens decided (its own namespace, RAM then SSD)."""
-        if not self.use_cache or not self.caches or self.ns == self.target_ns:
+    def publish(self, truth: Sequence[int], clean: bool) -> None:
+        """Publish the draft's state over the tokens decided (its own namespace, RAM then SSD).
+        After an interrupt (not `clean`) only caches that can be cut to their shortest layer."""
+        if not self.use_cache or not self.caches or self.ns == self.target_ns or (self.rewind.exact and not clean):
             return  # the draft is the target's model: the target's own state covers these tokens
         self.sync(truth)
-        n = min([len(self.held)] + [c.offset for c in self.caches])
+        n = min([len(self.held)] + [c.offset for c in self.caches if cuttable(c)])
         for c in self.caches:
-            if c.offset > n:
+            if cuttable(c) and c.offset > n:
                 c.trim(c.offset - n)
         if n >= 1:
             self.services.cache.put(Checkpoint.capture(self.held[:n], self.caches), self.ns,
@@ -232,18 +247,20 @@ def decode_speculative(
     """decode()'s contract (decoding.py), with drafts. Each round the draft proposes
     up to K tokens, the target forwards its pending tokens and the proposals at once, samples each
     position with its step's sampler, and keeps the samples up to the first disagreement. Caches are
-    trimmed before `on_token` sees a token; a round ends at a step where `sync_at` is true, so the
+    cut back (`Rewind`) before `on_token` sees a token; a round ends at a step where `sync_at` is true, so the
     caches hold exactly the tokens before it there."""
     result = into if into is not None else DecodeResult()
     truth = list(context)
     inputs = list(pending)
     first = True  # the first round proposes nothing: the first token as soon as without a draft
+    rewind = Rewind(model, caches)
     step = first_step
     try:
         while True:
             left = params.max_tokens - first_step - len(result.tokens)
             drafts = drafter.propose(truth, min(num_draft_tokens, left - 1), params, step) if left > 1 and not first else []
             first = False
+            rewind.mark(inputs + drafts)
             logits = model(mx.array(inputs + drafts)[None], cache=caches)[0, -(len(drafts) + 1):, :]
             ys = mx.concatenate([sample(logits[i : i + 1], params, step + i) for i in range(len(drafts) + 1)])
             picked = pick(log_softmax(logits), ys, params.logprobs) if params.logprobs is not None else None
@@ -261,10 +278,7 @@ def decode_speculative(
             drafter.counts.proposed += judged
             drafter.counts.accepted += len(emit) - 1
             before = len(result.tokens)
-            # the caches hold inputs + drafts: keep the drafts that were emitted but the last one
-            extra = len(drafts) - (len(emit) - 1)
-            for c in caches:
-                c.trim(extra)
+            rewind.keep(len(inputs) + len(emit) - 1)  # the drafts that were emitted but the last one
             result.forwarded = before + len(emit) - 1  # the inputs: pending tokens, or the last round's last
             truth += emit
             stop = None
@@ -278,8 +292,7 @@ def decode_speculative(
                     stop = "stop"
                     cut = len(emit) - 1 - (i + 1)  # the caches hold emit[:-1]: keep emit[: i + 1]
                     if cut > 0:
-                        for c in caches:
-                            c.trim(cut)
+                        rewind.keep(len(inputs) + i + 1)
                         result.forwarded -= cut
                 if stop is None and len(result.tokens) >= params.max_tokens - first_step:
                     stop = "length"

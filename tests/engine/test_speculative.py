@@ -3,7 +3,8 @@ seeded, cold, from RAM and from SSD in a new process; the draft's own KV comes f
 caches that cannot roll back fall back to plain decoding with a notice; bad drafts are clear errors.
 
 Tiny random llama models: the draft is the target itself (every proposal accepted) or another seed
-(few accepted). A gemma3_text model (a sliding window) takes the fallback."""
+(few accepted). A KV quantization converting during the generation takes the fallback; every other
+cache kind rolls back exactly (test_speculative_kinds.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import subprocess
 import sys
 
 import pytest
-from tiny_archs import WINDOW, build_arch_model
 from tiny_model import SPECIALS, build_tiny_model, save_byte_level_tokenizer
 
 from mlxcache_kernel.engine import Engine, GenerationError
@@ -152,19 +152,20 @@ def test_stop_strings_eos_logprobs_and_the_last_token(dirs, tmp_path):
             assert eng.generate("Count with me:", model="m", max_tokens=30).tokens == short.tokens  # its state
 
 
-def test_a_sliding_window_falls_back_to_plain_decoding_with_a_notice(tmp_path):
-    path = build_arch_model("gemma3_text", tmp_path / "gemma")
-    prompt = "x" * (2 * WINDOW)  # the window wraps
+def test_a_kv_quantization_converting_during_the_generation_falls_back_with_a_notice(tmp_path):
+    path = build_tiny_model(tmp_path / "q", seed=0, hidden=128)  # head_dim 32: KV quantizable in groups of 32
+    prompt = "Harbours and ships."  # shorter than kv_start; prompt + 24 tokens cross it
     with Engine(cache_dir=tmp_path / "c", prefetch_budget_bytes=0) as eng:
-        eng.load_model(path, name="g")
-        eng.load_model(path, name="g2")
+        eng.load_model(path, name="q", kv_bits=8, kv_group_size=32, kv_start=40)
+        eng.load_model(path, name="q2", kv_bits=8, kv_group_size=32, kv_start=40)
+        assert len(eng.encode_prompt(prompt, model="q")) < 40
         for sampling in MODES.values():
-            expected = eng.generate(prompt, model="g", use_cache=False, **sampling)
+            expected = eng.generate(prompt, model="q", use_cache=False, **sampling)
             seen = len(eng.events.recent)
-            r = eng.generate(prompt, model="g", draft="g2", **sampling)
+            r = eng.generate(prompt, model="q", draft="q2", **sampling)
             assert r.tokens == expected.tokens
             notices = [e for e in list(eng.events.recent)[seen:] if e["type"] == "notice"]
-            assert len(notices) == 1 and "RotatingKVCache" in notices[0]["message"]
+            assert len(notices) == 1 and "converts its KV to 8 bits at token 40" in notices[0]["message"]
             assert "without the draft" in notices[0]["message"]
             assert r.stats["draft_fallback"] == notices[0]["message"] and r.stats["draft_tokens_proposed"] == 0
 
