@@ -247,8 +247,8 @@ def decode_speculative(
     """decode()'s contract (decoding.py), with drafts. Each round the draft proposes
     up to K tokens, the target forwards its pending tokens and the proposals at once, samples each
     position with its step's sampler, and keeps the samples up to the first disagreement. Caches are
-    cut back (`Rewind`) before `on_token` sees a token; a round ends at a step where `sync_at` is true, so the
-    caches hold exactly the tokens before it there."""
+    cut back (`Rewind`) before `on_token` sees a token; a round ends at a step where `sync_at` is
+    true, so the caches hold exactly the tokens before it there."""
     result = into if into is not None else DecodeResult()
     truth = list(context)
     inputs = list(pending)
@@ -258,7 +258,8 @@ def decode_speculative(
     try:
         while True:
             left = params.max_tokens - first_step - len(result.tokens)
-            drafts = drafter.propose(truth, min(num_draft_tokens, left - 1), params, step) if left > 1 and not first else []
+            k = 0 if first else min(num_draft_tokens, left - 1)
+            drafts = drafter.propose(truth, k, params, step) if k > 0 else []
             first = False
             rewind.mark(inputs + drafts)
             logits = model(mx.array(inputs + drafts)[None], cache=caches)[0, -(len(drafts) + 1):, :]
@@ -273,7 +274,8 @@ def decode_speculative(
             judged = len(drafts)  # proposals compared with the target's samples
             for i, token in enumerate(emit):  # a round ends at an eos or where a boundary is captured
                 if token in eos_ids or (sync_at is not None and sync_at(step + i)):
-                    emit, judged = emit[: i + 1], i  # the proposals after it were never judged
+                    if i < agreed:  # cut before the first disagreement: the proposals after it were never judged
+                        emit, judged = emit[: i + 1], i
                     break
             drafter.counts.proposed += judged
             drafter.counts.accepted += len(emit) - 1
