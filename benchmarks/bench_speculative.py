@@ -131,8 +131,8 @@ def bench_ttft(eng, doc_n: int, repeats: int) -> dict:
                       "second_question_ttft_s": median(second), "second_question_new_tokens":
                       len(other.prompt_tokens) - other.stats["cached_tokens"],
                       "draft_prefilled_tokens_second": other.stats.get("draft_prefilled_tokens")}
-    out["rerun_draft_over_plain"] = out["draft"]["rerun_ttft_s"] / out["plain"]["rerun_ttft_s"]
-    out["second_question_draft_over_plain"] = out["draft"]["second_question_ttft_s"] / out["plain"]["second_question_ttft_s"]
+    for kind in ("rerun", "second_question"):
+        out[f"{kind}_draft_over_plain"] = out["draft"][f"{kind}_ttft_s"] / out["plain"][f"{kind}_ttft_s"]
     out["doc_tokens"] = doc_n
     return out
 
