@@ -38,7 +38,7 @@ from .prompts import encode_prompt
 from .scoring import ScoreResult, score
 from .generation import Generation, GenerationResult, Request, Services
 from .sessions import Sessions
-from .speculative import resolve_draft
+from .speculative import load_with_draft, resolve_draft
 from .user_states import UserStates
 from .system import make_private_dir, physical_memory
 
@@ -133,7 +133,7 @@ class Engine:
 
     def load_model(self, path_or_id, name: str = "default", *, kv_bits: int | None = None,
                    kv_group_size: int = 64, adapter_path=None, image_attention: str | None = None,
-                   kv_start: int | None = None) -> dict:
+                   kv_start: int | None = None, draft: str | None = None) -> dict:
         """Load a model; kv_bits (4 or 8) quantizes its KV cache (RAM and SSD hold the quantized bytes)
         once a sequence passes kv_start tokens (default 5000, as mlx-lm's --quantized-kv-start; 0:
         from the first token). A checkpoint past the start serves only prompts at least that long.
@@ -143,12 +143,12 @@ class Engine:
         A vision-language model (a config with a vision tower) loads through mlx-vlm
         (`pip install 'mlxcache-kernel[vision]'`); image_attention picks how its image
         tokens attend ("bidirectional" or "causal" for Gemma 3; None: the model's default).
+        draft: a loaded model's name, the default draft of this model's generations (speculative.py).
 
-        Then its most recently used SSD checkpoints start loading into RAM in the
-        background (up to the prefetch budget); "prefetch" in the result says how many.
-        """
-        loaded = self.models.load(path_or_id, name, kv_bits=kv_bits, kv_group_size=kv_group_size,
-                                  adapter_path=adapter_path, image_attention=image_attention, kv_start=kv_start)
+        Then its most recently used SSD checkpoints start loading into RAM in the background
+        (up to the prefetch budget); "prefetch" in the result says how many."""
+        loaded = load_with_draft(self.models, draft, path_or_id, name, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                                 adapter_path=adapter_path, image_attention=image_attention, kv_start=kv_start)
         self.cache.register_namespace(loaded.namespace, loaded.identity)
         self.events.emit("model_loaded", name=name, path=str(loaded.path), namespace=loaded.namespace)
         if loaded.cache_notice:
@@ -181,11 +181,12 @@ class Engine:
                  on_progress: Callable[[str, int, int], None] | None = None,
                  checkpoint_every: int | None = None, images: Sequence | None = None, videos: Sequence | None = None,
                  fps: float | None = None, max_frames: int | None = None, audios: Sequence | None = None,
-                 draft: str | None = None, num_draft_tokens: int | None = None, **sampling) -> GenerationResult:
+                 draft: str | bool | None = None, num_draft_tokens: int | None = None, **sampling) -> GenerationResult:
         """sampling: SamplingParams's options (max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop=()).
         images (paths, PIL images, (H, W, 3) arrays), videos (paths, (T, C, H, W) arrays, sampled at fps, up to
         max_frames: video.py), audios (paths, 1-D waveforms: audio.py) for a VLM come before the text in the user turn
-        (a session keeps them). draft: a loaded model proposing num_draft_tokens (default 4) per verify forward."""
+        (a session keeps them). draft: a loaded model proposing num_draft_tokens (default 4) per verify forward
+        (default: the model's default draft; False: none)."""
         self._check_open()
         self.poll(prepare=False)  # no buffers allocated for prefetches on the way to the first token
         params = SamplingParams.of(**sampling)

@@ -239,7 +239,6 @@ class Generation:
                 self.services.events.emit("notice", model=req.model.name, message=self.draft_fallback)
             else:
                 self.drafter = Drafter(self.services, req.draft, req.use_cache, len(req.tokens), req.ns)
-                self.drafter.start(known)
                 run, extra = decode_speculative, dict(drafter=self.drafter, num_draft_tokens=req.num_draft_tokens,
                                                       context=known)
         run(model, caches, pending, req.params, eos_ids=req.model.eos_token_ids,
@@ -251,7 +250,8 @@ class Generation:
     def _publish_draft(self) -> None:
         """The draft's state over the tokens decided (also after an interrupt); never masks an error."""
         try:
-            self.drafter.publish(self.req.tokens + self.emitted + self.decoded.tokens)
+            self.drafter.publish(self.req.tokens + self.emitted + self.decoded.tokens,
+                                 clean=self.decoded.finish_reason in ("eos", "stop", "length"))
         except Exception as e:
             self.services.events.emit("notice", model=self.req.draft.name, message=f"draft state not cached: {e}")
         finally:

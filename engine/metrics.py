@@ -33,6 +33,8 @@ SCHEMA = {
     "engine_ssd_tokens": "prompt tokens served from SSD",
     "engine_remote_tokens": "prompt tokens served from the remote tier",
     "engine_prefilled_tokens": "prompt tokens forwarded through the model",
+    "engine_draft_tokens_proposed": "tokens draft models proposed in speculative decoding (judged by the model)",
+    "engine_draft_tokens_accepted": "proposed draft tokens the model accepted",
     "engine_prefill_s": "seconds spent prefilling",
     "engine_prefill_s_saved": "prefill seconds the cache saved, at each model's measured prefill rate",
     "engine_decode_tokens": "tokens generated",
@@ -174,7 +176,8 @@ SCHEMA = {
 
 _GENERATION_COUNTERS = (
     "generations", "prompt_tokens", "cached_tokens", "ram_tokens", "ssd_tokens", "remote_tokens",
-    "prefilled_tokens", "prefill_s", "prefill_s_saved", "decode_tokens",
+    "prefilled_tokens", "prefill_s", "prefill_s_saved", "decode_tokens", "draft_tokens_proposed",
+    "draft_tokens_accepted",
 )
 
 
@@ -191,6 +194,8 @@ class GenerationMetrics:
         for k in ("prompt_tokens", "cached_tokens", "ram_tokens", "ssd_tokens", "remote_tokens", "prefilled_tokens",
                   "decode_tokens"):
             c[k] += stats[k]
+        for k in ("draft_tokens_proposed", "draft_tokens_accepted"):  # speculative decoding only
+            c[k] += stats.get(k) or 0
         c["prefill_s"] += stats["prefill_s"]
         self._measured(ns, stats["prefilled_tokens"], stats["prefill_s"])
         if stats["cached_tokens"] and self.prefill_rate.get(ns):

@@ -41,7 +41,10 @@ def render_counters(c: dict) -> str:
     items = []
     for label, key, _, kind in COUNTERS:
         v = c.get(key)
-        text = fmt_bytes(v) if kind == "b" else fmt_seconds(v) if kind == "s" else fmt_count(v)
+        if kind == "r":
+            text = "–" if v is None else f"{v:.0%}"
+        else:
+            text = fmt_bytes(v) if kind == "b" else fmt_seconds(v) if kind == "s" else fmt_count(v)
         items.append(
             f"<span class='mlxc-counter' data-name='{key}' data-value='{esc(v)}'>{esc(label)}: <b>{esc(text)}</b></span>"
         )

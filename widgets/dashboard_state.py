@@ -16,7 +16,8 @@ __all__ = ["COUNTERS", "LOG_TYPES", "DashboardState", "counters_from_stats"]
 # Events that the log keeps.
 LOG_TYPES = ("evict", "demote", "supersede", "quarantine", "write_failed", "restore_failed", "restore_skipped", "remove")
 
-# (label, name, the engine.stats() keys it adds up, kind: n = count, s = seconds, b = bytes).
+# (label, name, the engine.stats() keys it adds up, kind: n = count, s = seconds, b = bytes,
+# r = the first key over the second, a rate; None before there is any).
 # The names are the dashboard's public ones (`counters[...]`, the HTML's data-name).
 COUNTERS = [
     ("RAM hits", "ram_hits", ("hits",), "n"),
@@ -35,6 +36,9 @@ COUNTERS = [
     ("quarantined", "quarantined", ("ssd_quarantined",), "n"),
     ("evictions", "evictions", ("evictions", "oversized"), "n"),
     ("demotions", "demotions", ("demotions",), "n"),
+    ("draft proposed", "draft_proposed", ("engine_draft_tokens_proposed",), "n"),
+    ("draft accepted", "draft_accepted", ("engine_draft_tokens_accepted",), "n"),
+    ("acceptance", "draft_acceptance", ("engine_draft_tokens_accepted", "engine_draft_tokens_proposed"), "r"),
 ]
 
 
@@ -42,6 +46,10 @@ def counters_from_stats(stats: dict) -> dict:
     """Each counter of COUNTERS: the sum of its stats keys (a missing or None key counts 0)."""
     out = {}
     for _, name, keys, kind in COUNTERS:
+        if kind == "r":
+            num, den = (stats.get(k) or 0 for k in keys)
+            out[name] = num / den if den else None
+            continue
         total = sum(stats.get(k) or 0 for k in keys)
         out[name] = float(total) if kind == "s" else total
     return out

@@ -38,12 +38,10 @@ class AdminMagics(EngineMagics):
                                         "default model); use/unload/info: a name")
     @argument("--name", "-n", default=None, help="load: the name to register the model under (default: 'default')")
     @argument("--kv-bits", type=int, choices=[4, 8], default=None, help="load: quantize the KV cache to 4 or 8 bits")
-    @argument("--kv-start", type=int, default=None, help="load, with --kv-bits: the first N tokens' KV stays in "
-              "full precision (default 5000, as mlx-lm's --quantized-kv-start; 0: none)")
-    @argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
-              help="load: values per quantization group (default 64)")
-    @argument("--adapter", default=None, help="load: an mlx-lm LoRA adapter directory applied to the model "
-                                              "(its cache is its own: the base model's is never used for it)")
+    @argument("--kv-start", type=int, default=None, help="load: with --kv-bits, N first tokens unquantized (5000)")
+    @argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64, help="load: values per quantization group")
+    @argument("--adapter", default=None, help="load: an mlx-lm LoRA adapter directory (a cache of its own)")
+    @argument("--draft", default=None, metavar="NAME", help="load: the loaded model NAME is this model's default draft")
     @argument("--image-attention", choices=["bidirectional", "causal"], default=None,
               help="load, a vision-language model: how image tokens attend (default: the model's own)")
     @line_magic
@@ -55,6 +53,7 @@ class AdminMagics(EngineMagics):
                                       SmolLM2-135M-Instruct; no PATH = the configured default model)
                  [--kv-bits 8 [--kv-start N]]  KV quantized to 4|8 bits from token N (default 5000)
                  [--adapter DIR]      with an mlx-lm LoRA adapter (adapters.safetensors + adapter_config.json)
+                 [--draft NAME]       loaded model NAME drafts for it (%%generate --no-draft: not)
         %model list                   resident models (* marks the default)
         %model use N                  make N the default for %%generate
         %model unload N               drop a model from memory
@@ -62,15 +61,16 @@ class AdminMagics(EngineMagics):
         """
         args = parse_args(self.model, line)
         eng = self.engine
-        if (args.name or args.kv_bits or args.kv_start is not None or args.adapter) and args.action != "load":
-            raise UsageError(f"--name, --kv-bits, --kv-start and --adapter only apply to %model load, "
+        if args.action != "load" and (args.name or args.kv_bits or args.kv_start is not None or args.adapter
+                                      or args.draft):
+            raise UsageError(f"--name, --kv-bits, --kv-start, --adapter and --draft only apply to %model load, "
                              f"not %model {args.action}")
         if args.action == "list":
             no_target(args.target, "model list")
             self._model_list()
         elif args.action == "load":
-            extra = {k: v for k, v in (("image_attention", args.image_attention), ("kv_start", args.kv_start))
-                     if v is not None}
+            extra = {k: v for k, v in (("image_attention", args.image_attention), ("kv_start", args.kv_start),
+                                       ("draft", args.draft)) if v is not None}
             self._model_load(args.target, args.name or "default", kv_bits=args.kv_bits,
                              kv_group_size=args.kv_group_size, adapter_path=args.adapter, **extra)
         elif args.action == "info":

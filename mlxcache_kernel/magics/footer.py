@@ -72,7 +72,7 @@ def images_phrase(sources: list, noun: str = "image") -> str:
 def draft_phrase(s: dict) -> str:
     """The draft's part, e.g. "draft small: 30 of 48 proposed tokens accepted (62%)"."""
     if s.get("draft_fallback"):
-        return f"draft {s['draft']} not used (its cache kinds cannot roll back)"
+        return f"draft {s['draft']} not used (it could not roll back exactly here: see the notice)"
     proposed, accepted = s.get("draft_tokens_proposed", 0), s.get("draft_tokens_accepted", 0)
     rate = f" ({s['draft_acceptance']:.0%})" if s.get("draft_acceptance") is not None else ""
     return f"draft {s['draft']}: {accepted} of {proposed} proposed tokens accepted{rate}"

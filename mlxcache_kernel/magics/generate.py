@@ -76,6 +76,7 @@ class GenerateMagics(EngineMagics):
     @argument("--draft", default=None, metavar="NAME",
               help="speculative decoding: the loaded model NAME proposes tokens the model verifies "
                    "(same tokens as without it)")
+    @argument("--no-draft", action="store_true", help="decode without the model's default draft (%%model load --draft)")
     @argument("--draft-tokens", type=int, default=None, metavar="K",
               help="tokens the draft proposes per step (default 4; with --draft)")
     @argument("--no-cache", action="store_true", help="neither look up nor publish prompt caches")
@@ -109,8 +110,10 @@ class GenerateMagics(EngineMagics):
             raise UsageError(f"--out needs a variable name, got {args.out!r}")
         if args.draft is not None and (args.batch is not None or args.samples is not None):
             raise UsageError("--draft does not go with --batch or --n: batch rows decode together, without a draft")
-        if args.draft_tokens is not None and args.draft is None:
+        if args.draft_tokens is not None and args.draft is None and not _default_draft(self.engine, args.model):
             raise UsageError("--draft-tokens needs --draft NAME")
+        if args.no_draft and args.draft is not None:
+            raise UsageError("--draft and --no-draft contradict each other: use one")
         if args.batch is not None or args.samples is not None:
             from .batch import run_batch
 
@@ -128,8 +131,8 @@ class GenerateMagics(EngineMagics):
         eng.models.get(model_name)  # unknown model -> one line, before any output
         kwargs = dict(sampling_options(args), session=args.session, model=model_name, system=args.system,
                       raw=args.raw, use_cache=not args.no_cache)
-        if args.draft is not None:
-            kwargs.update(draft=args.draft, num_draft_tokens=args.draft_tokens)
+        if args.draft is not None or args.no_draft or args.draft_tokens is not None:  # None: the default draft
+            kwargs.update(draft=False if args.no_draft else args.draft, num_draft_tokens=args.draft_tokens)
         if args.image:
             kwargs["images"] = [self._image(spec) for spec in args.image]
         if args.video:
@@ -208,3 +211,9 @@ class GenerateMagics(EngineMagics):
                 print("[mlxcache] interrupted; the cache is intact"
                       + (" and the newest in-flight checkpoint is kept" if resumable else ""),
                       file=sys.stderr)
+
+
+def _default_draft(eng, model: str | None) -> str | None:
+    """The default draft (%model load --draft) of the model a cell would use, if it is loaded."""
+    name = model or eng.models.default
+    return eng.models.get(name).info.get("draft") if name is not None and name in eng.models else None

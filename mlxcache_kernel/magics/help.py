@@ -37,6 +37,7 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%%generate --logprobs 5", "each token's log-probability and its 5 most likely alternatives (r.logprobs)"),
         ("%%generate --draft small", "speculative decoding: model 'small' proposes, the model verifies; same text"),
         ("%%generate --draft small --draft-tokens 6", "6 proposed tokens per verification (default 4)"),
+        ("%%generate --no-draft", "without the model's default draft (%model load --draft)"),
     ],
     "score": [
         ("%%score options", "the cell is the context; rank the strings of list `options` by log-likelihood"),
@@ -55,6 +56,7 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%model load --kv-bits 4 --kv-group-size 32", "values per quantization group: 32, 64 or 128"),
         ("%model load ~/models/qwen --adapter ~/adapters/legal --name legal",
          "with an mlx-lm LoRA adapter; its cache is its own (never the base model's)"),
+        ("%model load ~/models/qwen-7b --draft small", "'small' (loaded first) drafts for it by default"),
         ("%model load ~/models/gemma-3-4b-it", "a vision-language model loads through mlx-vlm ([vision] extra)"),
         ("%model load ~/models/gemma-3-4b-it --image-attention causal",
          "image tokens attend causally (as mlx-vlm generates), not bidirectionally"),

@@ -3,7 +3,8 @@ seeded, cold, from RAM and from SSD in a new process; the draft's own KV comes f
 caches that cannot roll back fall back to plain decoding with a notice; bad drafts are clear errors.
 
 Tiny random llama models: the draft is the target itself (every proposal accepted) or another seed
-(few accepted). A gemma3_text model (a sliding window) takes the fallback."""
+(few accepted). A KV quantization converting during the generation takes the fallback; every other
+cache kind rolls back exactly (test_speculative_kinds.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import subprocess
 import sys
 
 import pytest
-from tiny_archs import WINDOW, build_arch_model
 from tiny_model import SPECIALS, build_tiny_model, save_byte_level_tokenizer
 
 from mlxcache_kernel.engine import Engine, GenerationError
@@ -64,10 +64,11 @@ def test_tokens_equal_plain_decoding_cold_and_from_ram(draft, mode, dirs, tmp_pa
                 if draft != "small":  # the target's own model proposes what the target samples
                     assert s["draft_tokens_accepted"] == s["draft_tokens_proposed"]
             n = len(rerun.prompt_tokens) - 1
-            assert cold.stats["cached_tokens"] == 0 and cold.stats["draft_prefilled_tokens"] == n
+            # the draft starts at its first proposal, after the first token: it holds the whole prompt
+            assert cold.stats["cached_tokens"] == 0 and cold.stats["draft_prefilled_tokens"] == n + 1
             assert rerun.stats["cache_source"] == "ram" and rerun.stats["cached_tokens"] == n
             assert rerun.stats["draft_prefilled_tokens"] == 0 and rerun.stats["draft_cache_source"] == "ram"
-            assert rerun.stats["draft_cached_tokens"] == n
+            assert rerun.stats["draft_cached_tokens"] == n + 1
         # the target's KV is the one plain generation of the model uses (and the other way round)
         again = eng.generate(prompt, model="m", **sampling)
         assert again.tokens == expected.tokens and again.stats["cached_tokens"] == n
@@ -80,9 +81,9 @@ def test_a_second_question_over_a_cached_document_prefills_neither_models_docume
         doc_tokens = len(eng.encode_prompt(DOC, model="m", raw=True))
         second = eng.generate(DOC + "And the weather?", model="m", draft="small", max_tokens=8)
         assert second.tokens == plain(dirs, tmp_path, DOC + "And the weather?", max_tokens=8).tokens
-        assert first.stats["draft_prefilled_tokens"] == len(first.prompt_tokens) - 1
+        assert first.stats["draft_prefilled_tokens"] == len(first.prompt_tokens)
         assert second.stats["cached_tokens"] >= doc_tokens and second.stats["draft_cached_tokens"] >= doc_tokens
-        assert second.stats["draft_prefilled_tokens"] == len(second.prompt_tokens) - 1 - second.stats["draft_cached_tokens"]
+        assert second.stats["draft_prefilled_tokens"] == len(second.prompt_tokens) - second.stats["draft_cached_tokens"]
 
 
 WORKER = """
@@ -119,7 +120,7 @@ def test_both_models_state_from_ssd_in_a_new_process(dirs, tmp_path):
     for mode, (tokens, stats) in out.items():
         assert tokens == expected[mode], mode
         n = stats["cached_tokens"]
-        assert n > 0 and stats["draft_cached_tokens"] == n and stats["draft_prefilled_tokens"] == 0, stats
+        assert n > 0 and stats["draft_cached_tokens"] == n + 1 and stats["draft_prefilled_tokens"] == 0, stats
     assert out["greedy"][1]["cache_source"] == "ssd" and out["greedy"][1]["draft_cache_source"] == "ssd"
 
 
@@ -136,31 +137,35 @@ def test_stop_strings_eos_logprobs_and_the_last_token(dirs, tmp_path):
             r = eng.generate(prompt, model="m", draft=draft, num_draft_tokens=4, max_tokens=30, logprobs=2)
             assert r.tokens == base.tokens
             for a, b in zip(r.logprobs, base.logprobs):
-                assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-4
+                # 1e-3: the verify forward over K + 1 positions sums in another order than one position
+                assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-3
                 assert [t for t, _ in a.top] == [t for t, _ in b.top]
             stopped = eng.generate(prompt, model="m", draft=draft, num_draft_tokens=4, max_tokens=30, stop=stop)
             assert stopped.text == plain(dirs, tmp_path, prompt, max_tokens=30, stop=stop).text
             assert stopped.stats["finish_reason"] == "stop"
             one = eng.generate(prompt, model="m", draft=draft, num_draft_tokens=4, max_tokens=1)
             assert one.tokens == base.tokens[:1]
+            # the first token comes before the draft runs at all (TTFT as without a draft)
+            assert one.stats["draft_tokens_proposed"] == 0 and one.stats["draft_prefilled_tokens"] == 0
             eos = eng.generate("Count with me:", model="m", draft=draft, num_draft_tokens=4, max_tokens=30)
             assert eos.tokens == short.tokens and eos.stats["finish_reason"] == "eos"
             assert eng.generate("Count with me:", model="m", max_tokens=30).tokens == short.tokens  # its state
 
 
-def test_a_sliding_window_falls_back_to_plain_decoding_with_a_notice(tmp_path):
-    path = build_arch_model("gemma3_text", tmp_path / "gemma")
-    prompt = "x" * (2 * WINDOW)  # the window wraps
+def test_a_kv_quantization_converting_during_the_generation_falls_back_with_a_notice(tmp_path):
+    path = build_tiny_model(tmp_path / "q", seed=0, hidden=128)  # head_dim 32: KV quantizable in groups of 32
+    prompt = "Harbours and ships."  # shorter than kv_start; prompt + 24 tokens cross it
     with Engine(cache_dir=tmp_path / "c", prefetch_budget_bytes=0) as eng:
-        eng.load_model(path, name="g")
-        eng.load_model(path, name="g2")
+        eng.load_model(path, name="q", kv_bits=8, kv_group_size=32, kv_start=40)
+        eng.load_model(path, name="q2", kv_bits=8, kv_group_size=32, kv_start=40)
+        assert len(eng.encode_prompt(prompt, model="q")) < 40
         for sampling in MODES.values():
-            expected = eng.generate(prompt, model="g", use_cache=False, **sampling)
+            expected = eng.generate(prompt, model="q", use_cache=False, **sampling)
             seen = len(eng.events.recent)
-            r = eng.generate(prompt, model="g", draft="g2", **sampling)
+            r = eng.generate(prompt, model="q", draft="q2", **sampling)
             assert r.tokens == expected.tokens
             notices = [e for e in list(eng.events.recent)[seen:] if e["type"] == "notice"]
-            assert len(notices) == 1 and "RotatingKVCache" in notices[0]["message"]
+            assert len(notices) == 1 and "converts its KV to 8 bits at token 40" in notices[0]["message"]
             assert "without the draft" in notices[0]["message"]
             assert r.stats["draft_fallback"] == notices[0]["message"] and r.stats["draft_tokens_proposed"] == 0
 
@@ -194,3 +199,34 @@ def test_a_vision_language_draft_is_a_clear_error(dirs, tmp_path):
         eng.load_model(vlm, name="v")
         with pytest.raises(GenerationError, match="draft model 'v' is a vision-language model"):
             eng.generate("hi", model="m", draft="v")
+
+
+def test_a_default_draft_per_model(dirs, tmp_path):
+    prompt = DOC + "Where are the ships?"
+    expected = plain(dirs, tmp_path, prompt, max_tokens=12)
+    with Engine(cache_dir=tmp_path / "c", prefetch_budget_bytes=0) as eng:
+        eng.load_model(dirs["other"], name="small")
+        with pytest.raises(ModelError, match="unknown draft model 'nope': load it before the model it drafts for"):
+            eng.load_model(dirs["target"], name="m", draft="nope")
+        assert "m" not in eng.models
+        info = eng.load_model(dirs["target"], name="m", draft="small")
+        assert info["draft"] == "small"
+        r = eng.generate(prompt, model="m", max_tokens=12)  # no draft= : the default one
+        assert r.tokens == expected.tokens and r.stats["draft"] == "small" and r.stats["num_draft_tokens"] == 4
+        assert r.stats["draft_tokens_proposed"] > 0
+        k = eng.generate(prompt, model="m", max_tokens=12, num_draft_tokens=2)
+        assert k.tokens == expected.tokens and k.stats["draft"] == "small" and k.stats["num_draft_tokens"] == 2
+        off = eng.generate(prompt, model="m", max_tokens=12, draft=False)
+        assert off.tokens == expected.tokens and "draft" not in off.stats
+        assert eng.generate(prompt, model="small", max_tokens=4).stats.get("draft") is None  # its own, none
+        eng.unload_model("small")
+        with pytest.raises(ModelError, match="model 'm''s default draft 'small' is not loaded.*draft=False"):
+            eng.generate(prompt, model="m", max_tokens=4)
+        assert eng.generate(prompt, model="m", max_tokens=12, draft=False).tokens == expected.tokens
+        odd = tmp_path / "odd"
+        shutil.copytree(dirs["other"], odd)
+        save_byte_level_tokenizer(odd, SPECIALS + ["<|extra|>"])
+        eng.load_model(odd, name="odd")
+        with pytest.raises(ModelError, match="model 'm2' not loaded: draft model 'odd' has another tokenizer"):
+            eng.load_model(dirs["target"], name="m2", draft="odd")
+        assert "m2" not in eng.models

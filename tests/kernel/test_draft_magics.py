@@ -37,3 +37,20 @@ def test_bad_draft_options_are_one_line_errors(ip, capsys):
     assert "unknown draft model 'nope'" in usage_error(ip, capsys, f"{GEN} --draft nope\nhi")
     assert "num_draft_tokens must be an integer from 1 to 32" in usage_error(
         ip, capsys, f"{GEN} --draft default --draft-tokens 0\nhi")
+
+
+def test_a_default_draft_from_model_load_and_no_draft(ip, capsys):
+    res, _, err = run(ip, capsys, f"%model load {ip.tiny_model_dir} --name twin")
+    assert res.success, err
+    res, _, err = run(ip, capsys, f"%model load {ip.tiny_model_dir} --name big --draft twin")
+    assert res.success, err
+    expected = run(ip, capsys, f"{GEN} --model big --no-draft --no-cache --out p\nTell me about ships.")[0]
+    assert "draft" not in ip.user_ns["p"].stats
+    res, _, err = run(ip, capsys, f"{GEN} --model big --draft-tokens 2 --out r\nTell me about ships.")
+    assert res.success, err
+    r = ip.user_ns["r"]
+    assert r.tokens == expected.result.tokens and r.stats["draft"] == "twin" and r.stats["num_draft_tokens"] == 2
+    assert "proposed tokens accepted (100%)" in r.footer()
+    assert "--draft and --no-draft contradict" in usage_error(ip, capsys, f"{GEN} --draft twin --no-draft\nhi")
+    assert "only apply to %model load" in usage_error(ip, capsys, "%model info big --draft twin")
+    assert "unknown draft model 'nope'" in usage_error(ip, capsys, f"%model load {ip.tiny_model_dir} --draft nope")

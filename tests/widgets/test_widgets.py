@@ -314,6 +314,22 @@ def test_render_log_and_counters():
     assert "mlxc-log-demote" in html and ">idle<" in html and "2.0 KiB" in html
     c = counters_from_stats({"hits": 2, "ssd_hits": 1, "writes_failed": 1, "ssd_restore_failures": 2})
     assert c["ram_hits"] == 2 and c["failures"] == 3 and c["quarantined"] == 0
+    assert c["draft_proposed"] == 0 and c["draft_acceptance"] is None  # no speculative decoding yet
+
+
+def test_dashboard_shows_draft_proposed_accepted_and_the_acceptance_rate(engine, tiny_model_dir):
+    engine.load_model(str(tiny_model_dir), name="twin")  # the model's own weights: every proposal accepted
+    db = ResidencyDashboard(engine, throttle_s=0)
+    assert "data-name='draft_acceptance' data-value=''>acceptance: <b>–</b>" in db.counters_html.value
+    r = engine.generate(PROMPT, model="default", draft="twin", num_draft_tokens=3, max_tokens=12)
+    engine.generate(PROMPT, model="default", max_tokens=4)  # plain decoding adds nothing to them
+    db.refresh()
+    proposed = r.stats["draft_tokens_proposed"]
+    assert proposed > 0 and db.counters["draft_proposed"] == proposed == db.counters["draft_accepted"]
+    assert db.counters["draft_acceptance"] == 1.0
+    assert "acceptance: <b>100%</b>" in db.counters_html.value
+    assert f"draft proposed: <b>{proposed}</b>" in db.counters_html.value
+    db.close()
 
 
 # --- progress ---
