@@ -22,7 +22,7 @@ _EXPORTS = {
     "TokenLogprob": ".logprobs",
     "SessionError": ".sessions",
     "default_cache_dir": ".config",
-    "default_ram_budget": ".engine",
+    "default_ram_budget": ".memory",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -32,7 +32,7 @@ from .media import new_counters as new_vision_counters, prompt_for as media_prom
 from .cache.retention import make_policy
 from .memory import PressureGuard
 from .metrics import AccessTrace, GenerationMetrics
-from .models import IdentityMemo, LoadedModel, ModelRegistry
+from .models import IdentityMemo, ModelRegistry
 from .named_checkpoints import NamedCheckpoints
 from .prompts import encode_prompt
 from .scoring import ScoreResult, score
@@ -40,16 +40,10 @@ from .generation import Generation, GenerationResult, Request, Services
 from .sessions import Sessions
 from .speculative import load_with_draft, resolve_draft
 from .user_states import UserStates
-from .system import make_private_dir, physical_memory
+from .system import make_private_dir
 
 _UNSET = object()  # a keyword not given: the environment's value, else the default
 REMOTE_CLOSE_S = 5.0  # close() waits this long for remote publications, then says what was not published
-
-
-def default_ram_budget() -> int:
-    """A quarter of physical memory (for a fixed budget; `ram_budget_bytes=None` adapts instead)."""
-    mem = physical_memory()
-    return int(mem * 0.25) if mem else 4 << 30
 
 
 class Engine:
@@ -191,7 +185,7 @@ class Engine:
         self.poll(prepare=False)  # no buffers allocated for prefetches on the way to the first token
         params = SamplingParams.of(**sampling)
         m = self.models.get(model)
-        params.validate(_vocab_size(m))
+        params.validate(m.config.get("vocab_size"))
         media = media_prompt(self, m, prompt, images, system=system, raw=raw, session=session, use_cache=use_cache,
                              videos=videos, fps=fps, max_frames=max_frames, audios=audios) if m.vision else None
         if media is not None:  # the model's processor; cache keys carry each media item's identity
@@ -223,9 +217,9 @@ class Engine:
         self._check_open()
         self.poll(prepare=False)
         m = self.models.get(model)
-        rows = row_tokens(prompts, lambda p: self.encode_prompt(p, model=m.name, system=system, raw=raw),
-                          _vocab_size(m))
-        params = [SamplingParams.of(**sampling, seed=s).validate(_vocab_size(m)) for s in batch_seeds(seed, len(rows))]
+        vocab = m.config.get("vocab_size")
+        rows = row_tokens(prompts, lambda p: self.encode_prompt(p, model=m.name, system=system, raw=raw), vocab)
+        params = [SamplingParams.of(**sampling, seed=s).validate(vocab) for s in batch_seeds(seed, len(rows))]
         if not rows:
             return []
         results = BatchRun(self.services, m, rows, params, use_cache=use_cache, batch_size=batch_size,
@@ -258,7 +252,7 @@ class Engine:
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise GenerationError("empty prompt: no tokens to generate from")
-        params.validate(_vocab_size(m))
+        params.validate(m.config.get("vocab_size"))
         options["draft"], options["num_draft_tokens"] = resolve_draft(self.models, m, options.get("draft"),
                                                                       options.pop("num_draft_tokens", None))
         req = Request(m, tokens, params, **options)
@@ -401,7 +395,3 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _vocab_size(m: LoadedModel) -> int | None:
-    return m.config.get("vocab_size")

@@ -25,6 +25,12 @@ from .system import physical_memory
 DECODE_CHECK_EVERY = 64
 
 
+def default_ram_budget() -> int:
+    """A quarter of physical memory (for a fixed budget; `ram_budget_bytes=None` adapts instead)."""
+    mem = physical_memory()
+    return int(mem * 0.25) if mem else 4 << 30
+
+
 @dataclass(frozen=True)
 class MemoryReading:
     working: int  # bytes this process holds
