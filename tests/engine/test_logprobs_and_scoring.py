@@ -56,7 +56,7 @@ def test_logprobs_equal_mlx_lms_cold_and_stay_close_after_a_hit(eng, reference):
     eng.generate_tokens(DOC + QUESTIONS[1], SamplingParams(max_tokens=2))  # the document cached
     hit = eng.generate_tokens(prompt, SamplingParams(max_tokens=12, logprobs=4))
     assert hit.stats["cached_tokens"] >= len(DOC) and hit.tokens == cold.tokens
-    assert max(abs(a.logprob - b.logprob) for a, b in zip(hit.logprobs, cold.logprobs)) <= 1e-4
+    assert all(_near(a.logprob, b.logprob) for a, b in zip(hit.logprobs, cold.logprobs))
     assert eng.generate_tokens(prompt, SamplingParams(max_tokens=4)).logprobs is None  # not asked for
 
 
@@ -69,7 +69,7 @@ def test_batch_rows_carry_logprobs_and_equal_each_row_alone(eng):
             alone = eng.generate_tokens(p, SamplingParams(**{**kw, "seed": kw.get("seed", 0) + i}), use_cache=False)
             assert r.tokens == alone.tokens, i
             assert len(r.logprobs) == len(r.tokens) and [x.token for x in r.logprobs] == r.tokens
-            assert max(abs(a.logprob - b.logprob) for a, b in zip(r.logprobs, alone.logprobs)) <= 1e-4
+            assert all(_near(a.logprob, b.logprob) for a, b in zip(r.logprobs, alone.logprobs))
             assert all(len(x.top) == kw["logprobs"] for x in r.logprobs)
 
 
@@ -93,12 +93,20 @@ def _cold_token_logprobs(model, tok, context: str, continuation: str) -> list:
     return [float(lp[len(ctx) - 1 + j, t]) for j, t in enumerate(whole[len(ctx):])]
 
 
+def _near(a: float, b: float) -> bool:
+    """Equal to float32 rounding. A random model's logits are some 50 in size, and a forward over
+    other rows (a batch, another chunk) sums them in another order: 1e-5 of that moves every
+    logprob, more after each decode step (mlx 0.32.4: up to 5.2e-4 within ten batch steps, 2.5e-4
+    on scores near -50). Tokens and top lists are compared exactly."""
+    return abs(a - b) <= 1e-3 + 1e-5 * abs(b)
+
+
 def _close(result, want: list) -> bool:
-    """Each token within 1e-4 (a random model's logprobs are near -50; a sum of twenty carries
-    twenty float32 roundings, so the sum is compared relative to its size)."""
+    """Each token to float32 rounding (`_near`); a sum of twenty carries twenty roundings, so the
+    sum is compared relative to its size."""
     return (len(result.token_logprobs) == len(want)
-            and max(abs(a - b) for a, b in zip(result.token_logprobs, want)) <= 1e-4
-            and abs(result.logprob - sum(want)) <= 1e-6 * abs(sum(want)) + 1e-4)
+            and all(_near(a, b) for a, b in zip(result.token_logprobs, want))
+            and abs(result.logprob - sum(want)) <= 1e-5 * abs(sum(want)) + 1e-4)
 
 
 def test_scores_equal_a_cold_forward_of_each_sequence_and_the_context_is_cached_once(eng, reference):
