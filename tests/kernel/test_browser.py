@@ -145,6 +145,10 @@ def test_magics_dashboard_in_mlxcache_kernel(jupyter_lab):
         b.wait_output("DONE")
         page.wait_for_selector(".mlxc-kv-inspector .mlxc-kv-heatmap", timeout=CELL_TIMEOUT_MS)
         page.wait_for_timeout(1500)
+        # the dashboard's entry previews arrive with a later refresh (a busy machine: seconds later)
+        page.wait_for_function("() => { const p = [...document.querySelectorAll('.mlxc-dashboard td.mlxc-preview')];"
+                               " return p.length > 0 && p.every(e => e.innerText.length > 0); }",
+                               timeout=CELL_TIMEOUT_MS)
         misses = counter(page, "misses")
         hits = counter(page, "ram_hits") + counter(page, "ssd_hits")
         rows = page.locator(".mlxc-dashboard tr.mlxc-entry").count()
