@@ -9,7 +9,8 @@ the rows decode together.
 3. Rows of plain-KV models decode over their shared prefixes (batch_shared.py): each
    prefix is held and attended to once for all its rows (no copy per row, no padding
    of a row to another's prefix); the rows' own positions sit in one tail, their
-   prompts' rests prefilled together.
+   prompts' rests prefilled together. With quantized KV (kv_bits, from kv_start on) each
+   row converts at exactly kv_start at its own step (kv/cascade_quantized.py).
 4. Other models' rows (sliding windows, recurrent layers, a model attending to keys of
    its own making) prefill their rests on their own and merge into mlx-lm's
    `BatchGenerator` (batch_merged.py: left padded, a copy of every row's KV).
@@ -17,7 +18,7 @@ the rows decode together.
 
 Decoding B rows together has B's numerics, so a batch is exact against the same batch
 with the cache off and within rounding of each row run alone. Cache kinds mlx-lm cannot
-batch (quantized KV, chunked attention), and vision-language models, run row after row
+batch (chunked attention; quantized KV beside other kinds), and vision-language models, run row after row
 with `generate`'s own decode, after a notice. Row i samples with seed + i (or its own
 seed from a list), through the (seed, step) sampler of `generate`.
 """
@@ -35,7 +36,7 @@ from .decoding import prefill
 from .kv.checkpoint import Checkpoint
 from .batch_merged import MergedRows
 from .batch_shared import SharedPrefixRows
-from .kv.caches import not_batchable, shares_prefix
+from .kv.caches import new_caches, not_batchable, shares_prefix
 from .kv.cascade import Unroutable, routing
 from .kv.tokens import branch_points
 from .metrics import generation_stats
@@ -124,13 +125,17 @@ class BatchRun:
         self.batch_size, self.on_progress, self.on_row = batch_size, on_progress, on_row
         self.branches: list[Branch] = []
         self.loans: list = []  # held until the run ends: nothing hands their buffers to another borrower meanwhile
+        # rows of plain-KV models attend to a shared prefix once (batch_shared.py), with quantized KV
+        # too (kv/cascade_quantized.py); others merge in mlx-lm's batch, which cannot quantize
+        self.quantized = model.kv_bits is not None
+        plain = getattr(model, "vision", None) is None and shares_prefix(new_caches(model.model))
         unbatchable = (["a vision-language model's"] if getattr(model, "vision", None) is not None
-                       else not_batchable(model.new_caches()))
+                       else [] if self.quantized and plain else not_batchable(model.new_caches()))
         why = (f"mlx-lm cannot batch {', '.join(unbatchable)} caches" if unbatchable else
-               f"rows convert their KV at exactly token {model.kv_start}" if model.kv_start else None)
+               "mlx-lm cannot batch quantized KV, and this model's layers are not all plain KV"
+               if self.quantized and not plain else None)
         self.notice = f"{why}: the {len(self.rows)} rows run one after another" if why else None
-        # rows of plain-KV models attend to a shared prefix once (batch_rows.py); others merge in mlx-lm's batch
-        self.shared_prefix = self.notice is None and shares_prefix(model.new_caches())
+        self.shared_prefix = self.notice is None and plain
         self.mode = "serial" if self.notice else "shared-prefix" if self.shared_prefix else "batched"
         self.generated = 0  # tokens the batch decoded so far (progress)
         self.t0 = 0.0
@@ -262,7 +267,12 @@ class BatchRun:
         return True
 
     def _unshared(self, why: str) -> bool:
-        self.shared_prefix, self.mode = False, "batched"
+        self.shared_prefix, self.mode = False, "serial" if self.quantized else "batched"
+        if self.quantized:  # mlx-lm's batch has no quantized KV
+            self.notice = f"{why}: the {len(self.rows)} rows of quantized KV run one after another"
+            self.services.events.emit("notice", model=self.model.name, message=self.notice)
+            self._serial()
+            return True
         self.services.events.emit("notice", model=self.model.name,
                                   message=f"rows copy their shared prefix into mlx-lm's batch: {why}")
         return False

@@ -12,11 +12,13 @@ group's lent segments and a copy of its own positions) and leaves the batch; the
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import mlx.core as mx
 
-from .kv.caches import lent_segments, published_layer
+from .kv.caches import lent_segments
 from .kv.cascade import RowsCache, joined_prefix
+from .kv.cascade_quantized import QuantizedRowsCache
 from .kv.checkpoint import Checkpoint
 from .logprobs import log_softmax, pick, read
 from .memory import DECODE_CHECK_EVERY
@@ -50,7 +52,10 @@ class SharedPrefixRows:
         none = len(self.lent)
         self.group_of = [none if g is None else g for g in self.group_of]
         self.starts = [n if caches is not None else 0 for caches, n in starts]
-        self.layers = [RowsCache([joined_prefix(g[l]) for g in self.lent] + [None], self.group_of)
+        m = self.model
+        rows_cache = (RowsCache if m.kv_bits is None else  # quantized KV: each row converts at kv_start
+                      partial(QuantizedRowsCache, start=m.kv_start, bits=m.kv_bits, group_size=m.kv_group_size))
+        self.layers = [rows_cache([joined_prefix(g[l]) for g in self.lent] + [None], self.group_of)
                        for l in range(len(self.kinds))]
         self._seeds = seeds
 
@@ -65,7 +70,26 @@ class SharedPrefixRows:
         for row, rest in zip(self.rows, rests):
             row.prefill_s, row.prefilled = spent, len(rest) + 1
         self.run.services.memory.check("prefill")
+        start = self.model.kv_start if self.model.kv_bits is not None else 0
+        if self.run.use_cache and start:  # rows whose decode converts: their prompt state stays apart
+            for pos, row in enumerate(self.rows):
+                if len(row.tokens) <= start:
+                    self._snapshot_prompt(pos)
         self._decode()
+
+    def _snapshot_prompt(self, b: int) -> None:
+        """Row b's state before its last prompt token, in full precision (the row's final state
+        converts at kv_start and cannot serve a rerun of this prompt), unless the cache holds it."""
+        boundary, cache, ns = self.rows[b].tokens[:-1], self.run.cache, self.run.ns
+        if boundary and cache.get_exact(boundary, ns) is None:
+            cache.put(Checkpoint.of_layers(boundary, self._layers(b, b, len(boundary))), ns, defer_write=True)
+
+    def _layers(self, b: int, pos: int, n: int) -> tuple:
+        """Row b's (at batch position pos) first n positions, layer by layer: its group's lent
+        prefix, then its own."""
+        group = self.group_of[b]
+        lent = self.lent[group] if group < len(self.lent) else [[] for _ in self.layers]
+        return tuple(c.published(self.kinds[l], pos, lent[l], n) for l, c in enumerate(self.layers))
 
     def _prefill(self, rests: list) -> None:
         longest = max(map(len, rests))
@@ -74,7 +98,7 @@ class SharedPrefixRows:
         padded = mx.array([[0] * (longest - len(r)) + list(r) for r in rests])
         chunk, progress = self.run.services.prefill_chunk, self.run.on_progress
         for at in range(0, longest, chunk):
-            self.model.model(padded[:, at : at + chunk], cache=self.layers)
+            self._forward(padded[:, at : at + chunk])
             mx.eval([c.state for c in self.layers])
             if progress is not None:
                 progress("prefill", min(at + chunk, longest), longest)
@@ -85,7 +109,7 @@ class SharedPrefixRows:
         total = sum(r.gen.req.params.max_tokens for r in self.run.rows)
         step = 0
         while self.active:
-            logits = self.model.model(mx.array(pending)[:, None], cache=self.layers)[:, -1, :]
+            logits = self._forward(mx.array(pending)[:, None])[:, -1, :]
             tokens, picked = self._sample(logits, self.active)
             now = time.perf_counter()
             done, going = [], []
@@ -106,6 +130,23 @@ class SharedPrefixRows:
                 self.run.services.memory.check("decode")
             if self.run.on_progress is not None:
                 self.run.on_progress("decode", self.run.generated, total)
+
+    def _forward(self, tokens: mx.array) -> mx.array:
+        """The model over the rows' next tokens; with quantized KV split where a row reaches its
+        start, which converts there (as one row's QuantizeFrom does)."""
+        first = self.layers[0]
+        if not isinstance(first, QuantizedRowsCache):
+            return self.model.model(tokens, cache=self.layers)
+        outs, at = [], 0
+        while at < tokens.shape[1]:
+            for c in self.layers:
+                c.convert_due()
+            n = min(tokens.shape[1] - at, first.until_conversion() or tokens.shape[1])
+            outs.append(self.model.model(tokens[:, at : at + n], cache=self.layers))
+            at += n
+        for c in self.layers:  # a forward that ended at the start: converted before anything reads it
+            c.convert_due()
+        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
 
     def _sample(self, logits, active: list) -> tuple:
         """Each active row's token (its own sampler at its own step) and picked log-probabilities."""
@@ -149,11 +190,7 @@ class SharedPrefixRows:
             self.run.services.events.emit("publish_skipped", ns=self.run.ns, row=self.rows[b].index,
                                           reason="token mismatch")
             return
-        group = self.group_of[b]
-        lent = self.lent[group] if group < len(self.lent) else [[] for _ in self.layers]
-        layers = tuple(published_layer(self.kinds[l], lent[l], c.row_tail(pos, n - prefix), n)
-                       for l, c in enumerate(self.layers))
-        g.publish_state(Checkpoint.of_layers(known[:n], layers))
+        g.publish_state(Checkpoint.of_layers(known[:n], self._layers(b, pos, n)))
 
     def keep_unfinished(self) -> None:
         """After an interrupt: what each row still in the batch computed, published (no error masked)."""

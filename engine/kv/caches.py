@@ -86,6 +86,11 @@ def lent_segments(c) -> list:
     return c.lent_segments()
 
 
-def published_layer(like, lent: list, own: tuple, n: int):
+def published_layer(like, lent: list, own: tuple, n: int, meta: dict | None = None):
     """A layer of n positions of `like`'s kind: lent segments, then a batch row's own arrays."""
-    return codec(kind_of(like)).published(lent, own, n)
+    return codec(kind_of(like)).published(lent, own, n, meta)
+
+
+def quantized_like(like, bits: int, group_size: int):
+    """An empty cache of `like`'s kind with its KV quantized (`like` itself if it is, or has no such form)."""
+    return codec(kind_of(like)).quantized(like, bits, group_size)

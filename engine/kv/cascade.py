@@ -27,6 +27,7 @@ import numpy as np
 from mlx_lm.models import base as lm_base
 
 from .borrowed import STEP
+from .caches import published_layer
 
 _ORIGINAL = lm_base.scaled_dot_product_attention
 
@@ -82,14 +83,7 @@ class RowsCache:
             self.origin[b] = self.prefix_len[b] + s - (R - r) - S
 
     def _grow(self, n: int, like: tuple) -> None:
-        """Room for n more positions (whole steps), as mlx-lm's KVCache grows."""
-        if self.tails and self.T + n <= self.tails[0].shape[2]:
-            return
-        room = (STEP + n - 1) // STEP * STEP
-        B = len(self.group_of)
-        pads = [mx.zeros((B, a.shape[1], room, a.shape[3]), a.dtype) for a in like]
-        self.tails = tuple(mx.concatenate([t[..., : self.T, :], p], axis=2) if self.tails else p
-                           for t, p in zip(self.tails or (None, None), pads))
+        self.tails = grown(self.tails, self.T, n, like, len(self.group_of))
 
     def _valid(self) -> mx.array:
         """(rows, T): which tail positions are each row's own."""
@@ -128,7 +122,7 @@ class RowsCache:
         rep = Hq // Hkv
         q = (queries.astype(mx.float32) * scale).reshape(B, Hkv, rep, L, D)  # scores in float32
         parts = [self._attend_tail(q)]
-        if any(p is not None for p in self.prefixes):
+        if any(self.prefix_len):  # some row has a prefix
             parts.append(self._attend_prefixes(q))
         m = parts[0][0] if len(parts) == 1 else mx.maximum(parts[0][0], parts[1][0])
         num, den = None, None
@@ -160,11 +154,7 @@ class RowsCache:
         m = mx.full((B, Hkv, rep, L, 1), -mx.inf)
         s = mx.zeros((B, Hkv, rep, L, 1))
         o = None
-        for g, prefix in enumerate(self.prefixes):
-            rows = [i for i, x in enumerate(self.group_of) if x == g]
-            if prefix is None or not rows:
-                continue
-            k, v = self._prefix32(g)
+        for rows, (k, v) in self._prefix_parts():
             idx = mx.array(rows)
             qg = mx.swapaxes(q[idx], 0, 1).reshape(1, Hkv, len(rows) * rep * L, D)  # the rows as queries
             scores = qg @ mx.swapaxes(k, -1, -2)  # (1, Hkv, rows*rep*L, P)
@@ -175,7 +165,16 @@ class RowsCache:
             if o is None:
                 o = mx.zeros((B, Hkv, rep, L, go.shape[-1]), go.dtype)
             m[idx], s[idx], o[idx] = back(gm), back(gs), back(go)
+        if o is None:  # the rows of every prefix left the batch: nothing to add
+            o = mx.zeros((B, Hkv, rep, L, self.tails[1].shape[-1]), mx.float32)
         return m, s, o
+
+    def _prefix_parts(self):
+        """(rows, their prefix's keys and values in float32) for every group with a prefix."""
+        for g, prefix in enumerate(self.prefixes):
+            rows = [i for i, x in enumerate(self.group_of) if x == g]
+            if prefix is not None and rows:
+                yield rows, self._prefix32(g)
 
     def _prefix32(self, g: int) -> tuple:
         """Group g's prefix in float32 (a float32 model's own arrays; another dtype's converted
@@ -195,15 +194,30 @@ class RowsCache:
         """How many tail positions are row `row`'s own."""
         return self.T - sum(min(z, self.T) - a for a, z in self.holes[row] if a < self.T)
 
-    def row_tail(self, row: int, upto: int | None = None) -> tuple:
-        """Row `row`'s own positions (the first `upto` of them) as (keys, values) of shape
-        (1, heads, n, dim): copies."""
-        if not self.tails:
+    def row_tail(self, row: int, upto: int | None = None, arrays: tuple | None = None) -> tuple:
+        """Row `row`'s own positions (the first `upto` of them) of the tails (or of `arrays`, laid out
+        as they are) as arrays of shape (1, heads, n, ...): copies."""
+        arrays = self.tails if arrays is None else arrays
+        if not arrays:
             return ()
         own = np.flatnonzero(np.array(self._valid()[row]))
         own = own[:upto] if upto is not None else own
         idx = mx.array(own)
-        return tuple(mx.array(t[row : row + 1, :, :, :][:, :, idx, :]) for t in self.tails) if len(own) else ()
+        return tuple(mx.array(t[row : row + 1, :, :, :][:, :, idx, :]) for t in arrays) if len(own) else ()
+
+    def published(self, like, row: int, lent: list, n: int):
+        """Row `row`'s layer of n positions, of `like`'s kind: the lent segments, then its own."""
+        return published_layer(like, lent, self.row_tail(row, n - self.prefix_len[row]), n)
+
+
+def grown(buffers: tuple, T: int, n: int, like: tuple, rows: int) -> tuple:
+    """`buffers` (rows, heads, capacity, ...) with room for n positions past T (whole steps, as
+    mlx-lm's KVCache grows); new ones shaped as `like` when there are none."""
+    if buffers and T + n <= buffers[0].shape[2]:
+        return buffers
+    room = (STEP + n - 1) // STEP * STEP
+    pads = [mx.zeros((rows, a.shape[1], room, a.shape[3]), a.dtype) for a in like]
+    return tuple(mx.concatenate([t[..., :T, :], p], axis=2) for t, p in zip(buffers, pads)) if buffers else tuple(pads)
 
 
 def joined_prefix(segments: list):

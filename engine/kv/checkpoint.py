@@ -98,7 +98,8 @@ class Checkpoint:
     def of_layers(cls, tokens: Sequence[int], layers: tuple) -> "Checkpoint":
         """A checkpoint of layer states built elsewhere (a batch row's: kv/cascade.py), evaluated."""
         mx.eval([a for l in layers for s in l.all_segments() for a in s.arrays])
-        cp = cls(tuple(int(t) for t in tokens), tuple(layers), _held_bytes(layers, {}), 0, {})
+        since = max([0] + [codec(l.kind).min_reusable_offset(l.meta) for l in layers])  # a row converted at kv_start
+        cp = cls(tuple(int(t) for t in tokens), tuple(layers), _held_bytes(layers, {}), since, {})
         cp._check_length()
         return cp
 

@@ -97,6 +97,10 @@ class Codec:
         """An empty mlx-lm cache configured as `c` (maybe mlx-vlm's class of that name), or `c`."""
         return c
 
+    def published(self, lent: list, own: tuple, n: int, meta: dict | None = None) -> LayerState:
+        """The state of n positions: `lent` segments (shared) and then `own` arrays (a batch row's)."""
+        return LayerState(self.kind, tuple(lent) + (_own(own, (), False) if own else ()), {"offset": n, **(meta or {})})
+
 
 class PlainKV(Codec):
     """`KVCache`: keys/values grow by slice assignment into a padded buffer. Borrowers get a
@@ -135,10 +139,6 @@ class PlainKV(Codec):
 
     def empty_like(self, c):
         return lm_cache.KVCache()
-
-    def published(self, lent: list, own: tuple, n: int) -> LayerState:
-        """The state of n positions: `lent` segments (shared) and then `own` arrays (a batch row's)."""
-        return LayerState(self.kind, tuple(lent) + (_own(own, (), False) if own else ()), {"offset": n})
 
     def hand_over(self, layer, n, in_place):
         """For a borrower that takes this state's place. in_place: it may append into the

@@ -3,7 +3,9 @@
 The contract: a batch served from the cache (RAM, and SSD in a new process)
 gives exactly the tokens of the same batch with the cache off, greedy and
 seeded; rows sharing a document prefill it once; kinds mlx-lm cannot batch
-run serially, with a notice, and give the tokens of serial generation.
+run serially, with a notice, and give the tokens of serial generation. Rows of
+quantized KV batch over their shared prefixes, from the first token or from a
+kv_start that rows reach in their prefill, in their decode or in a shared branch.
 """
 
 from __future__ import annotations
@@ -46,11 +48,16 @@ def tokens(results) -> list:
     return [r.tokens for r in results]
 
 
-@pytest.fixture(scope="module", params=BATCHABLE + ["llama4", "llama-kv8"])
+# kv_start 105: DOC + Q1 reaches it in its own prefill's last position, DOC + Q2 inside it, DOC + Q3
+# in its decode; the branch DOC + Q1 (under DOC + Q1 + ...) is prefilled past it; OTHER never does
+KV8 = {"llama-kv8": 0, "llama-kv8@105": 105}
+
+
+@pytest.fixture(scope="module", params=BATCHABLE + ["llama4", *KV8])
 def arch_model(request, tmp_path_factory):
     arch = request.param
-    if arch == "llama-kv8":  # 8-bit KV in groups of 32: heads of 32 dimensions
-        return arch, build_tiny_model(tmp_path_factory.mktemp(arch) / "model", hidden=128), 8
+    if arch in KV8:  # 8-bit KV in groups of 32: heads of 32 dimensions
+        return arch, build_tiny_model(tmp_path_factory.mktemp("kv8") / "model", hidden=128), 8
     return arch, build_arch_model(arch, tmp_path_factory.mktemp(arch) / "model"), None
 
 
@@ -70,11 +77,11 @@ print(json.dumps(out))
 
 def test_batch_from_the_cache_is_the_batch_without_it(arch_model, tmp_path):
     arch, path, kv_bits = arch_model
-    serial_kind = arch in ("llama4", "llama-kv8")
+    serial_kind, kv_start = arch == "llama4", KV8.get(arch)
     cache = tmp_path / "c"
     expected = {}
     with Engine(cache_dir=cache, prefetch_budget_bytes=0) as eng:
-        eng.load_model(path, name="m", kv_bits=kv_bits, kv_group_size=32, kv_start=0 if kv_bits else None)
+        eng.load_model(path, name="m", kv_bits=kv_bits, kv_group_size=32, kv_start=kv_start)
         notices = []
         eng.events.subscribe(lambda e: notices.append(e) if e.get("type") == "notice" else None)
         for mode, kw in MODES.items():
@@ -89,7 +96,7 @@ def test_batch_from_the_cache_is_the_batch_without_it(arch_model, tmp_path):
             if cold is not None:
                 assert tokens(cold) == expected[mode], f"{arch}: cold batch"
                 assert eng.stats()["engine_prefilled_tokens"] - before == computed_once(PROMPTS), arch
-                mode_want = "serial" if serial_kind else "shared-prefix" if arch == "llama" else "batched"
+                mode_want = "serial" if serial_kind else "shared-prefix" if arch.startswith("llama") else "batched"
                 assert {r.stats["batch_mode"] for r in cold} == {mode_want}
                 shared = [r.stats["batch_shared_tokens"] for r in cold]
                 assert shared[4] == 0 and min(shared[:4]) >= len(DOC), shared
@@ -102,7 +109,7 @@ def test_batch_from_the_cache_is_the_batch_without_it(arch_model, tmp_path):
                     ("ram", len(p) - 1, 1), arch
         assert bool(notices) == serial_kind and all("cannot batch" in n["message"] for n in notices), notices
         assert eng.flush(timeout=60)["pending"] == 0
-    script = WORKER.format(cache=str(cache), model=str(path), kv_bits=kv_bits, kv_start=0 if kv_bits else None,
+    script = WORKER.format(cache=str(cache), model=str(path), kv_bits=kv_bits, kv_start=kv_start,
                            modes=MODES, prompts=PROMPTS)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
