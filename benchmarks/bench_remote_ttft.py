@@ -188,7 +188,8 @@ def _child(cache_dir: str, url: str, ids_file: str) -> None:
     r = eng.generate_tokens(ids, SamplingParams(max_tokens=1), model="m")
     s = eng.stats()
     print(json.dumps({"ttft_s": r.stats["ttft_s"], "source": r.stats["cache_source"],
-                      "cached": r.stats["cached_tokens"], "remote_bytes_read": s["remote_bytes_read"]}))
+                      "cached": r.stats["cached_tokens"], "remote_bytes_read": s["remote_bytes_read"],
+                      "kv_mismatch": s["remote_kv_mismatch"], "deadline_missed": s["remote_deadline_missed"]}))
     eng.close()
 
 
