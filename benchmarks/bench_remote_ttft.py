@@ -10,7 +10,13 @@ machine's directory, restarted without a remote, is served from its SSD; and
 a cold engine prefills. Prompts longer than --cold-max use KV tiled from a
 real prefill (same shapes and value distribution; a cold 8k prefill takes
 minutes here), so their cold TTFT is taken from the measured prefill rate
-instead (marked "estimated").
+instead (marked "estimated"). Tiled KV is not the KV of its tokens, so the
+first-layer check refuses it as a remote hit (a child's "kv_mismatch": 1):
+end to end, pass --cold-max at least the longest length (a real prefill, ~3
+minutes at 8k here); --auth-only needs no hit and tiles.
+
+`fetch` is the wall-clock of the values of a hit: read raw, through
+get_blocks (decrypted, verified, the next chunk read meanwhile), and rebuilt.
 
 The cost of authentication per lookup is the CPU work the secret adds to a
 lookup: deriving every keyed prefix key of the prompt and decrypting (AES-GCM,
