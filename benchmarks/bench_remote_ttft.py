@@ -10,7 +10,13 @@ machine's directory, restarted without a remote, is served from its SSD; and
 a cold engine prefills. Prompts longer than --cold-max use KV tiled from a
 real prefill (same shapes and value distribution; a cold 8k prefill takes
 minutes here), so their cold TTFT is taken from the measured prefill rate
-instead (marked "estimated").
+instead (marked "estimated"). Tiled KV is not the KV of its tokens, so the
+first-layer check refuses it as a remote hit (a child's "kv_mismatch": 1):
+end to end, pass --cold-max at least the longest length (a real prefill, ~3
+minutes at 8k here); --auth-only needs no hit and tiles.
+
+`fetch` is the wall-clock of the values of a hit: read raw, through
+get_blocks (decrypted, verified, the next chunk read meanwhile), and rebuilt.
 
 The cost of authentication per lookup is the CPU work the secret adds to a
 lookup: deriving every keyed prefix key of the prompt and decrypting (AES-GCM,
@@ -136,6 +142,49 @@ def _values_cost(server: RedisServer, ns: str, ids: list[int], rounds: int = 3) 
             "decrypt_cpu_ms_per_hit": round(median(dec) * 1e3, 1), "blake3_cpu_ms_per_hit": round(median(b3) * 1e3, 1)}
 
 
+def _fetch_cost(url: str, ns: str, ids: list[int], rounds: int = 5) -> dict:
+    """Wall-clock of fetching a hit's block values, interleaved, median of `rounds`: raw (the same
+    STRLEN and GETRANGE pipelines as a lookup, the values kept, nothing decrypted or verified), as
+    RemoteTier.get_blocks reads them (decrypted, verified against their names), and the rebuild of
+    the checkpoint from them (build_spans: the copies into MLX buffers, and any check left there).
+    added = get_blocks - raw: what decryption and verification add to a lookup's wall-clock."""
+    from mlxcache_kernel.engine.cache.remote import RemoteTier
+    from mlxcache_kernel.engine.cache.remote.rebuild import build_spans, parse_layout
+    from mlxcache_kernel.engine.cache.remote.tier import GET_BATCH
+
+    toks = ids[: (len(ids) - 1) // 32 * 32]
+    with RemoteTier(url, secret=SECRET) as tier:
+        found = tier.probe(ns, toks, 32)
+        layout = parse_layout(found.records[-1].layout, 32)
+        items = [(r.block, layout.block_bytes(r.index)) for r in found.records]
+        space = tier.spaces[found.key_id]
+        n = len(items) * 32
+        layers = layout.layers_at(n)
+
+        def raw():
+            sized, why = tier._sized(items, space, None)
+            assert why is None and len(sized) == len(items)
+            chunks = (sized[i:i + GET_BATCH] for i in range(0, len(sized), GET_BATCH))
+            return [v for c in chunks for v in tier._read_values(c, space, None)]  # kept, as a lookup keeps them
+
+        times = {"raw": [], "get_blocks": [], "build_spans": []}
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            kept = raw()
+            times["raw"].append(time.perf_counter() - t0)
+            del kept
+            t0 = time.perf_counter()
+            values = tier.get_blocks(items, key_id=found.key_id)
+            times["get_blocks"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            build_spans(toks[:n], layout, layers, values, [r.block for r in found.records])
+            times["build_spans"].append(time.perf_counter() - t0)
+            del values
+    ms = {k: round(median(v) * 1e3, 1) for k, v in times.items()}
+    return {"values": len(items), "value_bytes": sum(s for _, s in items), **{f"{k}_ms": v for k, v in ms.items()},
+            "added_ms": round(ms["get_blocks"] - ms["raw"], 1), "load": os.getloadavg()[0]}
+
+
 def _child(cache_dir: str, url: str, ids_file: str) -> None:
     """One rerun in a fresh process: prints its TTFT, source and the remote bytes moved."""
     from mlxcache_kernel.engine import SamplingParams
@@ -145,7 +194,8 @@ def _child(cache_dir: str, url: str, ids_file: str) -> None:
     r = eng.generate_tokens(ids, SamplingParams(max_tokens=1), model="m")
     s = eng.stats()
     print(json.dumps({"ttft_s": r.stats["ttft_s"], "source": r.stats["cache_source"],
-                      "cached": r.stats["cached_tokens"], "remote_bytes_read": s["remote_bytes_read"]}))
+                      "cached": r.stats["cached_tokens"], "remote_bytes_read": s["remote_bytes_read"],
+                      "kv_mismatch": s["remote_kv_mismatch"], "deadline_missed": s["remote_deadline_missed"]}))
     eng.close()
 
 
@@ -183,7 +233,8 @@ def main() -> None:
                 pub = _publish(a, url, n, args.cold_max)
                 if args.auth_only:
                     rows.append({"tokens": n, "auth": _auth_cost(server, pub["namespace"], pub["ids"]),
-                                 "values": _values_cost(server, pub["namespace"], pub["ids"])})
+                                 "values": _values_cost(server, pub["namespace"], pub["ids"]),
+                                 "fetch": _fetch_cost(url, pub["namespace"], pub["ids"])})
                     continue
                 ids_file = Path(d) / f"ids{n}.json"
                 ids_file.write_text(json.dumps(pub["ids"]))
@@ -193,6 +244,7 @@ def main() -> None:
                 assert all(r["source"] == "ssd" for r in ssd), ssd
                 row = {"tokens": n, "auth": _auth_cost(server, pub["namespace"], pub["ids"]),
                        "values": _values_cost(server, pub["namespace"], pub["ids"]),
+                       "fetch": _fetch_cost(url, pub["namespace"], pub["ids"]),
                        "remote_hit_ttft_s": median([r["ttft_s"] for r in remote]),
                        "ssd_hit_ttft_s": median([r["ttft_s"] for r in ssd]),
                        "remote_bytes_per_hit": remote[0]["remote_bytes_read"], "cached_tokens": remote[0]["cached"],

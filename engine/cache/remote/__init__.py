@@ -22,6 +22,7 @@ the local copies taken from them (origins.py).
     client.py      redis-py, deadlines          publisher.py    the background thread
     writers.py     Ed25519 keys, allow-list     origins.py      which local entries came from whom
     publish.py     uploads, best-effort writes  tier.py         RemoteTier: bounded reads
+    reads.py       block values, one check each, read ahead
 """
 
 from .config import RemoteConfig, RemoteConfigError, parse_remote_url, redact

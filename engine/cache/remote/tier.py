@@ -15,7 +15,8 @@ promised, and then with GETRANGE of that size. A value of the wrong size
 or type, a record that does not verify, a block that does not hash to its
 name: each is a counted miss, never an exception, never a download of
 whatever someone planted. A bad block is also removed (best effort), so
-the next publisher uploads it again. Publication is publish.py's.
+the next publisher uploads it again. Publication is publish.py's; block
+values are read (get_blocks) by reads.py.
 
 Every call goes through the breaker and comes back as a result or a
 redacted RemoteError (client.py); a lookup carries a deadline. The engine
@@ -35,32 +36,20 @@ from typing import Sequence
 from .breaker import Breaker
 from .client import GuardedClient, RemoteError, describe
 from .config import parse_remote_url, reveal
-from .keys import AEAD_OVERHEAD, OPEN, KeySpace, TeamKeys, block_name, is_block_name, team_keys
+from .keys import OPEN, KeySpace, TeamKeys, team_keys
 from .meter import Meter, fetch_beats_recompute
 from .publish import Publication
-from .records import (CHAIN, EXACT, MAX_AGE_S, MAX_RECORD_BYTES, MAX_VALUE_BYTES, OBJECT, TOMB, ExactRecord,
+from .reads import GET_BATCH, BlockReads, RemoteMiss, time_left
+from .records import (CHAIN, EXACT, MAX_AGE_S, MAX_RECORD_BYTES, OBJECT, TOMB, ExactRecord,
                       ObjectRecord, chain_signature, names_digest, unseal)
 from .writers import NO_WRITER, SigningKey, Writers
 
 PROBE_BATCH = 16  # prefix keys per round trip
 SIGNATURE_TRIES = 4  # chain records a lookup verifies, from the end of its run, before it gives up
-GET_BATCH = 8  # block values per round trip: at most 8 x 4 MB in flight
-META_BATCH = 256  # small commands (STRLEN, EXPIRE, record SET, UNLINK) per pipeline
 MIN_FETCH_TOKENS = 256  # below this, recomputing is cheaper than any round trip worth making
 COUNTERS = ("hits", "misses", "bytes_read", "bytes_written", "blocks_uploaded", "blocks_skipped", "records_written",
             "records_found", "probes", "mac_rejected", "malformed", "stale", "wrong_size", "bad_blocks",
             "unknown_writer", "signature_rejected", "tombstoned")
-
-
-class RemoteMiss(Exception):
-    """Blocks could not be read and verified: a cache miss, never a wrong answer.
-
-    `blocks` holds the verified values read before the miss, in order (a
-    shorter prefix the caller may still use)."""
-
-    def __init__(self, message: str, blocks: list[bytes] | None = None):
-        super().__init__(message)
-        self.blocks = blocks or []
 
 
 @dataclass
@@ -74,11 +63,7 @@ class Found:
     writer: str = ""  # hex id of the writer whose signature vouches for `records` ("" unsigned, no allow-list)
 
 
-def _chunks(seq: Sequence, n: int):
-    return (seq[i:i + n] for i in range(0, len(seq), n))
-
-
-class RemoteTier(Publication):
+class RemoteTier(BlockReads, Publication):
     def __init__(self, url: str, *, secret=None, insecure: bool = False, ttl_s: int = 7 * 24 * 3600,
                  timeout_s: float = 1.0, key_prefix: str = "mlxcache", probe_batch: int = PROBE_BATCH,
                  min_fetch_tokens: int = MIN_FETCH_TOKENS, margin: float = 1.5, breaker: Breaker | None = None,
@@ -114,6 +99,7 @@ class RemoteTier(Publication):
         self.writer = GuardedClient(self.config, self.timeout_s, self.breaker, tls)  # cut apart from lookups
         self._lock = threading.Lock()  # counters
         self._counts = dict.fromkeys(COUNTERS, 0)
+        BlockReads.__init__(self)
         Publication.__init__(self, max_pending)
 
     @property
@@ -169,7 +155,7 @@ class RemoteTier(Publication):
             chunk = chain[first:first + self.probe_batch]
             t0 = time.perf_counter()
             try:
-                replies = self.reader.pipeline("probe", lambda p, c=chunk: fill(p, c), _left(deadline))
+                replies = self.reader.pipeline("probe", lambda p, c=chunk: fill(p, c), time_left(deadline))
             except RemoteError:
                 break  # counted; the records already verified stay good
             self.meter.round_trip(time.perf_counter() - t0)
@@ -205,7 +191,7 @@ class RemoteTier(Publication):
         space = self.spaces[keys.key_id]
         try:
             replies = self.reader.pipeline("tombstones", lambda p: [(p.strlen(space.tomb(found.chain[i])), p.getrange(
-                space.tomb(found.chain[i]), 0, MAX_RECORD_BYTES - 1)) for i in idx], _left(deadline)) if idx else []
+                space.tomb(found.chain[i]), 0, MAX_RECORD_BYTES - 1)) for i in idx], time_left(deadline)) if idx else []
         except RemoteError:
             return dict.fromkeys(idx, 1 << 62)
         out = {}
@@ -248,7 +234,7 @@ class RemoteTier(Publication):
             name = self.spaces[keys.key_id].object(keys.root(namespace))
             try:
                 reply = self.reader.pipeline("find object", lambda p: (p.strlen(name), p.getrange(
-                    name, 0, MAX_RECORD_BYTES - 1)), _left(deadline))
+                    name, 0, MAX_RECORD_BYTES - 1)), time_left(deadline))
             except RemoteError:
                 return None
             rec = self._unseal(OBJECT, keys.root(namespace), reply, keys, now)
@@ -272,72 +258,6 @@ class RemoteTier(Publication):
         if why is not None:
             self.count(**{"mac_rejected" if why == "mac" else "signature_rejected" if why == "signature" else why: 1})
         return rec
-
-    def get_blocks(self, items: Sequence[tuple[str, int]], *, key_id: str | None = None,
-                   deadline: float | None = None) -> list[bytes]:
-        """The values of blocks (name, exact size), each read only if its size is right and verified
-        by BLAKE3; RemoteMiss (with the verified values before it) if any is missing, wrong or unreadable."""
-        items, out = list(items), []
-        try:
-            self._read_blocks(items, key_id, deadline, out)
-            why = None
-        except (RemoteError, RemoteMiss) as e:
-            why = str(e)
-        self.count(hits=len(out), misses=len(items) - len(out))
-        if why is not None:
-            raise RemoteMiss(why, out)
-        return out
-
-    def _read_blocks(self, items: list, key_id: str | None, deadline, out: list) -> None:
-        """Append each verified value to `out`; RemoteMiss (or RemoteError) at the first that is not one."""
-        space = self.spaces.get(key_id or self.keys[0].key_id)
-        if space is None:
-            raise RemoteMiss(f"no secret with key id {key_id!r:.20}")
-        bad = next((n for n, s in items if not (is_block_name(n) and isinstance(s, int) and 0 < s <= MAX_VALUE_BYTES)),
-                   None)
-        if bad is not None:
-            raise RemoteMiss(f"not a block name or size: {bad!r:.80}")
-        sized, why = self._sized(items, space, deadline)
-        for chunk in _chunks(sized, GET_BATCH):
-            for (n, size), v in zip(chunk, self._read_values(chunk, space, deadline)):
-                v = space.keys.decrypt(space.block(n).encode(), v)  # one AEAD call per value
-                if v is None or len(v) != size or block_name(v) != n:
-                    self.count(bad_blocks=1)
-                    self.remove_bad([space.block(n)])
-                    raise RemoteMiss(f"block {n[:16]} failed verification (it does not decrypt under this secret "
-                                     "or hash to its name); removed")
-                out.append(v)
-        if why is not None:
-            raise RemoteMiss(why)
-
-    def _sized(self, items: list, space: KeySpace, deadline) -> tuple[list, str | None]:
-        """The leading items whose STRLEN is their expected size, and why the list stops where it does."""
-        for first in range(0, len(items), META_BATCH):
-            chunk = items[first:first + META_BATCH]
-            sizes = self.reader.pipeline("read block sizes", lambda p, c=chunk: [p.strlen(space.block(n)) for n, _ in c],
-                                         _left(deadline))
-            for i, ((n, want), got) in enumerate(zip(chunk, sizes), first):
-                want += AEAD_OVERHEAD  # stored encrypted (TeamKeys.encrypt)
-                if got == want:
-                    continue
-                if got == 0:
-                    return items[:i], f"block {n[:16]} is not in the remote (evicted or expired)"
-                self.count(wrong_size=1) if isinstance(got, int) else self.count(malformed=1)
-                self.remove_bad([space.block(n)])
-                return items[:i], (f"block {n[:16]} is {got} bytes, not the {want} its record says; not read, removed"
-                                   if isinstance(got, int) else f"block {n[:16]} is not a string value; removed")
-        return items, None
-
-    def _read_values(self, chunk: list, space: KeySpace, deadline) -> list[bytes]:
-        t0 = time.perf_counter()
-        values = self.reader.pipeline("read blocks", lambda p: [p.getrange(space.block(n), 0, s + AEAD_OVERHEAD - 1)
-                                                                 for n, s in chunk],
-                                      _left(deadline))
-        values = [v if isinstance(v, bytes) else b"" for v in values]
-        n_bytes = sum(len(v) for v in values)
-        self.count(bytes_read=n_bytes)
-        self.meter.transfer(n_bytes, time.perf_counter() - t0)
-        return values
 
     def worth_fetching(self, n_tokens: int, bytes_per_token: float, prefill_tokens_per_s: float, *,
                        block_size: int = 256) -> bool:
@@ -370,6 +290,7 @@ class RemoteTier(Publication):
         """Wait (bounded) for queued publications, stop the publisher, drop connections; return what
         was not published (and other failures)."""
         failures = self.close_publisher(timeout)
+        self.close_reads()
         self.reader.close()
         self.writer.close()
         return failures
@@ -390,6 +311,3 @@ class RemoteTier(Publication):
     def _describe(self, exc: BaseException) -> str:
         return describe(exc, self.config)
 
-
-def _left(deadline: float | None) -> float | None:
-    return None if deadline is None else deadline - time.monotonic()

@@ -457,6 +457,24 @@ def test_a_planted_bad_block_is_replaced_by_the_next_publisher(server):
         assert tier.stats()["errors"] == 0 and tier.stats()["breaker"] == "ok"  # a miss is not an outage
 
 
+@pytest.mark.parametrize("bad", [3, 10])  # in the first chunk of GET_BATCH values (the next one read ahead), in a later one
+def test_a_member_cannot_swap_a_blocks_bytes(server, bad):
+    """A holder of the secret can seal other bytes under a block's key: the AEAD opens, and only the
+    BLAKE3 of the plaintext against the block's (signed) name tells. That check is made once, in
+    get_blocks: rebuild.py copies what it returns without hashing it again."""
+    c = server.client()
+    with published(server, f"ns-swap-{bad}", 12, seed=60 + bad) as (tier, space, values, blocks, toks):
+        key = space.block(blocks[bad].name)
+        c.set(key, tier.keys[0].encrypt(key.encode(), os.urandom(len(values[bad]))))  # right size, right key
+        miss = _outcome(tier.get_blocks, items(blocks))
+        assert isinstance(miss, RemoteMiss) and "failed verification" in str(miss)
+        assert miss.blocks == values[:bad]  # the verified values before it, in order, and none after it
+        assert tier.wait(10) == [] and c.strlen(key) == 0  # removed
+        s = tier.stats()
+        assert s["bad_blocks"] == 1 and s["hits"] == bad and s["misses"] == 12 - bad
+        assert publish(tier, f"ns-swap-{bad}", toks, blocks) == [] and tier.get_blocks(items(blocks)) == values
+
+
 def test_read_only_user_and_replica_get_hits(server, own_server):
     values, blocks = blocks_of(3)
     toks = tokens_for(3, seed=50)

@@ -1,0 +1,145 @@
+"""Block values read from the remote tier: sized, read, decrypted and verified, one chunk ahead.
+
+The block-reading half of RemoteTier (tier.py). A block or manifest is read
+only after STRLEN says it is exactly the size its record or layout promised,
+and then with GETRANGE of that size, GET_BATCH values per round trip. Each
+value is decrypted (AES-256-GCM: some holder of the secret sealed it) and
+BLAKE3-checked against its name (the record, signed by its writer, names
+it; any holder of the secret could seal other bytes under that key). That
+is the one check of a value: rebuild.py copies what get_blocks returns
+without hashing it again.
+
+While chunk i+1 is read on the caller's thread, one worker thread decrypts
+and verifies chunk i (AES-GCM, BLAKE3 and the socket reads all release the
+GIL), so a hit's crypto hides behind its transfer. Values are still taken in
+order, exactly as if read one chunk after another: the verified values
+before a bad block, a read error or the deadline are what RemoteMiss carries.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent import futures
+from typing import Sequence
+
+from .client import RemoteError
+from .keys import AEAD_OVERHEAD, KeySpace, block_name, is_block_name
+from .records import MAX_VALUE_BYTES
+
+GET_BATCH = 8  # block values per round trip: at most 8 x 4 MB read while the 8 before are verified
+META_BATCH = 256  # small commands (STRLEN, EXPIRE, record SET, UNLINK) per pipeline
+
+
+class RemoteMiss(Exception):
+    """Blocks could not be read and verified: a cache miss, never a wrong answer.
+
+    `blocks` holds the verified values read before the miss, in order (a
+    shorter prefix the caller may still use)."""
+
+    def __init__(self, message: str, blocks: list[bytes] | None = None):
+        super().__init__(message)
+        self.blocks = blocks or []
+
+
+class BlockReads:
+    """get_blocks for RemoteTier (which provides spaces, keys, reader, meter, count and remove_bad)."""
+
+    def __init__(self):
+        self._opener = futures.ThreadPoolExecutor(1, thread_name_prefix="mlxcache-remote-verify")
+
+    def get_blocks(self, items: Sequence[tuple[str, int]], *, key_id: str | None = None,
+                   deadline: float | None = None) -> list[bytes]:
+        """The values of blocks (name, exact size), each read only if its size is right and verified
+        by BLAKE3; RemoteMiss (with the verified values before it) if any is missing, wrong or unreadable."""
+        items, out = list(items), []
+        try:
+            self._read_blocks(items, key_id, deadline, out)
+            why = None
+        except (RemoteError, RemoteMiss) as e:
+            why = str(e)
+        self.count(hits=len(out), misses=len(items) - len(out))
+        if why is not None:
+            raise RemoteMiss(why, out)
+        return out
+
+    def _read_blocks(self, items: list, key_id: str | None, deadline, out: list) -> None:
+        """Append each verified value to `out`; RemoteMiss (or RemoteError) at the first that is not one."""
+        space = self.spaces.get(key_id or self.keys[0].key_id)
+        if space is None:
+            raise RemoteMiss(f"no secret with key id {key_id!r:.20}")
+        bad = next((n for n, s in items if not (is_block_name(n) and isinstance(s, int) and 0 < s <= MAX_VALUE_BYTES)),
+                   None)
+        if bad is not None:
+            raise RemoteMiss(f"not a block name or size: {bad!r:.80}")
+        sized, why = self._sized(items, space, deadline)
+        opening = None  # (the chunk before, its values being opened by the worker)
+        for first in range(0, len(sized), GET_BATCH):
+            chunk = sized[first:first + GET_BATCH]
+            try:
+                values = self._read_values(chunk, space, deadline)
+            finally:  # the chunk before is kept first, even when this read failed: as if read one by one
+                if opening is not None:
+                    self._keep(space, *opening, out)
+            opening = chunk, self._opener.submit(_opened, space, chunk, values)
+        if opening is not None:
+            self._keep(space, *opening, out)
+        if why is not None:
+            raise RemoteMiss(why)
+
+    def _keep(self, space: KeySpace, chunk: list, opened: futures.Future, out: list) -> None:
+        """Append a chunk's verified values; at its first bad one count it, remove it, RemoteMiss."""
+        plain = opened.result()
+        out += plain
+        if len(plain) < len(chunk):
+            n = chunk[len(plain)][0]
+            self.count(bad_blocks=1)
+            self.remove_bad([space.block(n)])
+            raise RemoteMiss(f"block {n[:16]} failed verification (it does not decrypt under this secret "
+                             "or hash to its name); removed")
+
+    def _sized(self, items: list, space: KeySpace, deadline) -> tuple[list, str | None]:
+        """The leading items whose STRLEN is their expected size, and why the list stops where it does."""
+        for first in range(0, len(items), META_BATCH):
+            chunk = items[first:first + META_BATCH]
+            sizes = self.reader.pipeline("read block sizes", lambda p, c=chunk: [p.strlen(space.block(n)) for n, _ in c],
+                                         time_left(deadline))
+            for i, ((n, want), got) in enumerate(zip(chunk, sizes), first):
+                want += AEAD_OVERHEAD  # stored encrypted (TeamKeys.encrypt)
+                if got == want:
+                    continue
+                if got == 0:
+                    return items[:i], f"block {n[:16]} is not in the remote (evicted or expired)"
+                self.count(wrong_size=1) if isinstance(got, int) else self.count(malformed=1)
+                self.remove_bad([space.block(n)])
+                return items[:i], (f"block {n[:16]} is {got} bytes, not the {want} its record says; not read, removed"
+                                   if isinstance(got, int) else f"block {n[:16]} is not a string value; removed")
+        return items, None
+
+    def _read_values(self, chunk: list, space: KeySpace, deadline) -> list[bytes]:
+        t0 = time.perf_counter()
+        values = self.reader.pipeline("read blocks", lambda p: [p.getrange(space.block(n), 0, s + AEAD_OVERHEAD - 1)
+                                                                 for n, s in chunk],
+                                      time_left(deadline))
+        values = [v if isinstance(v, bytes) else b"" for v in values]
+        n_bytes = sum(len(v) for v in values)
+        self.count(bytes_read=n_bytes)
+        self.meter.transfer(n_bytes, time.perf_counter() - t0)
+        return values
+
+    def close_reads(self) -> None:
+        self._opener.shutdown(cancel_futures=True)
+
+
+def _opened(space: KeySpace, chunk: list, values: list) -> list[bytes]:
+    """The plaintexts of a chunk's values up to the first that does not decrypt to its size and name."""
+    out = []
+    for (n, size), v in zip(chunk, values):
+        v = space.keys.decrypt(space.block(n).encode(), v)  # one AEAD call per value
+        if v is None or len(v) != size or block_name(v) != n:
+            break
+        out.append(v)
+    return out
+
+
+def time_left(deadline: float | None) -> float | None:
+    return None if deadline is None else deadline - time.monotonic()
