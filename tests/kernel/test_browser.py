@@ -146,9 +146,14 @@ def test_magics_dashboard_in_mlxcache_kernel(jupyter_lab):
         page.wait_for_selector(".mlxc-kv-inspector .mlxc-kv-heatmap", timeout=CELL_TIMEOUT_MS)
         page.wait_for_timeout(1500)
         # the dashboard's entry previews arrive with a later refresh (a busy machine: seconds later)
-        page.wait_for_function("() => { const p = [...document.querySelectorAll('.mlxc-dashboard td.mlxc-preview')];"
-                               " return p.length > 0 && p.every(e => e.innerText.length > 0); }",
-                               timeout=CELL_TIMEOUT_MS)
+        try:
+            page.wait_for_function("() => { const p = [...document.querySelectorAll('.mlxc-dashboard td.mlxc-preview')];"
+                                   " return p.length > 0 && p.every(e => e.innerText.length > 0); }",
+                                   timeout=CELL_TIMEOUT_MS)
+        except Exception as e:  # say which rows stayed empty (a fresh-clone CI once timed out here)
+            rows = page.evaluate("() => [...document.querySelectorAll('.mlxc-dashboard tr.mlxc-entry')]"
+                                 ".map(r => r.innerText)")
+            raise AssertionError(f"entry previews still empty after {CELL_TIMEOUT_MS} ms: {rows}") from e
         misses = counter(page, "misses")
         hits = counter(page, "ram_hits") + counter(page, "ssd_hits")
         rows = page.locator(".mlxc-dashboard tr.mlxc-entry").count()
