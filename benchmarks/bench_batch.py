@@ -18,6 +18,7 @@ Beside the wall time: the median first-token time and the rows' decode speed
 its new tokens). Greedy agreement with the serial loop is reported as it is.
 
     python benchmarks/bench_batch.py [--rows 8,32] [--doc-tokens 2000] [--max-tokens 48] [--skip-mlx-lm]
+                                     [--kv-bits 8 --kv-start 1024]
 
 Targets at 8 rows: >= 4x the serial loop, >= 5x mlx-lm batch_generate;
 at 32 rows: peak <= model + document KV + 1.5 x tails.
@@ -58,9 +59,12 @@ def timed(fn):
     return out, time.perf_counter() - t, int(mx.get_peak_memory())
 
 
+KV: dict = {}  # --kv-bits/--kv-start: the model's KV quantized (rows then convert at kv_start)
+
+
 def fresh_engine(model: str, d: str) -> Engine:
     eng = Engine(cache_dir=d, prefetch_budget_bytes=0)
-    eng.load_model(model, name="bench")
+    eng.load_model(model, name="bench", **KV)
     return eng
 
 
@@ -118,13 +122,18 @@ def main() -> None:
     ap.add_argument("--doc-tokens", type=int, default=2000)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--skip-mlx-lm", action="store_true", help="skip mlx-lm's batch_generate (the slow baseline)")
+    ap.add_argument("--kv-bits", type=int, help="quantized KV (mlx-lm's batch_generate has none: skipped)")
+    ap.add_argument("--kv-start", type=int, help="with --kv-bits: full precision before this token")
     args = ap.parse_args()
+    if args.kv_bits:
+        KV.update(kv_bits=args.kv_bits, kv_start=args.kv_start)
+        args.skip_mlx_lm = True
     model = default_model()
     with tempfile.TemporaryDirectory() as d, fresh_engine(model, d) as eng:
         tok = eng.models.get().tokenizer
         doc = tok.decode(prompt_tokens(tok, args.doc_tokens))
     rows = [int(n) for n in args.rows.split(",")]
-    out = {"benchmark": "batch", "model": model, "doc_tokens": args.doc_tokens, "max_tokens": args.max_tokens,
+    out = {"benchmark": "batch", "model": model, "doc_tokens": args.doc_tokens, "max_tokens": args.max_tokens, "kv": KV,
            "runs": [run_rows(model, doc, n, args.max_tokens, mlx_lm_baseline=not args.skip_mlx_lm and n == rows[0])
                     for n in rows]}
     out["targets"] = {"rows 8": {"speedup_vs_serial_generate": ">= 4", "speedup_vs_mlx_lm_batch_generate": ">= 5"},
