@@ -128,12 +128,15 @@ class BatchRun:
         # rows of plain-KV models attend to a shared prefix once (batch_shared.py), with quantized KV
         # too (kv/cascade_quantized.py); others merge in mlx-lm's batch, which cannot quantize
         self.quantized = model.kv_bits is not None
-        plain = getattr(model, "vision", None) is None and shares_prefix(new_caches(model.model))
-        unbatchable = (["a vision-language model's"] if getattr(model, "vision", None) is not None
-                       else [] if self.quantized and plain else not_batchable(model.new_caches()))
-        why = (f"mlx-lm cannot batch {', '.join(unbatchable)} caches" if unbatchable else
-               "mlx-lm cannot batch quantized KV, and this model's layers are not all plain KV"
-               if self.quantized and not plain else None)
+        vision = getattr(model, "vision", None) is not None
+        plain = not vision and shares_prefix(new_caches(model.model))  # every layer plain KV (unquantized)
+        if vision or (self.quantized and plain):
+            why = "mlx-lm cannot batch a vision-language model's caches" if vision else None
+        elif self.quantized:
+            why = "mlx-lm cannot batch quantized KV, and this model's layers are not all plain KV"
+        else:
+            blockers = not_batchable(model.new_caches())
+            why = f"mlx-lm cannot batch {', '.join(blockers)} caches" if blockers else None
         self.notice = f"{why}: the {len(self.rows)} rows run one after another" if why else None
         self.shared_prefix = self.notice is None and plain
         self.mode = "serial" if self.notice else "shared-prefix" if self.shared_prefix else "batched"

@@ -87,6 +87,8 @@ class QuantizedRowsCache(RowsCache):
 
     def convert_due(self) -> None:
         """Rows whose next position is the start or past it: their tail becomes its quantized values."""
+        if all(self.converted):  # (every decode step asks)
+            return
         for b, (o, c) in enumerate(zip(self.origin, self.converted)):
             if not c and o + self.T >= self.start:
                 self.converted[b] = True
