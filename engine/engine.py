@@ -111,7 +111,8 @@ class Engine:
         self.cache.durability.pins.sync()
         if remote is not None:  # a shared tier below SSD (Redis / Valkey)
             attach_remote(self.cache, remote, publish=config.remote_publish, prefill_rate=self.metrics.prefill_rate.get,
-                          exact=self._may_be_exact,
+                          exact=self._may_be_exact, converts=lambda ns: bool(getattr(self.models.by_namespace(ns),
+                                                                                     "kv_start", 0)),
                           bound=lambda ns, cp: bound_to_tokens(self.models.by_namespace(ns), cp))
         self._closed = False
 

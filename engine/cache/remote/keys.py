@@ -184,6 +184,10 @@ class KeySpace:
     def record(self, key: bytes) -> str:
         return f"{self.base}:rec:{key.hex()}"
 
+    def converted(self, key: bytes) -> str:
+        """A chain record of a checkpoint that serves only from its minimum reusable offset (records.CONVERTED)."""
+        return f"{self.base}:crec:{key.hex()}"
+
     def exact(self, key: bytes) -> str:
         return f"{self.base}:ext:{key.hex()}"
 

@@ -59,14 +59,17 @@ class RemoteLink:
                  prefill_rate: Callable[[str], float | None] = lambda ns: None,
                  is_named: Callable[[str, tuple], bool] = lambda ns, tokens: False,
                  exact: Callable[[str], bool] = lambda ns: False, origins: Origins | None = None,
-                 bound: Callable[[str, Checkpoint], bool | None] = lambda ns, cp: None):
+                 bound: Callable[[str, Checkpoint], bool | None] = lambda ns, cp: None,
+                 converts: Callable[[str], bool] = lambda ns: False):
         """exact(ns): whether that namespace's states may be exact-only (recurrent, ring layers):
-        then lookups also read exact records. origins: where remote-made entries are remembered.
+        then lookups also read exact records. converts(ns): whether its KV converts at an offset
+        (kv_start): then lookups also read the converted chain. origins: where remote-made entries are remembered.
         bound(ns, cp): whether cp's KV belongs to its tokens (kv/first_layer.py; None: cannot tell)."""
         if publish not in PUBLISH_MODES:
             raise ValueError(f"remote publish must be one of {', '.join(PUBLISH_MODES)}, not {publish!r}")
         self.tier, self.publish_mode = tier, publish
         self.prefill_rate, self.is_named, self.exact, self.bound = prefill_rate, is_named, exact, bound
+        self.converts = converts
         self.counters = {f"remote_{k}": 0 for k in link_counter_names()}
         self.counters["remote_fetch_seconds"] = 0.0
         self.origins = origins if origins is not None else Origins(None)
@@ -92,7 +95,8 @@ class RemoteLink:
         deadline = time.monotonic() + (allowed if measured else min(allowed, UNMEASURED_DEADLINE_S))
         t0 = time.perf_counter()
         try:
-            found = self.tier.probe(ns, prompt[:cap], bt, deadline=deadline, exact=self.exact(ns))
+            found = self.tier.probe(ns, prompt[:cap], bt, deadline=deadline, exact=self.exact(ns),
+                                    converted=self.converts(ns))
             x = found.exact if found.exact is not None and found.exact.length(bt) > have else None
             n_plain = len(found.records) * bt
             if x is not None and x.length(bt) > n_plain:
@@ -139,6 +143,8 @@ class RemoteLink:
             values = e.blocks
             self.counters["remote_misses"] += 1
         n = len(values) * bt
+        if n < layout.min_reusable_offset:  # converted KV, and a block before its start is gone: serves nothing
+            return None
         layers = layout.layers_at(n) if n > have else None
         if layers is None:
             if n > have:
@@ -150,7 +156,7 @@ class RemoteLink:
         except Exception as e:  # noqa: BLE001 - layers from another build: whatever the codecs raise is a miss
             self.tier.count(malformed=1)
             raise RemoteMiss(f"remote blocks do not rebuild a checkpoint: {type(e).__name__}: {e}") from None
-        self.tier.touch(found.key_id, found.chain[:len(values)], None, names[:len(values)])
+        self.tier.touch(found.key_id, found.chain[:len(values)], None, names[:len(values)], found.converted)
         self._writer = found.writer
         return cp
 
@@ -219,22 +225,29 @@ def _value(b, blocks_root) -> Value:
 
 def span_publication(info: fmt.FileInfo, blocks_root) -> tuple[list, dict] | None:
     """(its leading full blocks as Values, their layout) for a committed checkpoint of token spans;
-    None for one exact only at its own length. The blocks are [] when it has none from token 0."""
+    None for one exact only at its own length. The blocks are [] when it has none from token 0.
+    A checkpoint reusable only from an offset (KV converted at kv_start) says so in its layout, and
+    is exact only at its own length when its full blocks end before that offset."""
     h, bt = info.header, blocks.BLOCK_TOKENS
-    if h.inline or not h.blocks or not h.trimmable or h.min_reusable_offset:
+    if h.inline or not h.blocks or not h.trimmable:
         return None
     full = [b for b in h.blocks if b.end - b.start == bt and b.start % bt == 0]
     if not full or full[0].start != 0:
-        return [], {}
+        return ([], {}) if not h.min_reusable_offset else None
+    if len(full) * bt < h.min_reusable_offset:
+        return None
     layout = {"tensors": [[t.name, t.dtype, list(t.shape[:-2]) + [bt, t.shape[-1]]] for t in h.span_tensors],
               "layers": h.layout}
+    if h.min_reusable_offset:
+        layout["min_reusable_offset"] = h.min_reusable_offset
     return [_value(b, blocks_root) for b in full], layout
 
 
 def attach(cache, settings: RemoteSettings, *, publish: str = "all",
            prefill_rate: Callable[[str], float | None] = lambda ns: None,
            exact: Callable[[str], bool] = lambda ns: False,
-           bound: Callable[[str, Checkpoint], bool | None] = lambda ns, cp: None) -> RemoteLink:
+           bound: Callable[[str, Checkpoint], bool | None] = lambda ns, cp: None,
+           converts: Callable[[str], bool] = lambda ns: False) -> RemoteLink:
     """Connect `cache` (a TieredPromptCache) to a remote tier: lookups fall back to it,
     committed checkpoints are published to it. A bad URL raises ValueError (redacted)."""
     tier = RemoteTier(settings.url, secret=settings.secret, insecure=settings.insecure, password=settings.password,
@@ -242,6 +255,7 @@ def attach(cache, settings: RemoteSettings, *, publish: str = "all",
     store = cache.store
     origins = Origins(None if store is None else store.root / ORIGINS_DIR)
     link = RemoteLink(tier, publish=publish, prefill_rate=prefill_rate, exact=exact, origins=origins, bound=bound,
+                      converts=converts,
                       is_named=lambda ns, tokens: cache.store is not None and cache.store.is_pinned(ns, tokens))
     dropped = origins.sweep(link.trusted, None if store is None else lambda keys: store.remove(keys, "revoked"))
     link.counters["remote_revoked_dropped"] += dropped

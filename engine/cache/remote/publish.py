@@ -4,7 +4,10 @@
   EXPIRE: a block in use lives another TTL); a block is present only if its
   remote size is its local size, so a planted, truncated or foreign value
   at its key is uploaded again (SET replaces it). Then one chain record per
-  full block, SET with a fresh issue time and TTL.
+  full block, SET with a fresh issue time and TTL. A layout with a minimum
+  reusable offset (KV quantized from kv_start) goes to the converted chain
+  (records.CONVERTED), so it never replaces the full-precision blocks that
+  shorter prompts of the same prefix are served from.
 - publish_exact(): a state exact only at its own length (recurrent layers,
   a wrapped ring). Its manifest (read now, named by its BLAKE3) and every
   block it names are uploaded the same way; then chain markers for its full
@@ -33,7 +36,7 @@ from redis.exceptions import NoPermissionError, ReadOnlyError, ResponseError
 from .client import RemoteError
 from .keys import AEAD_OVERHEAD, block_name, is_block_name
 from .publisher import Publisher
-from .records import (EXACT, MAX_RECORD_BYTES, MAX_SKEW_S, ExactRecord, ObjectRecord, RemoteRecord, encode_layout,
+from .records import (CHAIN, CONVERTED, EXACT, MAX_RECORD_BYTES, MAX_SKEW_S, ExactRecord, ObjectRecord, RemoteRecord, encode_layout,
                       names_digest, seal_chain, seal_exact, seal_object, seal_tomb, unseal)
 
 META_BATCH = 256  # small commands per pipeline
@@ -83,21 +86,22 @@ class Publication:
         if not blocks:
             return True
         layout_json = encode_layout(layout)
-        job = lambda: self._publish_now(namespace, chain[:len(blocks)], block_size, blocks, layout_json)  # noqa: E731
+        kind = CONVERTED if layout.get("min_reusable_offset") else CHAIN
+        job = lambda: self._publish_now(namespace, chain[:len(blocks)], block_size, blocks, layout_json, kind)  # noqa: E731
         return self._publisher.submit(job, f"publish {len(blocks)} blocks of {namespace[:40]}")
 
-    def _publish_now(self, namespace: str, chain: list, bs: int, blocks: list, layout_json: str) -> None:
+    def _publish_now(self, namespace: str, chain: list, bs: int, blocks: list, layout_json: str, kind: str) -> None:
         keys = self.keys[0]
         space = self.spaces[keys.key_id]
+        where = space.converted if kind == CONVERTED else space.record
         failure = self._upload(blocks)
         # Records for the blocks before one that could not be uploaded: probes stop at the gap anyway.
         usable = len(blocks) if failure is None else [b.name for b in blocks].index(failure[0])
         now, digest, records = self._now(), b"", []
         for i, k in enumerate(chain[:usable]):
             digest = names_digest(digest, blocks[i].name)
-            records.append((space.record(k), seal_chain(k, RemoteRecord(i, i * bs, (i + 1) * bs, blocks[i].name,
-                                                                        namespace), layout_json, keys, now,
-                                                        self.signer, digest)))
+            records.append((where(k), seal_chain(k, RemoteRecord(i, i * bs, (i + 1) * bs, blocks[i].name, namespace),
+                                                 layout_json, keys, now, self.signer, digest, kind)))
         self._set_records(records)
         if failure is not None:
             raise RemoteError(f"block {failure[0][:16]}: {failure[1]}; published the first {usable} blocks only")
@@ -226,11 +230,13 @@ class Publication:
 
     # --- best effort, after reads ---
 
-    def touch(self, key_id: str, chain: Sequence[bytes], exact: bytes | None, names: Sequence[str]) -> None:
-        """Queue an EXPIRE of what a hit used: its records and values live another TTL."""
+    def touch(self, key_id: str, chain: Sequence[bytes], exact: bytes | None, names: Sequence[str],
+              converted: bool = False) -> None:
+        """Queue an EXPIRE of what a hit used: its records (of the converted chain) and values live another TTL."""
         space = self.spaces.get(key_id)
         if space is not None:
-            self._best_effort("expire", [space.record(k) for k in chain] + ([space.exact(exact)] if exact else [])
+            where = space.converted if converted else space.record
+            self._best_effort("expire", [where(k) for k in chain] + ([space.exact(exact)] if exact else [])
                               + [space.block(n) for n in names])
 
     def remove_bad(self, keys: list[str]) -> None:
@@ -268,7 +274,7 @@ class Publication:
             tombs = [(space.tomb(k), seal_tomb(k, i, namespace, keys, now, self.signer)) for i, k in enumerate(chain)]
             for chunk in _chunks(tombs, META_BATCH):
                 self._write("remove: write tombstones", lambda p, c=chunk: [p.set(k, x, ex=ttl) for k, x in c])
-        return self._unlink([space.record(k) for k in chain] + [space.exact(k) for k in chain])
+        return self._unlink([where(k) for where in (space.record, space.converted, space.exact) for k in chain])
 
     def remove_blocks(self, names: Sequence[str]) -> int:
         if not all(is_block_name(n) for n in names):

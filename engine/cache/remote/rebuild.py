@@ -40,6 +40,7 @@ MAX_LAYERS = 4096
 MAX_ARRAYS = 64  # per layer (a composite layer holds its parts' arrays)
 MAX_DIM = 1 << 24
 MAX_RANK = 8
+_INT32_MAX = 2**31 - 1
 _TENSOR_NAME = re.compile(r"layers\.([0-9]{1,4})\.([0-9]{1,2})")
 
 
@@ -49,6 +50,7 @@ class SpanLayout:
     layers: list  # the codecs' layer specs (kind, arrays, meta)
     data_bytes: int  # tensor bytes of one full block (its header excluded)
     block_tokens: int
+    min_reusable_offset: int = 0  # the shortest length it serves (KV converted at kv_start: that start)
 
     def block_bytes(self, index: int) -> int:
         """The exact size of full block `index`: its header (which names its span) and data."""
@@ -112,8 +114,8 @@ def parse_layout(layout, block_tokens: int) -> SpanLayout | None:
             return None
     if type(layout) is not dict or type(layout.get("tensors")) is not list or type(layout.get("layers")) is not list:
         return None
-    layers = layout["layers"]
-    if not 0 < len(layers) <= MAX_LAYERS:
+    layers, offset = layout["layers"], layout.get("min_reusable_offset", 0)
+    if not 0 < len(layers) <= MAX_LAYERS or not _int(offset, 0, _INT32_MAX):
         return None
     expected = set()
     for i, spec in enumerate(layers):
@@ -137,7 +139,7 @@ def parse_layout(layout, block_tokens: int) -> SpanLayout | None:
         if data > MAX_VALUE_BYTES:
             return None
     if [s[0] for s in specs] and {s[0] for s in specs} == expected and len(specs) == len(expected):
-        return SpanLayout(tuple(specs), layers, data, block_tokens)
+        return SpanLayout(tuple(specs), layers, data, block_tokens, offset)
     return None
 
 
@@ -152,7 +154,7 @@ def build_spans(tokens: Sequence[int], layout: SpanLayout, layers: list, values:
         a, b = i * bt, (i + 1) * bt
         blocks.fill_from_value(value, name, blocks.header(a, b, layout.specs), [v[..., a:b, :] for v in views])
     tensors = {k: a.view(mx.bfloat16) if d == "bfloat16" else a for k, (a, d) in arrays.items()}
-    return Checkpoint.from_tensors(tokens, layers, tensors)
+    return Checkpoint.from_tensors(tokens, layers, tensors, min_reusable_offset=layout.min_reusable_offset)
 
 
 class Manifest:

@@ -13,7 +13,7 @@
             body. A writer without a signing key writes zeros, which only a
             reader without an allow-list accepts.
 
-Two kinds hang from a prefix key (the chain key of full blocks 0..i):
+Three kinds hang from a prefix key (the chain key of full blocks 0..i):
 
 - a chain record (kind "c"): block i's name and the engine's layout JSON
   (kept as bytes here; remote_state.py parses the one a lookup uses), so a
@@ -23,6 +23,11 @@ Two kinds hang from a prefix key (the chain key of full blocks 0..i):
   JSON cost a hundred. A chain record without a layout is a marker: the
   prefix continues (towards an exact record), but its blocks alone are no
   usable state.
+- a converted chain record (kind "q"): the same, for a checkpoint that
+  serves only lengths from its layout's `min_reusable_offset` on (KV
+  quantized at kv_start: its blocks before the start are quantized too, so
+  they are not the full-precision blocks a shorter prompt's chain holds).
+  It is a chain of its own beside the plain one, at the same prefix keys.
 - an exact record (kind "x"): up to MAX_EXACT_STATES whole checkpoints
   whose state is exact only at its own length (recurrent, a wrapped ring),
   each the prefix's full blocks plus `tail`, the few tokens after them, and
@@ -69,7 +74,7 @@ MAX_AGE_S = 7 * 24 * 3600  # a record must be republished (re-sealed) within thi
 MAX_SKEW_S = 5 * 60  # clocks disagree by minutes; a record further in the future is refused
 MAX_VALUE_BYTES = 1 << 30  # no block or manifest is larger
 MAX_EXACT_STATES = 8  # exact states kept under one prefix key, newest first
-CHAIN, EXACT, OBJECT, TOMB = "c", "x", "o", "t"
+CHAIN, CONVERTED, EXACT, OBJECT, TOMB = "c", "q", "x", "o", "t"
 # version, flags (1: a block, 2: a layout), key id, issued, index, start, end, block digest, namespace length
 CHAIN_HEAD = struct.Struct("<BB6sQIII32sH")
 _MAX_INDEX = 1 << 24
@@ -174,6 +179,16 @@ def encode_layout(layout: dict) -> str:
     return text
 
 
+def min_reusable_offset(layout: bytes | None) -> int:
+    """The minimum reusable offset a chain record's layout JSON states (0: none); an unreadable
+    layout serves no length (rebuild.parse_layout checks the whole layout before use)."""
+    try:
+        v = json.loads(layout, parse_float=_no_floats, parse_constant=_no_floats).get("min_reusable_offset", 0)
+    except Exception:  # noqa: BLE001 - verified bytes from another build: no usable length
+        return 1 << 62
+    return v if type(v) is int and 0 <= v < 2**31 else 1 << 62
+
+
 def _ad(kind: str, prefix_key: bytes) -> bytes:
     """What a record's AEAD binds in: its kind and key (copied to another key, it does not open)."""
     return b"mlxcache record " + kind.encode() + prefix_key
@@ -211,8 +226,9 @@ def _seal(kind: str, prefix_key: bytes, fields: dict, keys: TeamKeys, now: float
 
 
 def seal_chain(prefix_key: bytes, rec: RemoteRecord, layout_json: str | None, keys: TeamKeys, now: float,
-               signer: SigningKey | None = None, digest: bytes = b"") -> bytes:
-    """`digest`: names_digest of the block names 0..rec.index (what the signature vouches for)."""
+               signer: SigningKey | None = None, digest: bytes = b"", kind: str = CHAIN) -> bytes:
+    """`digest`: names_digest of the block names 0..rec.index (what the signature vouches for).
+    kind CONVERTED: a record of the converted chain (its layout has a minimum reusable offset)."""
     ns = rec.namespace.encode()
     flags = (rec.block is not None) | (layout_json is not None) << 1
     head = CHAIN_HEAD.pack(REMOTE_FORMAT, flags, keys.key_id_bytes, int(now), rec.index, rec.start, rec.end,
@@ -222,7 +238,7 @@ def seal_chain(prefix_key: bytes, rec: RemoteRecord, layout_json: str | None, ke
         signed = NO_WRITER + NO_SIGNATURE
     else:
         signed = signer.id + signer.sign(_chain_signed(prefix_key, digest, signer.id, head, layout))
-    return MAGIC + keys.encrypt(_ad(CHAIN, prefix_key), signed + head + layout)
+    return MAGIC + keys.encrypt(_ad(kind, prefix_key), signed + head + layout)
 
 
 def seal_exact(prefix_key: bytes, states: Sequence[ExactRecord], keys: TeamKeys, now: float,
@@ -267,7 +283,7 @@ def unseal(kind: str, prefix_key: bytes, value, keys: TeamKeys, *, now: float, m
     plain = keys.decrypt(_ad(kind, prefix_key), memoryview(value)[len(MAGIC):])
     if plain is None:
         return None, "mac"
-    if kind == CHAIN:
+    if kind in (CHAIN, CONVERTED):
         return _unseal_chain(plain, keys, now, max_age_s)
     writer, signature, body = plain[:WRITER_ID_BYTES], plain[WRITER_ID_BYTES:SIGNED], plain[SIGNED:]
     if writers:

@@ -2,6 +2,7 @@
 
     <prefix>:<key id>:blk:<keyed block id>   a block's or manifest's bytes, encrypted, TTL ttl_s
     <prefix>:<key id>:rec:<prefix key>       a sealed chain record per full block of a prefix
+    <prefix>:<key id>:crec:<prefix key>      the same, of a checkpoint reusable from an offset on (converted KV)
     <prefix>:<key id>:ext:<prefix key>       a sealed exact record (a state exact at its own length)
     <prefix>:<key id>:obj:<namespace root>   a sealed object record (an exact tensor object, find_object)
     <prefix>:<key id>:tomb:<prefix key>      a signed tombstone: remove() was here (records.Tombstone)
@@ -40,8 +41,8 @@ from .keys import OPEN, KeySpace, TeamKeys, team_keys
 from .meter import Meter, fetch_beats_recompute
 from .publish import Publication
 from .reads import GET_BATCH, BlockReads, RemoteMiss, time_left
-from .records import (CHAIN, EXACT, MAX_AGE_S, MAX_RECORD_BYTES, OBJECT, TOMB, ExactRecord,
-                      ObjectRecord, chain_signature, names_digest, unseal)
+from .records import (CHAIN, CONVERTED, EXACT, MAX_AGE_S, MAX_RECORD_BYTES, OBJECT, TOMB, ExactRecord,
+                      ObjectRecord, chain_signature, min_reusable_offset, names_digest, unseal)
 from .writers import NO_WRITER, SigningKey, Writers
 
 PROBE_BATCH = 16  # prefix keys per round trip
@@ -61,6 +62,7 @@ class Found:
     key_id: str = ""
     chain: list = field(default_factory=list)  # the prefix keys probed (for touch())
     writer: str = ""  # hex id of the writer whose signature vouches for `records` ("" unsigned, no allow-list)
+    converted: bool = False  # `records` are of the converted chain (records.CONVERTED)
 
 
 class RemoteTier(BlockReads, Publication):
@@ -124,15 +126,17 @@ class RemoteTier(BlockReads, Publication):
     # --- lookup ---
 
     def probe(self, namespace: str, tokens: Sequence[int], block_size: int, *, deadline: float | None = None,
-              exact: bool = False) -> Found:
+              exact: bool = False, converted: bool = False) -> Found:
         """The longest run of leading full blocks of `tokens` the remote holds chain records for and,
-        with exact=True, the longest exact record whose tokens are a prefix of `tokens`.
+        with exact=True, the longest exact record whose tokens are a prefix of `tokens`. With
+        converted=True the converted chain is read too (in the same round trips), and its run is
+        taken when it is longer and reaches its minimum reusable offset.
         Under each secret in turn (rotation); an empty Found on any failure. `deadline`: monotonic."""
         self.count(probes=1)
         for keys in self.keys:
             if keys.not_after is not None and keys.not_after <= time.time():
                 continue  # ended while this process ran
-            found = self._probe(keys, namespace, tokens, block_size, deadline, exact)
+            found = self._probe(keys, namespace, tokens, block_size, deadline, exact, converted)
             if found.records or found.exact:
                 self.count(records_found=len(found.records))
                 return found
@@ -140,16 +144,26 @@ class RemoteTier(BlockReads, Publication):
                 break  # the next secret's key space would only be "no time left"
         return Found()
 
-    def _probe(self, keys: TeamKeys, namespace, tokens, block_size, deadline, exact) -> Found:
+    def _probe(self, keys: TeamKeys, namespace, tokens, block_size, deadline, exact, converted) -> Found:
         chain, space = keys.prefix_keys(namespace, tokens, block_size), self.spaces[keys.key_id]
         found, plain, now = Found(key_id=keys.key_id, chain=chain), True, time.time()
-        step = 4 if exact else 2
+        kinds = [(CHAIN, space.record)] + [(EXACT, space.exact)] * exact + [(CONVERTED, space.converted)] * converted
+        step, runs = 2 * len(kinds), {CHAIN: True, CONVERTED: converted}  # which chains still continue
+        conv: list = []
 
         def fill(p, chunk):
             for k in chunk:
-                for name in (space.record(k), space.exact(k)) if exact else (space.record(k),):
-                    p.strlen(name)
-                    p.getrange(name, 0, MAX_RECORD_BYTES - 1)
+                for _, name in kinds:
+                    p.strlen(name(k))
+                    p.getrange(name(k), 0, MAX_RECORD_BYTES - 1)
+
+        def record(kind, k, i, reply):
+            rec = self._unseal(kind, k, reply, keys, now)
+            if rec is not None and (rec.namespace, rec.index, rec.start, rec.end) != (
+                    namespace, i, i * block_size, (i + 1) * block_size):
+                self.count(malformed=1)
+                return None
+            return rec
 
         for first in range(0, len(chain), self.probe_batch):
             chunk = chain[first:first + self.probe_batch]
@@ -161,24 +175,34 @@ class RemoteTier(BlockReads, Publication):
             self.meter.round_trip(time.perf_counter() - t0)
             for i, k in enumerate(chunk, first):
                 r = replies[(i - first) * step:(i - first + 1) * step]
-                xs = self._unseal(EXACT, k, r[2:], keys, now) if exact else None
-                if xs is not None and xs.namespace == namespace and xs.index == i:
-                    fits = [x for x in xs.states if x.length(block_size) <= len(tokens)
-                            and tuple(tokens[(i + 1) * block_size:x.length(block_size)]) == x.tail]
-                    found.exact = max(fits, key=lambda x: len(x.tail), default=found.exact)
-                rec = self._unseal(CHAIN, k, r[:2], keys, now)
-                if rec is None or (rec.namespace, rec.index, rec.start, rec.end) != (
-                        namespace, i, i * block_size, (i + 1) * block_size):
-                    if rec is not None:
-                        self.count(malformed=1)
+                if runs[CHAIN]:
+                    xs = self._unseal(EXACT, k, r[2:4], keys, now) if exact else None
+                    if xs is not None and xs.namespace == namespace and xs.index == i:
+                        fits = [x for x in xs.states if x.length(block_size) <= len(tokens)
+                                and tuple(tokens[(i + 1) * block_size:x.length(block_size)]) == x.tail]
+                        found.exact = max(fits, key=lambda x: len(x.tail), default=found.exact)
+                    rec = record(CHAIN, k, i, r[:2])
+                    runs[CHAIN] = rec is not None
+                    plain = plain and rec is not None and rec.layout is not None and rec.block is not None
+                    if plain:
+                        found.records.append(rec)
+                if runs[CONVERTED]:
+                    rec = record(CONVERTED, k, i, r[-2:])
+                    runs[CONVERTED] = rec is not None and rec.layout is not None and rec.block is not None
+                    if runs[CONVERTED]:
+                        conv.append(rec)
+                if not any(runs.values()):
                     break
-                plain = plain and rec.layout is not None and rec.block is not None
-                if plain:
-                    found.records.append(rec)
             else:
                 continue
             break
+        offset = min_reusable_offset(conv[-1].layout) if conv else 0
+        if len(conv) > len(found.records) and len(conv) * block_size >= offset:
+            found.records, found.converted = conv, True
         self._vouched(found, self._removals(found, keys, namespace, deadline, now))
+        if found.converted and found.records and len(found.records) * block_size < min_reusable_offset(
+                found.records[-1].layout):
+            found.records = []  # cut below its start (unsigned or removed records after it): serves nothing
         return found
 
     def _removals(self, found: Found, keys: TeamKeys, namespace: str, deadline, now: float) -> dict:

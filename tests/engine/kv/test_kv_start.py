@@ -42,8 +42,8 @@ def engine(tmp_path, model_dir, *, chunk: int = 512, start: int = START, name: s
     return eng
 
 
-def cold(tmp_path, model_dir, prompt, params, chunk=512) -> list:
-    with engine(tmp_path, model_dir, chunk=chunk, name=f"cold{chunk}", ssd=False) as eng:
+def cold(tmp_path, model_dir, prompt, params, chunk=512, start=START) -> list:
+    with engine(tmp_path, model_dir, chunk=chunk, start=start, name=f"cold{chunk}", ssd=False) as eng:
         return eng.generate_tokens(prompt, params, use_cache=False).tokens
 
 
@@ -240,8 +240,8 @@ def test_bad_kv_start_is_a_clear_error(wide_model_dir, tmp_path):
 
 def test_the_minimum_reusable_offset_rides_the_remote_tier(server, wide_model_dir, tmp_path):
     """Another machine (its own cache directory, the same Redis/Valkey): a state converted at the start
-    goes remote as an exact record with its offset, and serves a prompt that continues it (the next
-    chat turn) with the cold run's tokens; a prompt shorter than the start never takes it."""
+    goes remote with its offset, and serves a prompt that continues it (the next chat turn: its full
+    blocks) with the cold run's tokens; a prompt shorter than the start never takes it."""
     from remote_fixtures import PW, SECRET
 
     url = server.url(password=PW)
@@ -253,7 +253,7 @@ def test_the_minimum_reusable_offset_rides_the_remote_tier(server, wide_model_di
     want = cold(tmp_path, wide_model_dir, turn, GREEDY)
     with engine(tmp_path, wide_model_dir, name="b", remote_url=url, remote_secret=SECRET) as b:
         r = b.generate_tokens(turn, GREEDY)
-        assert r.stats["cache_source"] == "remote" and r.stats["cached_tokens"] == len(doc) + len(first.tokens) - 1
+        assert r.stats["cache_source"] == "remote" and r.stats["cached_tokens"] == (len(doc) + len(first.tokens)) // 32 * 32
         assert r.tokens == want
         assert [e.checkpoint.min_reusable_offset for e in b.cache.entries()] == [START] * len(b.cache.entries())
     short = doc[:START - 5] + ids(8, 2)
@@ -290,3 +290,97 @@ def test_long_forwards_attend_over_the_quantized_kv_dequantized(wide_model_dir, 
         eng.generate_tokens(long_doc[:120], SamplingParams(max_tokens=1))  # quantized, from 40
         r = eng.generate_tokens(long_doc, GREEDY)  # a hit, then 280 tokens in one forward
         assert r.stats["cached_tokens"] >= 119 and r.tokens == runs[512]
+
+
+def test_another_question_over_a_quantized_document_is_served_remotely(server, wide_model_dir, tmp_path):
+    """A state converted at the start goes remote as a converted chain (its full blocks from token 0,
+    the offset in its signed layout), beside the full-precision chain of the same prefix keys. Another
+    machine asking another question over the document takes the document's full blocks, with the
+    cold run's tokens, greedy and seeded; a prompt leaving the document before the start never takes
+    them, and takes the document's full-precision blocks instead; after a removal the converted
+    chain is a miss too."""
+    from remote_fixtures import PW, SECRET
+
+    from mlxcache_kernel.engine.cache.remote import RemoteTier
+
+    start, url = 300, server.url(password=PW)  # past the 256 tokens a remote fetch is tried from
+    doc = ids(400, 14)
+    with engine(tmp_path, wide_model_dir, start=start, name="a", remote_url=url, remote_secret=SECRET) as a:
+        a.generate_tokens(doc + ids(20, 15), GREEDY)
+        assert a.flush()["remote_failed"] == [] and a.stats()["remote_published"] >= 1
+        ns = max(a.cache.entries(), key=lambda e: len(e.tokens)).ns
+    published = set(server.client().keys("*:crec:*"))
+    assert len(published) == (len(doc) + 20) // 32  # the converted chain, one record per full block
+    for i, params in enumerate((GREEDY, SEEDED)):
+        prompt = doc + ids(12, 16 + i)
+        with engine(tmp_path, wide_model_dir, start=start, name=f"b{i}", remote_url=url, remote_secret=SECRET) as b:
+            if i == 0:  # what the lookup rebuilds carries the offset of its signed layout
+                cp = b.cache.remote.lookup(prompt, ns, 0)
+                assert (len(cp), cp.min_reusable_offset) == (len(doc) // 32 * 32, start)
+            r = b.generate_tokens(prompt, params)
+            assert r.stats["cache_source"] == "remote" and r.stats["remote_tokens"] == len(doc) // 32 * 32
+            assert r.tokens == cold(tmp_path, wide_model_dir, prompt, params, start=start)
+            assert [e.checkpoint.min_reusable_offset for e in b.cache.entries()] == [start] * len(b.cache.entries())
+    left = doc[:start - 10] + ids(60, 17)  # shares 9 converted blocks (288 tokens), fewer than the start
+    with engine(tmp_path, wide_model_dir, start=start, name="b0", prefetch_budget_bytes=0) as again:
+        r = again.generate_tokens(left, GREEDY)  # the remote state written through kept its offset
+        assert r.stats["cached_tokens"] == 0 and r.tokens == cold(tmp_path, wide_model_dir, left, GREEDY, start=start)
+    with engine(tmp_path, wide_model_dir, start=start, name="f", remote_url=url, remote_secret=SECRET) as f:
+        f.generate_tokens(doc[:285], GREEDY)  # 297 tokens, never converted: 8 full-precision blocks of the doc
+        assert f.flush()["remote_failed"] == []
+    with engine(tmp_path, wide_model_dir, start=start, name="c", remote_url=url, remote_secret=SECRET) as c:
+        r = c.generate_tokens(left, GREEDY)  # takes the shorter full-precision run
+        assert r.stats["cache_source"] == "remote" and r.stats["remote_tokens"] == 8 * 32
+        assert r.tokens == cold(tmp_path, wide_model_dir, left, GREEDY, start=start)
+        assert min(e.checkpoint.min_reusable_offset for e in c.cache.entries()) == 0  # the 256 tokens adopted
+    with RemoteTier(url, secret=SECRET) as t:
+        assert t.remove(ns, doc + ids(20, 15), 32) > 0
+    assert not published & set(server.client().keys("*:crec:*"))
+    with engine(tmp_path, wide_model_dir, start=start, name="d", remote_url=url, remote_secret=SECRET) as d:
+        r = d.generate_tokens(doc + ids(12, 16), GREEDY)
+        assert r.stats["cache_source"] != "remote"
+
+
+def test_a_converted_run_cut_below_its_start_is_a_miss_without_a_read(server, wide_model_dir, tmp_path):
+    """Bad members against the converted chain. An unlisted writer's records after a listed writer's cut
+    the run a reader can trust to below the start: a miss before any block is read. A block before
+    the start gone from the server (evicted) leaves a shorter verified run: a miss, not a quantized
+    state shorter than its own start. Both cells keep the cold run's tokens."""
+    from remote_fixtures import PW, SECRET
+
+    from mlxcache_kernel.engine.cache.remote.keys import KeySpace, team_keys
+    from mlxcache_kernel.engine.cache.remote.writers import SigningKey
+
+    alice, mallory = SigningKey.generate(), SigningKey.generate()
+    start, url, doc = 300, server.url(password=PW), ids(400, 18)
+    listed = f"alice={alice.public_text()}"
+
+    def member(name, key):
+        return engine(tmp_path, wide_model_dir, start=start, name=name, remote_url=url, remote_secret=SECRET,
+                      remote_signing_key=key, remote_writers=listed)
+
+    with member("m", mallory) as m:  # the whole document, under an unlisted key
+        m.generate_tokens(doc + ids(20, 19), GREEDY)
+        assert m.flush()["remote_failed"] == []
+    with member("a", alice) as a:  # re-signs the document's first 9 blocks (its prompt leaves it at 300)
+        a.generate_tokens(doc[:start] + ids(20, 20), GREEDY)
+        assert a.flush()["remote_failed"] == []
+    prompt = doc + ids(12, 21)
+    want = cold(tmp_path, wide_model_dir, prompt, GREEDY, start=start)
+    with member("r", None) as r:
+        got = r.generate_tokens(prompt, GREEDY)
+        s = r.stats()
+        assert got.stats["cached_tokens"] == 0 and got.tokens == want
+        assert s["remote_unknown_writer"] >= 3 and s["remote_bytes_read"] == 0
+
+    with member("a2", alice) as a:  # now the whole document, listed; then a block before the start goes
+        a.generate_tokens(doc + ids(20, 22), GREEDY)
+        assert a.flush()["remote_failed"] == []
+        ns, tokens = a.last_key
+        info = a.cache.store.file_info(ns, tokens)
+    gone, = [b for b in info.header.blocks if b.start == 5 * 32]
+    assert server.client().delete(KeySpace(team_keys(SECRET)[0]).block(gone.name)) == 1
+    with member("r2", None) as r:
+        got = r.generate_tokens(prompt, GREEDY)
+        assert got.stats["cached_tokens"] == 0 and got.tokens == want
+        assert r.stats()["remote_bytes_read"] > 0  # the 5 blocks before the gap were read, and not used
