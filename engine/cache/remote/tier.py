@@ -196,13 +196,16 @@ class RemoteTier(BlockReads, Publication):
             else:
                 continue
             break
-        offset = min_reusable_offset(conv[-1].layout) if conv else 0
-        if len(conv) > len(found.records) and len(conv) * block_size >= offset:
+        plain_run = found.records
+        if len(conv) > len(plain_run) and len(conv) * block_size >= min_reusable_offset(conv[-1].layout):
             found.records, found.converted = conv, True
+            self._vouched(found, self._removals(found, keys, namespace, deadline, now))
+            if found.records and len(found.records) * block_size >= min_reusable_offset(found.records[-1].layout):
+                return found
+            # Cut below its start (unsigned or removed records after it): it serves nothing, and the
+            # plain run is still what it was (a non-member's converted records cannot hide it).
+            found.records, found.converted, found.writer = plain_run, False, ""
         self._vouched(found, self._removals(found, keys, namespace, deadline, now))
-        if found.converted and found.records and len(found.records) * block_size < min_reusable_offset(
-                found.records[-1].layout):
-            found.records = []  # cut below its start (unsigned or removed records after it): serves nothing
         return found
 
     def _removals(self, found: Found, keys: TeamKeys, namespace: str, deadline, now: float) -> dict:

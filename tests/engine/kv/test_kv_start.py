@@ -343,7 +343,8 @@ def test_another_question_over_a_quantized_document_is_served_remotely(server, w
 
 def test_a_converted_run_cut_below_its_start_is_a_miss_without_a_read(server, wide_model_dir, tmp_path):
     """Bad members against the converted chain. An unlisted writer's records after a listed writer's cut
-    the run a reader can trust to below the start: a miss before any block is read. A block before
+    the run a reader can trust to below the start: it is not read, and the document's full-precision
+    run is served as if the converted chain were not there. A block before
     the start gone from the server (evicted) leaves a shorter verified run: a miss, not a quantized
     state shorter than its own start. Both cells keep the cold run's tokens."""
     from remote_fixtures import PW, SECRET
@@ -365,22 +366,28 @@ def test_a_converted_run_cut_below_its_start_is_a_miss_without_a_read(server, wi
     with member("a", alice) as a:  # re-signs the document's first 9 blocks (its prompt leaves it at 300)
         a.generate_tokens(doc[:start] + ids(20, 20), GREEDY)
         assert a.flush()["remote_failed"] == []
+    with member("f", alice) as f:  # 297 tokens, never converted: 8 full-precision blocks of the document
+        f.generate_tokens(doc[:285], GREEDY)
+        assert f.flush()["remote_failed"] == []
     prompt = doc + ids(12, 21)
     want = cold(tmp_path, wide_model_dir, prompt, GREEDY, start=start)
-    with member("r", None) as r:
+    with member("r", None) as r:  # the converted run is cut below the start; the plain run still serves
         got = r.generate_tokens(prompt, GREEDY)
         s = r.stats()
-        assert got.stats["cached_tokens"] == 0 and got.tokens == want
-        assert s["remote_unknown_writer"] >= 3 and s["remote_bytes_read"] == 0
+        assert got.stats["cache_source"] == "remote" and got.stats["remote_tokens"] == 8 * 32
+        assert got.tokens == want and s["remote_unknown_writer"] >= 3
 
-    with member("a2", alice) as a:  # now the whole document, listed; then a block before the start goes
-        a.generate_tokens(doc + ids(20, 22), GREEDY)
+    doc2 = ids(400, 23)  # another document (one a2 takes nothing of from the remote, so it publishes it)
+    with member("a2", alice) as a:  # the whole document, listed; then a block before the start goes
+        a.generate_tokens(doc2 + ids(20, 22), GREEDY)
         assert a.flush()["remote_failed"] == []
         ns, tokens = a.last_key
         info = a.cache.store.file_info(ns, tokens)
     gone, = [b for b in info.header.blocks if b.start == 5 * 32]
     assert server.client().delete(KeySpace(team_keys(SECRET)[0]).block(gone.name)) == 1
+    prompt = doc2 + ids(12, 21)
     with member("r2", None) as r:
         got = r.generate_tokens(prompt, GREEDY)
-        assert got.stats["cached_tokens"] == 0 and got.tokens == want
+        assert got.stats["cached_tokens"] == 0 and got.tokens == cold(tmp_path, wide_model_dir, prompt, GREEDY,
+                                                                       start=start)
         assert r.stats()["remote_bytes_read"] > 0  # the 5 blocks before the gap were read, and not used
