@@ -147,13 +147,13 @@ class RemoteTier(BlockReads, Publication):
     def _probe(self, keys: TeamKeys, namespace, tokens, block_size, deadline, exact, converted) -> Found:
         chain, space = keys.prefix_keys(namespace, tokens, block_size), self.spaces[keys.key_id]
         found, plain, now = Found(key_id=keys.key_id, chain=chain), True, time.time()
-        kinds = [(CHAIN, space.record)] + [(EXACT, space.exact)] * exact + [(CONVERTED, space.converted)] * converted
-        step, runs = 2 * len(kinds), {CHAIN: True, CONVERTED: converted}  # which chains still continue
+        names = [space.record] + [space.exact] * exact + [space.converted] * converted  # read per key, in order
+        step, runs = 2 * len(names), {CHAIN: True, CONVERTED: converted}  # which chains still continue
         conv: list = []
 
         def fill(p, chunk):
             for k in chunk:
-                for _, name in kinds:
+                for name in names:
                     p.strlen(name(k))
                     p.getrange(name(k), 0, MAX_RECORD_BYTES - 1)
 
