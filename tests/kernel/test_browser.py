@@ -152,7 +152,7 @@ def test_magics_dashboard_in_mlxcache_kernel(jupyter_lab):
                                    timeout=CELL_TIMEOUT_MS)
         except Exception as e:  # say which rows stayed empty (a fresh-clone CI once timed out here)
             rows = page.evaluate("() => [...document.querySelectorAll('.mlxc-dashboard tr.mlxc-entry')]"
-                                 ".map(r => r.innerText)")
+                                 ".map(r => [r.innerText, r.textContent])")
             raise AssertionError(f"entry previews still empty after {CELL_TIMEOUT_MS} ms: {rows}") from e
         misses = counter(page, "misses")
         hits = counter(page, "ram_hits") + counter(page, "ssd_hits")

@@ -105,6 +105,11 @@ def lab_server(tmp_path: Path, work: Path, env_extra: dict):
     news = Path(env["JUPYTERLAB_SETTINGS_DIR"]) / "@jupyterlab" / "apputils-extension"
     news.mkdir(parents=True)
     (news / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+    # every cell attached and rendered: JupyterLab 4's default ("contentVisibility") skips rendering cells
+    # scrolled out of view, and their outputs' innerText then reads as "" (a CI run saw a dashboard's rows empty)
+    notebook_settings = Path(env["JUPYTERLAB_SETTINGS_DIR"]) / "@jupyterlab" / "notebook-extension"
+    notebook_settings.mkdir(parents=True)
+    (notebook_settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
     data_dir = tmp_path / "jupyter_data"
     kernel = install_mlxcache_kernelspec(data_dir)
     env["JUPYTER_PATH"] = os.pathsep.join([str(data_dir), *filter(None, [env.get("JUPYTER_PATH")])])
