@@ -20,7 +20,7 @@ from . import cache_admin
 from .cache.objects.cache import ObjectCache
 from .cache.catalog.database import CatalogBusy
 from .cache.remote import RemoteConfigError, resolve as resolve_remote
-from .kv.first_layer import bound_to_tokens
+from .kv import first_layer
 from .config import EngineConfig, default_cache_dir, hide_credentials  # noqa: F401 (engine.default_cache_dir)
 from .cache.remote.link import attach as attach_remote, close as close_remote, flush as flush_remote
 from .cache.tiered import TieredPromptCache
@@ -110,10 +110,11 @@ class Engine:
         self.cache.durability.pins.source = lambda: {r["name"]: (r["namespace"], tuple(r["tokens"])) for r in self.names.list()}
         self.cache.durability.pins.sync()
         if remote is not None:  # a shared tier below SSD (Redis / Valkey)
+            model_of = self.models.by_namespace
             attach_remote(self.cache, remote, publish=config.remote_publish, prefill_rate=self.metrics.prefill_rate.get,
-                          exact=self._may_be_exact, converts=lambda ns: bool(getattr(self.models.by_namespace(ns),
-                                                                                     "kv_start", 0)),
-                          bound=lambda ns, cp: bound_to_tokens(self.models.by_namespace(ns), cp))
+                          exact=self._may_be_exact, converts=lambda ns: bool(getattr(model_of(ns), "kv_start", 0)),
+                          bound=lambda ns, cp, early: first_layer.bound_to_tokens(model_of(ns), cp, early),
+                          ahead=lambda ns, tokens: first_layer.ahead(model_of(ns), tokens))
         self._closed = False
 
     @property

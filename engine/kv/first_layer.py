@@ -24,6 +24,10 @@ model's rotary code does not take per-row offsets) is every position
 recomputed, and that verdict stands; a model whose sample never works is
 checked whole from then on.
 
+The sample depends only on the tokens, so a lookup computes it ahead
+(`ahead`, evaluated with mx.async_eval while the blocks are read) and
+compares it once they are there.
+
 How: the model's own forward pass runs with a first-layer cache that keeps
 what it is given and stops the pass there (`_Stop`), so the model's own
 embedding, scaling, norms and rotary code make the reference. It applies
@@ -77,15 +81,41 @@ def _plain(kind: str) -> bool:
         return False
 
 
-def bound_to_tokens(m, cp) -> bool | None:
+class Ahead:
+    """The sample of a check computed before the KV it checks is there: where (`pos`, per row of
+    the batch) and the model's first-layer keys and values there (evaluating in the background)."""
+
+    def __init__(self, tokens: Sequence[int], pos: np.ndarray, got: tuple):
+        self.tokens, self.pos, self.got = tuple(tokens), pos, got
+
+
+def ahead(m, tokens: Sequence[int]) -> Ahead | None:
+    """The sampled reference for a check of `tokens` (loaded model `m`), started now with
+    mx.async_eval; None where the check would not sample (not checkable, short, whole only)."""
+    if m is None or m.vision is not None or id(m.model) in _whole_only or len(tokens) < 2 * SPAN:
+        return None
+    caches = m.new_caches()
+    if not _plain(kind_of(caches[0])):
+        return None
+    pos = _sample_positions(len(tokens))
+    got = _reference(m.model, caches, tokens, pos)
+    if got is not None:
+        mx.async_eval(*got)
+        return Ahead(tokens, pos, got)
+    return None
+
+
+def bound_to_tokens(m, cp, early: Ahead | None = None) -> bool | None:
     """Whether checkpoint `cp`'s first layer is that of its tokens, for loaded model `m`
-    (models.LoadedModel; None, a VLM or no layers: None, not checkable)."""
+    (models.LoadedModel; None, a VLM or no layers: None, not checkable). `early`: its sample,
+    computed ahead (used when it is of cp's tokens)."""
     if m is None or m.vision is not None or not cp.layers:
         return None
-    return first_layer_matches(m.model, m.new_caches(), cp.tokens, cp.layers[0])
+    return first_layer_matches(m.model, m.new_caches(), cp.tokens, cp.layers[0], early)
 
 
-def first_layer_matches(model: Any, caches: Sequence, tokens: Sequence[int], layer0) -> bool | None:
+def first_layer_matches(model: Any, caches: Sequence, tokens: Sequence[int], layer0,
+                        early: Ahead | None = None) -> bool | None:
     """True if layer0 (a checkpoint's LayerState 0) holds the first layer's keys and values of
     `tokens` within the dtype's tolerance; False if not; None if this model cannot be checked so.
     `caches`: a fresh cache list of the model (models.new_caches)."""
@@ -100,7 +130,10 @@ def first_layer_matches(model: Any, caches: Sequence, tokens: Sequence[int], lay
         return False
     tol = TOLERANCE.get(keys.dtype, (5e-2, 1e-2))
     if id(model) not in _whole_only and n >= 2 * SPAN:
-        sampled = _sampled(model, caches, tokens, keys, values, tol)
+        if early is None or early.tokens != tuple(tokens):
+            pos = _sample_positions(n)
+            early = Ahead(tokens, pos, _reference(model, caches, tokens, pos))
+        sampled = early.got is not None and _sampled(keys, values, early, tol)
         if sampled:
             return True
     whole = _whole(model, caches, tokens, keys, values, tol)
@@ -114,24 +147,32 @@ def _close(got, want, tol) -> bool:
     return bool(mx.allclose(got.astype(mx.float32), want.astype(mx.float32), rtol=rtol, atol=atol))
 
 
-def _sampled(model, caches, tokens, keys, values, tol) -> bool:
-    """SAMPLE consecutive positions at a random place in every SPAN, as rows of one batch."""
-    n = int(keys.shape[-2])
+def _sample_positions(n: int) -> np.ndarray:
+    """SAMPLE consecutive positions at a random place in every SPAN: (rows, SAMPLE)."""
     rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
     starts = np.arange(0, n - SAMPLE + 1, SPAN)
     starts = np.minimum(starts + rng.integers(0, SPAN - SAMPLE + 1, len(starts)), n - SAMPLE)
-    pos = (starts[:, None] + np.arange(SAMPLE)[None, :]).astype(np.int32)  # (rows, SAMPLE)
+    return (starts[:, None] + np.arange(SAMPLE)[None, :]).astype(np.int32)
+
+
+def _reference(model, caches, tokens, pos: np.ndarray) -> tuple | None:
+    """The model's first-layer (keys, values) at `pos`, the rows of one batch with their own rotary
+    offsets (lazy); None where the forward pass does not take per-row offsets."""
     toks = np.asarray(tokens, dtype=np.int64)[pos]
-    cap = _Capture(mx.array(starts.astype(np.int32)))
+    cap = _Capture(mx.array(pos[:, 0].copy()))
     try:
         model(mx.array(toks.astype(np.int32)), cache=[cap, *caches[1:]])
     except _Stop:
         pass
     except Exception:  # noqa: BLE001 - no per-row offsets here: the whole check decides
-        return False
-    if cap.got is None:
-        return False
-    want_k, want_v = (np.asarray(w.astype(mx.float32)) for w in cap.got)  # (rows, heads, SAMPLE, dim)
+        return None
+    return cap.got
+
+
+def _sampled(keys, values, early: Ahead, tol) -> bool:
+    """Whether the restored keys and values equal the reference at the sampled positions."""
+    want_k, want_v = (np.asarray(w.astype(mx.float32)) for w in early.got)  # (rows, heads, SAMPLE, dim)
+    pos = early.pos
     flat = pos.reshape(-1)
     got_k, got_v = _rows(keys, flat, pos.shape), _rows(values, flat, pos.shape)
     if want_k.shape != got_k.shape or want_v.shape != got_v.shape:

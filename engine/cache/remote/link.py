@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from ...kv.checkpoint import Checkpoint
 from ..objects import remote as object_remote
@@ -59,16 +59,19 @@ class RemoteLink:
                  prefill_rate: Callable[[str], float | None] = lambda ns: None,
                  is_named: Callable[[str, tuple], bool] = lambda ns, tokens: False,
                  exact: Callable[[str], bool] = lambda ns: False, origins: Origins | None = None,
-                 bound: Callable[[str, Checkpoint], bool | None] = lambda ns, cp: None,
+                 bound: Callable[[str, Checkpoint, Any], bool | None] = lambda ns, cp, early: None,
+                 ahead: Callable[[str, Sequence[int]], Any] = lambda ns, tokens: None,
                  converts: Callable[[str], bool] = lambda ns: False):
         """exact(ns): whether that namespace's states may be exact-only (recurrent, ring layers):
         then lookups also read exact records. converts(ns): whether its KV converts at an offset
         (kv_start): then lookups also read the converted chain. origins: where remote-made entries are remembered.
-        bound(ns, cp): whether cp's KV belongs to its tokens (kv/first_layer.py; None: cannot tell)."""
+        bound(ns, cp, early): whether cp's KV belongs to its tokens (kv/first_layer.py; None: cannot tell),
+        with `early` what ahead(ns, tokens) began for the tokens a fetch is expected to cover (its
+        reference computed while the blocks are read)."""
         if publish not in PUBLISH_MODES:
             raise ValueError(f"remote publish must be one of {', '.join(PUBLISH_MODES)}, not {publish!r}")
         self.tier, self.publish_mode = tier, publish
-        self.prefill_rate, self.is_named, self.exact, self.bound = prefill_rate, is_named, exact, bound
+        self.prefill_rate, self.is_named, self.exact, self.bound, self.ahead = prefill_rate, is_named, exact, bound, ahead
         self.converts = converts
         self.counters = {f"remote_{k}": 0 for k in link_counter_names()}
         self.counters["remote_fetch_seconds"] = 0.0
@@ -100,8 +103,10 @@ class RemoteLink:
             x = found.exact if found.exact is not None and found.exact.length(bt) > have else None
             n_plain = len(found.records) * bt
             if x is not None and x.length(bt) > n_plain:
+                early = self.ahead(ns, prompt[:x.length(bt)])
                 cp = self._fetch_exact(prompt, ns, have, found, rate, deadline)
             elif n_plain > have:
+                early = self.ahead(ns, prompt[:n_plain])
                 cp = self._fetch_spans(prompt, ns, have, found, rate, deadline)
             else:
                 return None
@@ -113,7 +118,7 @@ class RemoteLink:
             self.counters["remote_misses"] += 1
             raise RemoteMiss(f"remote lookup failed: {type(e).__name__}: {str(e)[:200]}") from None
         if cp is not None:
-            matches = self.bound(ns, cp)
+            matches = self.bound(ns, cp, early)
             if matches is False:
                 self.counters["remote_misses"] += 1
                 self.counters["remote_kv_mismatch"] += 1
@@ -246,7 +251,8 @@ def span_publication(info: fmt.FileInfo, blocks_root) -> tuple[list, dict] | Non
 def attach(cache, settings: RemoteSettings, *, publish: str = "all",
            prefill_rate: Callable[[str], float | None] = lambda ns: None,
            exact: Callable[[str], bool] = lambda ns: False,
-           bound: Callable[[str, Checkpoint], bool | None] = lambda ns, cp: None,
+           bound: Callable[[str, Checkpoint, Any], bool | None] = lambda ns, cp, early: None,
+           ahead: Callable[[str, Sequence[int]], Any] = lambda ns, tokens: None,
            converts: Callable[[str], bool] = lambda ns: False) -> RemoteLink:
     """Connect `cache` (a TieredPromptCache) to a remote tier: lookups fall back to it,
     committed checkpoints are published to it. A bad URL raises ValueError (redacted)."""
@@ -255,7 +261,7 @@ def attach(cache, settings: RemoteSettings, *, publish: str = "all",
     store = cache.store
     origins = Origins(None if store is None else store.root / ORIGINS_DIR)
     link = RemoteLink(tier, publish=publish, prefill_rate=prefill_rate, exact=exact, origins=origins, bound=bound,
-                      converts=converts,
+                      ahead=ahead, converts=converts,
                       is_named=lambda ns, tokens: cache.store is not None and cache.store.is_pinned(ns, tokens))
     dropped = origins.sweep(link.trusted, None if store is None else lambda keys: store.remove(keys, "revoked"))
     link.counters["remote_revoked_dropped"] += dropped

@@ -61,7 +61,7 @@ def test_a_mislabelled_block_is_caught(model, how):
     assert first_layer._whole(model.model, model.new_caches(), ids, k, v, tol) is False
     if how == "one position":  # a sample of 2 in 32 misses it most of the time: the README says so
         return
-    assert first_layer._sampled(model.model, model.new_caches(), ids, k, v, tol) is False  # any sample catches it
+    assert first_layer._sampled(k, v, first_layer.ahead(model, ids), tol) is False  # any sample catches it
     layer0 = LayerState.whole("KVCache", (k, v), {"offset": len(ids)})
     assert first_layer.first_layer_matches(model.model, model.new_caches(), ids, layer0) is False
 
@@ -71,3 +71,25 @@ def test_layers_it_cannot_check_are_unchecked(model):
     layer0, _ = prefill_layer0(model, ids)
     ring = LayerState("RotatingKVCache", layer0.segments, {})
     assert first_layer.first_layer_matches(model.model, model.new_caches(), ids, ring) is None
+
+
+def test_a_sample_computed_ahead_checks_only_the_tokens_it_was_computed_for(model):
+    """A lookup computes the sample while the blocks are read: the verdicts are the same, and a
+    sample of other tokens (the fetch came back shorter, another prompt) is never compared."""
+    ids, other = ids_of(320, 1), ids_of(320, 2)
+    layer0, (k, v) = prefill_layer0(model, ids)
+    caches = model.new_caches()
+    early = first_layer.ahead(model, ids)
+    assert early is not None and early.tokens == tuple(ids)
+    assert first_layer.first_layer_matches(model.model, caches, ids, layer0, early) is True
+    _, (k2, v2) = prefill_layer0(model, other)
+    k, v = np.array(k), np.array(v)
+    k[..., 96:128, :], v[..., 96:128, :] = np.array(k2)[..., 96:128, :], np.array(v2)[..., 96:128, :]
+    forged = LayerState.whole("KVCache", (mx.array(k), mx.array(v)), {"offset": len(ids)})
+    assert first_layer.first_layer_matches(model.model, caches, ids, forged, first_layer.ahead(model, ids)) is False
+    # computed for other tokens, or for more of them than came back: recomputed, not compared
+    assert first_layer.first_layer_matches(model.model, caches, ids, layer0, first_layer.ahead(model, other)) is True
+    short, _ = prefill_layer0(model, ids[:256])
+    assert first_layer.first_layer_matches(model.model, caches, ids[:256], short, early) is True
+    assert id(model.model) not in first_layer._whole_only  # each honest verdict came from a sample that matched
+    assert first_layer.ahead(model, ids[:40]) is None  # too short to sample: checked whole
