@@ -17,6 +17,9 @@ minutes at 8k here); --auth-only needs no hit and tiles.
 
 `fetch` is the wall-clock of the values of a hit: read raw, through
 get_blocks (decrypted, verified, the next chunk read meanwhile), and rebuilt.
+--link 1gbit puts the server behind a link of that rate (the loopback of a
+network namespace of its own, rate-limited by tc; Linux, root): as on a team's
+network, where the transfer is slower than the crypto that follows it.
 
 The cost of authentication per lookup is the CPU work the secret adds to a
 lookup: deriving every keyed prefix key of the prompt and decrypting (AES-GCM,
@@ -35,6 +38,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -150,7 +155,7 @@ def _fetch_cost(url: str, ns: str, ids: list[int], rounds: int = 5) -> dict:
     added = get_blocks - raw: what decryption and verification add to a lookup's wall-clock."""
     from mlxcache_kernel.engine.cache.remote import RemoteTier
     from mlxcache_kernel.engine.cache.remote.rebuild import build_spans, parse_layout
-    from mlxcache_kernel.engine.cache.remote.tier import GET_BATCH
+    from mlxcache_kernel.engine.cache.remote.reads import chunk_sizes
 
     toks = ids[: (len(ids) - 1) // 32 * 32]
     with RemoteTier(url, secret=SECRET) as tier:
@@ -164,7 +169,8 @@ def _fetch_cost(url: str, ns: str, ids: list[int], rounds: int = 5) -> dict:
         def raw():
             sized, why = tier._sized(items, space, None)
             assert why is None and len(sized) == len(items)
-            chunks = (sized[i:i + GET_BATCH] for i in range(0, len(sized), GET_BATCH))
+            ends = np.cumsum([0, *chunk_sizes(len(sized))])  # the same reads as get_blocks makes
+            chunks = (sized[a:b] for a, b in zip(ends[:-1], ends[1:]))
             return [v for c in chunks for v in tier._read_values(c, space, None)]  # kept, as a lookup keeps them
 
         times = {"raw": [], "get_blocks": [], "build_spans": []}
@@ -204,6 +210,17 @@ def _run_child(*args) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _behind_link(rate: str) -> None:
+    """Run this benchmark again in a network namespace whose loopback passes `rate` (a token bucket:
+    the server's replies arrive as from another host behind that link; the CPU is still shared)."""
+    if not (sys.platform.startswith("linux") and os.geteuid() == 0 and shutil.which("unshare") and shutil.which("tc")):
+        raise SystemExit("--link needs Linux, root, unshare and tc (a network namespace with a rate-limited loopback)")
+    script = (f"ip link set lo up && tc qdisc add dev lo root tbf rate {shlex.quote(rate)} burst 2mb latency 50ms"
+              ' && exec "$0" "$@"')
+    os.environ["MLXCACHE_BENCH_LINK"] = rate
+    os.execvp("unshare", ["unshare", "--net", "sh", "-c", script, sys.executable, __file__, *sys.argv[1:]])
+
+
 def main() -> None:
     if sys.argv[1:2] == ["_child"]:
         _child(*sys.argv[2:5])
@@ -213,7 +230,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cold-max", type=int, default=2048)
     ap.add_argument("--auth-only", action="store_true", help="publish (tiled KV) and time authentication only")
+    ap.add_argument("--link", help="the server behind a link of this rate (tc tbf, e.g. 1gbit, 2500mbit): "
+                                   "loopback rate-limited in a network namespace of its own (Linux, root)")
     args = ap.parse_args()
+    if args.link and os.environ.get("MLXCACHE_BENCH_LINK") != args.link:
+        _behind_link(args.link)
     if args.auth_only:
         args.cold_max = 0
     if missing():
@@ -264,7 +285,7 @@ def main() -> None:
             row["remote_over_cold_estimated"] = round(row["remote_hit_ttft_s"] / est, 4)
     emit({"case": "remote_ttft", "model": default_model(),
           "target": "remote hit <= 0.1x cold at 2k; authentication <= 1 ms per lookup at 8k",
-          "repeat": args.repeat, "results": rows})
+          "repeat": args.repeat, "link": args.link or "loopback", "results": rows})
 
 
 if __name__ == "__main__":

@@ -11,7 +11,10 @@ without hashing it again.
 
 While chunk i+1 is read on the caller's thread, one worker thread decrypts
 and verifies chunk i (AES-GCM, BLAKE3 and the socket reads all release the
-GIL), so a hit's crypto hides behind its transfer. Values are still taken in
+GIL), so a hit's crypto hides behind its transfer. The last chunks halve
+(4, 2, 1 values): what is left to verify after the last byte arrives is one
+value, not GET_BATCH (on a link slower than the crypto, the only part of it
+a lookup waits for). Values are still taken in
 order, exactly as if read one chunk after another: the verified values
 before a bad block, a read error or the deadline are what RemoteMiss carries.
 """
@@ -72,9 +75,9 @@ class BlockReads:
         if bad is not None:
             raise RemoteMiss(f"not a block name or size: {bad!r:.80}")
         sized, why = self._sized(items, space, deadline)
-        opening = None  # (the chunk before, its values being opened by the worker)
-        for first in range(0, len(sized), GET_BATCH):
-            chunk = sized[first:first + GET_BATCH]
+        opening, first = None, 0  # (the chunk before, its values being opened by the worker)
+        for size in chunk_sizes(len(sized)):
+            chunk, first = sized[first:first + size], first + size
             try:
                 values = self._read_values(chunk, space, deadline)
             finally:  # the chunk before is kept first, even when this read failed: as if read one by one
@@ -139,6 +142,16 @@ def _opened(space: KeySpace, chunk: list, values: list) -> list[bytes]:
             break
         out.append(v)
     return out
+
+
+def chunk_sizes(n: int) -> list[int]:
+    """Values per read for n values: GET_BATCH at a time, the last three reads 4, 2 and 1 (so the
+    verification still to do when the transfer ends is one value's)."""
+    tail, size = [], 1
+    while n > 0 and size < GET_BATCH:
+        tail.append(min(size, n))
+        n, size = n - tail[-1], size * 2
+    return [n % GET_BATCH] * bool(n % GET_BATCH) + [GET_BATCH] * (n // GET_BATCH) + tail[::-1]
 
 
 def time_left(deadline: float | None) -> float | None:
