@@ -12,13 +12,12 @@ group's lent segments and a copy of its own positions) and leaves the batch; the
 from __future__ import annotations
 
 import time
-from functools import partial
 
 import mlx.core as mx
 
 from .kv.caches import lent_segments
-from .kv.cascade import RowsCache, joined_prefix
-from .kv.cascade_quantized import QuantizedRowsCache
+from .kv.cascade import joined_prefix
+from .kv.cascade_quantized import forward_rows, rows_cache
 from .kv.checkpoint import Checkpoint
 from .logprobs import log_softmax, pick, read
 from .memory import DECODE_CHECK_EVERY
@@ -52,10 +51,8 @@ class SharedPrefixRows:
         none = len(self.lent)
         self.group_of = [none if g is None else g for g in self.group_of]
         self.starts = [n if caches is not None else 0 for caches, n in starts]
-        m = self.model
-        rows_cache = (RowsCache if m.kv_bits is None else  # quantized KV: each row converts at kv_start
-                      partial(QuantizedRowsCache, start=m.kv_start, bits=m.kv_bits, group_size=m.kv_group_size))
-        self.layers = [rows_cache([joined_prefix(g[l]) for g in self.lent] + [None], self.group_of)
+        layers = rows_cache(self.model)  # quantized KV: each row converts at kv_start
+        self.layers = [layers([joined_prefix(g[l]) for g in self.lent] + [None], self.group_of)
                        for l in range(len(self.kinds))]
         self._seeds = seeds
 
@@ -98,7 +95,7 @@ class SharedPrefixRows:
         padded = mx.array([[0] * (longest - len(r)) + list(r) for r in rests])
         chunk, progress = self.run.services.prefill_chunk, self.run.on_progress
         for at in range(0, longest, chunk):
-            self._forward(padded[:, at : at + chunk])
+            forward_rows(self.model.model, padded[:, at : at + chunk], self.layers)
             mx.eval([c.state for c in self.layers])
             if progress is not None:
                 progress("prefill", min(at + chunk, longest), longest)
@@ -109,7 +106,7 @@ class SharedPrefixRows:
         total = sum(r.gen.req.params.max_tokens for r in self.run.rows)
         step = 0
         while self.active:
-            logits = self._forward(mx.array(pending)[:, None])[:, -1, :]
+            logits = forward_rows(self.model.model, mx.array(pending)[:, None], self.layers)[:, -1, :]
             tokens, picked = self._sample(logits, self.active)
             now = time.perf_counter()
             done, going = [], []
@@ -130,23 +127,6 @@ class SharedPrefixRows:
                 self.run.services.memory.check("decode")
             if self.run.on_progress is not None:
                 self.run.on_progress("decode", self.run.generated, total)
-
-    def _forward(self, tokens: mx.array) -> mx.array:
-        """The model over the rows' next tokens; with quantized KV split where a row reaches its
-        start, which converts there (as one row's QuantizeFrom does)."""
-        first = self.layers[0]
-        if not isinstance(first, QuantizedRowsCache):
-            return self.model.model(tokens, cache=self.layers)
-        outs, at = [], 0
-        while at < tokens.shape[1]:
-            for c in self.layers:
-                c.convert_due()
-            n = min(tokens.shape[1] - at, first.until_conversion() or tokens.shape[1])
-            outs.append(self.model.model(tokens[:, at : at + n], cache=self.layers))
-            at += n
-        for c in self.layers:  # a forward that ended at the start: converted before anything reads it
-            c.convert_due()
-        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
 
     def _sample(self, logits, active: list) -> tuple:
         """Each active row's token (its own sampler at its own step) and picked log-probabilities."""

@@ -6,8 +6,10 @@ continuation's tokens are those of the whole string past the context's own encod
 conditioned on the context's encoding. The context but its last token comes from the cache (or is
 prefilled once and published); then every continuation's tokens, after the context's last token,
 go in one batched forward over that shared prefix (kv/cascade.py: the prefix attended to once for
-all of them); each position's log-softmax gives the next token's log-probability. Models whose
-caches cannot share a prefix across rows score one continuation after another, each over a loan.
+all of them); each position's log-softmax gives the next token's log-probability. With quantized KV
+from kv_start on, each row converts at exactly kv_start at its own column of the left-padded batch,
+or starts converted over a context past it (kv/cascade_quantized.py). Models whose caches cannot
+share a prefix across rows score one continuation after another, each over a loan.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import mlx.core as mx
 import numpy as np
 
 from .decoding import prefill
-from .kv.caches import shares_prefix
-from .kv.cascade import RowsCache, Unroutable, joined_prefix, routing
+from .kv.caches import new_caches, shares_prefix
+from .kv.cascade import Unroutable, joined_prefix, routing
+from .kv.cascade_quantized import forward_rows, rows_cache
 from .kv.checkpoint import Checkpoint
 from .logprobs import log_softmax
 from .prompts import render_turn
@@ -118,9 +121,11 @@ def score_rows(services, model, ctx: list, conts: list, *, use_cache: bool) -> t
             services.metrics.record_prefill(ns, prefix_len - cached, 0.0)
         inputs = [[ctx[-1]] + c[:-1] for c in conts]
         stats = {"context_tokens": len(ctx), "cached_tokens": cached, "source": loan.source if loan else None}
-        if prefix_len and shares_prefix(caches) and not model.kv_start:  # (a delayed quantization: one by one)
+        # every layer plain KV in the model's own form: quantized KV too (the rows cache converts
+        # each row at exactly kv_start, at its own column; the live caches may be quantized already)
+        if prefix_len and shares_prefix(new_caches(model.model)):
             cp = Checkpoint.capture(ctx[:prefix_len], caches)
-            if use_cache and cached < prefix_len:
+            if use_cache and cached < prefix_len:  # (past kv_start its layers serve only lengths >= start)
                 cache.put(cp, ns)
             with routing(model.model) as routed:
                 if routed:
@@ -141,7 +146,8 @@ def score_rows(services, model, ctx: list, conts: list, *, use_cache: bool) -> t
 def _batched(model, cp: Checkpoint, inputs: list, conts: list, chunk: int) -> list:
     """Every continuation in one left-padded forward over the context (in chunks of `chunk`
     columns; each chunk's log-probabilities read where they are needed, then dropped)."""
-    layers = [RowsCache([joined_prefix(c.lent_segments())], [0] * len(inputs)) for c in cp.lend(len(cp.tokens))]
+    rows = rows_cache(model)  # a quantized prefix (past kv_start) is lent quantized: its rows start converted
+    layers = [rows([joined_prefix(c.lent_segments())], [0] * len(inputs)) for c in cp.lend(len(cp.tokens))]
     longest = max(map(len, inputs))
     for c in layers:
         c.seed([None] * len(inputs), [len(x) for x in inputs])
@@ -149,7 +155,7 @@ def _batched(model, cp: Checkpoint, inputs: list, conts: list, chunk: int) -> li
     targets = mx.array([[0] * (longest - len(c)) + c for c in conts])
     got, best = [], []
     for at in range(0, longest, chunk):
-        lp = log_softmax(model.model(padded[:, at : at + chunk], cache=layers))
+        lp = log_softmax(forward_rows(model.model, padded[:, at : at + chunk], layers))  # (split at kv_start)
         got.append(mx.take_along_axis(lp, targets[:, at : at + chunk, None], axis=-1)[..., 0])
         best.append(mx.argmax(lp, axis=-1))
         mx.eval(got[-1], best[-1])

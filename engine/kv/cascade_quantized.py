@@ -17,10 +17,38 @@ A quantized prefix (a checkpoint past kv_start) is lent quantized: its rows star
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 
 from .cascade import RowsCache, grown
 from .caches import published_layer, quantized_like
+
+
+def rows_cache(model):
+    """The cache class of a batch's layers for `model` (a LoadedModel): each row converting at
+    exactly kv_start with quantized KV, plain rows otherwise."""
+    if model.kv_bits is None:
+        return RowsCache
+    return partial(QuantizedRowsCache, start=model.kv_start, bits=model.kv_bits, group_size=model.kv_group_size)
+
+
+def forward_rows(model, tokens: mx.array, layers: list) -> mx.array:
+    """`model` over the rows' next tokens; with quantized KV split where a row reaches its start,
+    which converts there (as one row's QuantizeFrom does)."""
+    first = layers[0]
+    if not isinstance(first, QuantizedRowsCache):
+        return model(tokens, cache=layers)
+    outs, at = [], 0
+    while at < tokens.shape[1]:
+        for c in layers:
+            c.convert_due()
+        n = min(tokens.shape[1] - at, first.until_conversion() or tokens.shape[1])
+        outs.append(model(tokens[:, at : at + n], cache=layers))
+        at += n
+    for c in layers:  # a forward that ended at the start: converted before anything reads it
+        c.convert_due()
+    return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
 
 
 class QuantizedRowsCache(RowsCache):

@@ -212,17 +212,6 @@ def test_batch_rows_convert_at_exactly_the_start_each_at_its_own_step(wide_model
             assert [r.stats["cached_tokens"] for r in warm] == [len(p) - 1 for p in prompts]
 
 
-def test_scores_of_a_delayed_quantization_from_the_cache_equal_cold_ones(wide_model_dir, tmp_path):
-    conts = [ids(6, s) for s in range(3)]
-    with engine(tmp_path, wide_model_dir, name="score") as eng:
-        eng.generate_tokens(DOC[:30], SamplingParams(max_tokens=1))
-        hit = eng.score(DOC[:60], conts)
-        cold_scores = eng.score(DOC[:60], conts, use_cache=False)
-        assert [s.greedy for s in hit] == [s.greedy for s in cold_scores]
-        assert max(abs(a - b) for s, t in zip(hit, cold_scores)
-                   for a, b in zip(s.token_logprobs, t.token_logprobs)) < 5e-3  # (8-bit KV: chunking moves more)
-
-
 def test_bad_kv_start_is_a_clear_error(wide_model_dir, tmp_path):
     with Engine(cache_dir=tmp_path / "bad", ssd=False) as eng:
         with pytest.raises(ModelError, match="needs kv_bits"):
