@@ -82,11 +82,16 @@ def _plain(kind: str) -> bool:
 
 
 class Ahead:
-    """The sample of a check computed before the KV it checks is there: where (`pos`, per row of
-    the batch) and the model's first-layer keys and values there (evaluating in the background)."""
+    """The sample of a check computed before the KV it checks is there: of which model and tokens,
+    where (`pos`, per row of the batch) and the first-layer keys and values there (evaluating in
+    the background)."""
 
-    def __init__(self, tokens: Sequence[int], pos: np.ndarray, got: tuple):
-        self.tokens, self.pos, self.got = tuple(tokens), pos, got
+    def __init__(self, model, tokens: Sequence[int], pos: np.ndarray, got: tuple | None):
+        self.model_id, self.tokens, self.pos, self.got = id(model), np.asarray(tokens, dtype=np.int64), pos, got
+
+    def is_of(self, model, tokens: Sequence[int]) -> bool:
+        return (self.model_id == id(model) and len(tokens) == len(self.tokens)
+                and np.array_equal(self.tokens, np.asarray(tokens, dtype=np.int64)))
 
 
 def ahead(m, tokens: Sequence[int]) -> Ahead | None:
@@ -95,14 +100,14 @@ def ahead(m, tokens: Sequence[int]) -> Ahead | None:
     if m is None or m.vision is not None or id(m.model) in _whole_only or len(tokens) < 2 * SPAN:
         return None
     caches = m.new_caches()
-    if not _plain(kind_of(caches[0])):
+    if not caches or not _plain(kind_of(caches[0])):
         return None
     pos = _sample_positions(len(tokens))
     got = _reference(m.model, caches, tokens, pos)
-    if got is not None:
-        mx.async_eval(*got)
-        return Ahead(tokens, pos, got)
-    return None
+    if got is None:
+        return None
+    mx.async_eval(*got)
+    return Ahead(m.model, tokens, pos, got)
 
 
 def bound_to_tokens(m, cp, early: Ahead | None = None) -> bool | None:
@@ -130,9 +135,9 @@ def first_layer_matches(model: Any, caches: Sequence, tokens: Sequence[int], lay
         return False
     tol = TOLERANCE.get(keys.dtype, (5e-2, 1e-2))
     if id(model) not in _whole_only and n >= 2 * SPAN:
-        if early is None or early.tokens != tuple(tokens):
+        if early is None or not early.is_of(model, tokens):
             pos = _sample_positions(n)
-            early = Ahead(tokens, pos, _reference(model, caches, tokens, pos))
+            early = Ahead(model, tokens, pos, _reference(model, caches, tokens, pos))
         sampled = early.got is not None and _sampled(keys, values, early, tol)
         if sampled:
             return True

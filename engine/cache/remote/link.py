@@ -103,11 +103,9 @@ class RemoteLink:
             x = found.exact if found.exact is not None and found.exact.length(bt) > have else None
             n_plain = len(found.records) * bt
             if x is not None and x.length(bt) > n_plain:
-                early = self.ahead(ns, prompt[:x.length(bt)])
-                cp = self._fetch_exact(prompt, ns, have, found, rate, deadline)
+                cp, early = self._fetch_exact(prompt, ns, have, found, rate, deadline)
             elif n_plain > have:
-                early = self.ahead(ns, prompt[:n_plain])
-                cp = self._fetch_spans(prompt, ns, have, found, rate, deadline)
+                cp, early = self._fetch_spans(prompt, ns, have, found, rate, deadline)
             else:
                 return None
         except RemoteMiss:
@@ -118,20 +116,35 @@ class RemoteLink:
             self.counters["remote_misses"] += 1
             raise RemoteMiss(f"remote lookup failed: {type(e).__name__}: {str(e)[:200]}") from None
         if cp is not None:
-            matches = self.bound(ns, cp, early)
+            try:  # (the check's evaluation, the origin's file: failing, a miss, never an unchecked hit)
+                matches = self.bound(ns, cp, early)
+                if matches is not False:
+                    self.origins.add(ns, cp.tokens, self._writer, found.key_id)  # before its write-through commits
+            except Exception as e:  # noqa: BLE001 - the remote tier never fails a generation
+                log.warning("remote hit not checked", exc_info=True)
+                self.counters["remote_misses"] += 1
+                raise RemoteMiss(f"remote KV of {len(cp)} tokens could not be checked: {type(e).__name__}: "
+                                 f"{str(e)[:200]}") from None
             if matches is False:
                 self.counters["remote_misses"] += 1
                 self.counters["remote_kv_mismatch"] += 1
                 raise RemoteMiss(f"remote KV of {len(cp)} tokens: its first layer is not that of its tokens (a "
                                  "forged or mislabelled block); prefilling")
             self.counters["remote_kv_checked" if matches else "remote_kv_unchecked"] += 1
-            self.origins.add(ns, cp.tokens, self._writer, found.key_id)  # before its write-through commits
             self.counters["remote_hits"] += 1
             self.counters["remote_tokens"] += len(cp)
             self.counters["remote_fetch_seconds"] += time.perf_counter() - t0
         return cp
 
-    def _fetch_spans(self, prompt, ns, have, found: Found, rate, deadline) -> Checkpoint | None:
+    def _ahead(self, ns: str, tokens) -> Any:
+        """The first-layer check's sample of `tokens`, started while the blocks are read (None if not)."""
+        try:
+            return self.ahead(ns, tokens)
+        except Exception:  # noqa: BLE001 - the check is then computed after the fetch
+            log.debug("first-layer sample not computed ahead", exc_info=True)
+            return None
+
+    def _fetch_spans(self, prompt, ns, have, found: Found, rate, deadline) -> tuple[Checkpoint | None, Any]:
         bt, records = blocks.BLOCK_TOKENS, found.records
         layout = parse_layout(records[-1].layout, bt)
         if layout is None:
@@ -139,7 +152,8 @@ class RemoteLink:
             raise RemoteMiss("a remote record has a layout this build cannot use")
         if not self.tier.worth_fetching(records[-1].end - have, layout.data_bytes / bt, rate, block_size=bt):
             self.counters["remote_skipped"] += 1
-            return None
+            return None, None
+        early = None if layout.min_reusable_offset else self._ahead(ns, prompt[:len(records) * bt])  # (quantized: unchecked)
         names = [r.block for r in records]
         try:
             values = self.tier.get_blocks([(r.block, layout.block_bytes(r.index)) for r in records],
@@ -149,13 +163,13 @@ class RemoteLink:
             self.counters["remote_misses"] += 1
         n = len(values) * bt
         if n < layout.min_reusable_offset:  # converted KV, and a block before its start is gone: serves nothing
-            return None
+            return None, None
         layers = layout.layers_at(n) if n > have else None
         if layers is None:
             if n > have:
                 self.tier.count(malformed=1)
                 raise RemoteMiss("the remote layout's layers cannot be cut to its blocks")
-            return None
+            return None, None
         try:
             cp = build_spans(prompt[:n], layout, layers, values, names)
         except Exception as e:  # noqa: BLE001 - layers from another build: whatever the codecs raise is a miss
@@ -163,14 +177,14 @@ class RemoteLink:
             raise RemoteMiss(f"remote blocks do not rebuild a checkpoint: {type(e).__name__}: {e}") from None
         self.tier.touch(found.key_id, found.chain[:len(values)], None, names[:len(values)], found.converted)
         self._writer = found.writer
-        return cp
+        return cp, early
 
-    def _fetch_exact(self, prompt, ns, have, found: Found, rate, deadline) -> Checkpoint | None:
+    def _fetch_exact(self, prompt, ns, have, found: Found, rate, deadline) -> tuple[Checkpoint | None, Any]:
         bt, x = blocks.BLOCK_TOKENS, found.exact
         n = x.length(bt)
         if not self.tier.worth_fetching(n - have, x.nbytes / n, rate, block_size=bt):
             self.counters["remote_skipped"] += 1
-            return None
+            return None, None
         value, = self.tier.get_blocks([(x.manifest, x.size)], key_id=found.key_id, deadline=deadline)
         try:
             manifest = Manifest(value, ns, prompt[:n])
@@ -182,6 +196,8 @@ class RemoteLink:
             if x.size + sum(s for _, s in items) != x.nbytes:
                 self.tier.count(malformed=1)
                 raise RemoteMiss("a remote exact record and its manifest disagree on its size")
+            # (a state past kv_start has quantized layers: its first layer is not checked)
+            early = None if manifest.header.min_reusable_offset else self._ahead(ns, prompt[:n])
             values = self.tier.get_blocks(items, key_id=found.key_id, deadline=deadline)
             try:
                 cp = manifest.build(values)
@@ -193,7 +209,7 @@ class RemoteLink:
         self.tier.touch(found.key_id, found.chain[:x.index + 1], found.chain[x.index], [x.manifest] + [
             name for name, _ in items])
         self._writer = x.writer
-        return cp
+        return cp, early
 
     # --- publication (writer thread) ---
 

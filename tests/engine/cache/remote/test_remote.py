@@ -458,8 +458,8 @@ def test_a_planted_bad_block_is_replaced_by_the_next_publisher(server):
         assert tier.stats()["errors"] == 0 and tier.stats()["breaker"] == "ok"  # a miss is not an outage
 
 
-@pytest.mark.parametrize("bad", [3, 10, 11])  # 12 values read as 5, 4, 2, 1 (reads.chunk_sizes): in the first
-# chunk (the next one read ahead), in a later one, in the last read (one value, verified after the transfer)
+@pytest.mark.parametrize("bad", [3, 10, 11])  # 12 values read as 4, 8 or as 5, 4, 2, 1 (reads.chunk_sizes): in the
+# first chunk (the next one read ahead), in a later one, the last value
 def test_a_member_cannot_swap_a_blocks_bytes(server, bad):
     """A holder of the secret can seal other bytes under a block's key: the AEAD opens, and only the
     BLAKE3 of the plaintext against the block's (signed) name tells. That check is made once, in
@@ -692,9 +692,12 @@ def test_tls_with_a_private_ca_and_a_client_certificate(kind, tmp_path):
 
 @pytest.mark.parametrize("n", [1, 2, 7, 12, 16, 255])
 def test_block_reads_end_in_halving_chunks(n):
-    """get_blocks reads GET_BATCH values at a time and its last reads halve to one value, so what
-    is left to verify once the transfer ends is one value's work, whatever the hit's length."""
+    """get_blocks reads GET_BATCH values at a time and, where values are large against the round
+    trip, its last reads halve to one value, so what is left to verify once the transfer ends is
+    one value's work, whatever the hit's length."""
     sizes = chunk_sizes(n)
     assert sum(sizes) == n and all(0 < s <= GET_BATCH for s in sizes) and sizes[-1] == 1
     if n >= 2 * GET_BATCH:
         assert sizes[-4:] == [GET_BATCH, 4, 2, 1] and sizes.count(GET_BATCH) >= (n - 8) // GET_BATCH
+    plain = chunk_sizes(n, halve=False)  # small values or a far server: no round trip added
+    assert sum(plain) == n and len(plain) == -(-n // GET_BATCH) and plain.count(GET_BATCH) == n // GET_BATCH

@@ -178,3 +178,41 @@ def test_an_allow_listed_forgers_blocks_fail_the_first_layer_check(server, tiny_
         r3 = run(other, P3)  # the same writer's honest entry still serves, checked
         assert r3.stats["cache_source"] == "remote" and r3.tokens == cold3
         assert other.stats()["remote_kv_checked"] == 1 and other.stats()["remote_kv_mismatch"] == 0
+
+
+def test_a_check_that_cannot_run_is_a_miss_and_a_sample_not_computed_ahead_is_computed_after(
+        server, tiny_model_dir, tmp_path, monkeypatch):
+    """The first-layer check's sample is computed while the blocks are read (first_layer.ahead). If
+    that fails, the check computes it after the fetch; if the check itself fails (an allocation, an
+    MLX error), the hit is a counted miss and the cell prefills: never an unchecked hit, never a failed cell."""
+    from mlxcache_kernel.engine.kv import first_layer
+
+    url = server.url(password=PW)
+    cold3, = cold_tokens(tiny_model_dir, tmp_path, P3)
+    with engine(tmp_path / "w", tiny_model_dir, url, ALICE, listed(ALICE)) as writer:
+        run(writer, P3)
+        writer.flush()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("[metal::malloc] out of memory")  # what an evaluation can raise
+
+    monkeypatch.setattr(first_layer, "bound_to_tokens", broken)
+    with engine(tmp_path / "a", tiny_model_dir, url, None, listed(ALICE)) as a:
+        r = run(a, P3)
+        s = a.stats()
+        assert r.stats["cache_source"] is None and r.tokens == cold3
+        assert s["remote_hits"] == 0 and s["remote_misses"] == 1 and s["remote_kv_checked"] == 0
+        assert s["remote_kv_unchecked"] == 0 and s["remote_tokens"] == 0
+    monkeypatch.undo()
+    calls = []
+
+    def sample_ahead_fails(m, tokens):
+        calls.append(len(tokens))
+        raise RuntimeError("no sample ahead")
+
+    monkeypatch.setattr(first_layer, "ahead", sample_ahead_fails)
+    with engine(tmp_path / "b", tiny_model_dir, url, None, listed(ALICE)) as b:
+        r = run(b, P3)
+        assert calls == [288]  # asked for the tokens of the blocks to fetch (9 of 32), before reading them
+        assert r.stats["cache_source"] == "remote" and r.tokens == cold3
+        assert b.stats()["remote_kv_checked"] == 1
