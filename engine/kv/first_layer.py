@@ -40,6 +40,7 @@ says so in the counters. Owner thread (MLX).
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, Sequence
 
 import mlx.core as mx
@@ -50,7 +51,7 @@ from .codecs import PlainKV, UnsupportedCache, codec, kind_of
 CHUNK = 1024  # positions per recomputation pass (bounds the embedding and projection buffers)
 SPAN = 32  # a sample per span of this many positions (the remote tier's block)
 SAMPLE = 2  # consecutive positions per span
-_whole_only: set = set()  # id() of models whose forward pass does not take per-row offsets
+_whole_only: dict = {}  # id() -> weakref of models whose forward pass does not take per-row offsets
 TOLERANCE = {mx.float32: (1e-3, 1e-4), mx.float16: (2e-2, 2e-3), mx.bfloat16: (5e-2, 1e-2)}  # (rtol, atol)
 
 
@@ -97,7 +98,7 @@ class Ahead:
 def ahead(m, tokens: Sequence[int]) -> Ahead | None:
     """The sampled reference for a check of `tokens` (loaded model `m`), started now with
     mx.async_eval; None where the check would not sample (not checkable, short, whole only)."""
-    if m is None or m.vision is not None or id(m.model) in _whole_only or len(tokens) < 2 * SPAN:
+    if m is None or m.vision is not None or _is_whole_only(m.model) or len(tokens) < 2 * SPAN:
         return None
     caches = m.new_caches()
     if not caches or not _plain(kind_of(caches[0])):
@@ -134,7 +135,7 @@ def first_layer_matches(model: Any, caches: Sequence, tokens: Sequence[int], lay
     if n != len(tokens) or int(values.shape[-2]) != n:
         return False
     tol = TOLERANCE.get(keys.dtype, (5e-2, 1e-2))
-    if id(model) not in _whole_only and n >= 2 * SPAN:
+    if not _is_whole_only(model) and n >= 2 * SPAN:
         if early is None or not early.is_of(model, tokens):
             pos = _sample_positions(n)
             early = Ahead(model, tokens, pos, _reference(model, caches, tokens, pos))
@@ -143,8 +144,15 @@ def first_layer_matches(model: Any, caches: Sequence, tokens: Sequence[int], lay
             return True
     whole = _whole(model, caches, tokens, keys, values, tol)
     if whole and n >= 2 * SPAN:
-        _whole_only.add(id(model))  # the sample failed where the whole matched: its rotary code differs
+        _whole_only[id(model)] = weakref.ref(model)  # the sample failed where the whole matched: its rotary code differs
     return whole
+
+
+def _is_whole_only(model) -> bool:
+    """Is `model` one whose sample failed where the whole matched (by identity: an id() is reused
+    once a model is freed, and a model mlx-lm loads is not hashable)?"""
+    ref = _whole_only.get(id(model))
+    return ref is not None and ref() is model
 
 
 def _close(got, want, tol) -> bool:

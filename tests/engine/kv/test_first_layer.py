@@ -4,6 +4,8 @@ caught by the sampled check and confirmed by the whole one; an honest prefix pas
 
 from __future__ import annotations
 
+import weakref
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -93,3 +95,15 @@ def test_a_sample_computed_ahead_checks_only_the_tokens_it_was_computed_for(mode
     assert first_layer.first_layer_matches(model.model, caches, ids[:256], short, early) is True
     assert id(model.model) not in first_layer._whole_only  # each honest verdict came from a sample that matched
     assert first_layer.ahead(model, ids[:40]) is None  # too short to sample: checked whole
+
+
+def test_a_whole_only_mark_is_of_that_model_not_of_its_reused_id(model):
+    """A model whose sample failed is checked whole from then on; the mark is of that model object,
+    so a model loaded later at the same address (id() is reused once one is freed) is sampled."""
+    ids = ids_of(320, 3)
+    gone = model.new_caches()  # any object that is not the model: it stands for the freed one
+    first_layer._whole_only[id(model.model)] = weakref.ref(gone[0])
+    try:
+        assert first_layer.ahead(model, ids) is not None  # sampled ahead: not taken for the old model
+    finally:
+        first_layer._whole_only.pop(id(model.model), None)
