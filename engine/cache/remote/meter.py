@@ -2,7 +2,8 @@
 
 Round-trip latency comes from probes (small pipelined GETs), bandwidth from
 block reads (bytes over seconds, round trip included, so the estimate errs
-slow). Both are moving averages so a network that changes is followed.
+slow). Both are moving averages so a network that changes is followed; the
+latency's starts from its prior.
 Until something is measured, priors of a 1 Gbit/s LAN are used. Short
 prefixes are never worth it: LMCache and SGLang users measured remote hits
 slower than recomputing a few hundred tokens once a fetch's fixed costs
@@ -27,8 +28,12 @@ class Meter:
         self.bandwidth: float | None = None  # bytes/s of block reads
 
     def round_trip(self, seconds: float) -> None:
+        """A probe's round trip. The first is weighed against the prior, not taken whole: it includes
+        the connection's setup (connect, AUTH, HELLO), and one slow call (a GC pause, a starved core)
+        must not decide alone that no fetch is worth it."""
         with self._lock:
-            self.latency_s = seconds if self.latency_s is None else (1 - ALPHA) * self.latency_s + ALPHA * seconds
+            last = PRIOR_LATENCY_S if self.latency_s is None else self.latency_s
+            self.latency_s = (1 - ALPHA) * last + ALPHA * seconds
 
     def transfer(self, n_bytes: int, seconds: float) -> None:
         if n_bytes < MIN_SAMPLE_BYTES or seconds <= 0:

@@ -258,6 +258,20 @@ def test_worth_fetching_compares_with_recompute():
     tier.close()
 
 
+def test_one_slow_first_round_trip_does_not_decide_alone():
+    """A process's first probe includes the connection's setup, and a GC pause or a starved core can
+    make it take most of a second: the latency estimate starts from its prior, so a prefix worth
+    fetching (288 tokens at the 100 tokens/s assumed before a prefill is measured) is still fetched;
+    a server that is that slow on every round trip is learned within a few probes."""
+    tier = RemoteTier("redis://127.0.0.1:1", secret=SECRET)  # never contacted here
+    tier.meter.round_trip(0.7)
+    assert tier.worth_fetching(288, 20_000, 100.0, block_size=32)
+    for _ in range(10):
+        tier.meter.round_trip(0.7)
+    assert not tier.worth_fetching(288, 20_000, 100.0, block_size=32)
+    tier.close()
+
+
 def test_publisher_reports_failures_never_raises_and_names_what_close_leaves():
     gate, running = threading.Event(), threading.Event()
 
