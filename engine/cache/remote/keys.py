@@ -41,7 +41,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ...config import reveal
 
-REMOTE_FORMAT = 3  # of the key derivation and the records; a change is a new key space
+REMOTE_FORMAT = 4  # of the key derivation and the records; a change is a new key space (4: layouts stored apart)
 OPEN = "open"  # the key id of the unauthenticated key space
 MIN_SECRET_BYTES = 16
 _NAME_RE = re.compile(r"[0-9a-f]{64}")
@@ -143,6 +143,11 @@ class TeamKeys:
         """The Redis-key part for block `name` (a 64-hex BLAKE3 name)."""
         return self._hash(b"block " + name.encode()).hex() if self._chain else name
 
+    def layout_id(self, layout: bytes) -> bytes:
+        """The 32-byte name of a layout (a publication's layout JSON), keyed: a chain record carries it,
+        the layout value is stored once under it, and no one without the secret can compute it."""
+        return self._hash(b"layout " + layout)
+
 
 def _field(b: bytes) -> bytes:
     return len(b).to_bytes(4, "little") + b  # length-prefixed: ("ab", "c") and ("a", "bc") differ
@@ -196,6 +201,10 @@ class KeySpace:
 
     def tomb(self, key: bytes) -> str:
         return f"{self.base}:tomb:{key.hex()}"
+
+    def layout(self, layout_id: bytes) -> str:
+        """A publication's layout, stored once for all its chain records (records.seal_layout)."""
+        return f"{self.base}:lay:{layout_id.hex()}"
 
 
 def secrets_of(secret) -> list[tuple[bytes, float | None]]:

@@ -146,7 +146,7 @@ class RemoteLink:
 
     def _fetch_spans(self, prompt, ns, have, found: Found, rate, deadline) -> tuple[Checkpoint | None, Any]:
         bt, records = blocks.BLOCK_TOKENS, found.records
-        layout = parse_layout(records[-1].layout, bt)
+        layout = parse_layout(found.layout, bt)
         if layout is None:
             self.tier.count(malformed=1)
             raise RemoteMiss("a remote record has a layout this build cannot use")
@@ -175,7 +175,8 @@ class RemoteLink:
         except Exception as e:  # noqa: BLE001 - layers from another build: whatever the codecs raise is a miss
             self.tier.count(malformed=1)
             raise RemoteMiss(f"remote blocks do not rebuild a checkpoint: {type(e).__name__}: {e}") from None
-        self.tier.touch(found.key_id, found.chain[:len(values)], None, names[:len(values)], found.converted)
+        self.tier.touch(found.key_id, found.chain[:len(values)], None, names[:len(values)], found.converted,
+                        records[-1].layout_id)
         self._writer = found.writer
         return cp, early
 

@@ -3,8 +3,9 @@
 - publish(): a prefix made of token spans. STRLEN of each block (with an
   EXPIRE: a block in use lives another TTL); a block is present only if its
   remote size is its local size, so a planted, truncated or foreign value
-  at its key is uploaded again (SET replaces it). Then one chain record per
-  full block, SET with a fresh issue time and TTL. A layout with a minimum
+  at its key is uploaded again (SET replaces it). Then its layout, once
+  (records.seal_layout), and one chain record per full block naming it, SET
+  with a fresh issue time and TTL. A layout with a minimum
   reusable offset (KV quantized from kv_start) goes to the converted chain
   (records.CONVERTED), so it never replaces the full-precision blocks that
   shorter prompts of the same prefix are served from.
@@ -37,7 +38,7 @@ from .client import RemoteError
 from .keys import AEAD_OVERHEAD, block_name, is_block_name
 from .publisher import Publisher
 from .records import (CHAIN, CONVERTED, EXACT, MAX_RECORD_BYTES, MAX_SKEW_S, ExactRecord, ObjectRecord, RemoteRecord, encode_layout,
-                      names_digest, seal_chain, seal_exact, seal_object, seal_tomb, unseal)
+                      names_digest, seal_chain, seal_exact, seal_layout, seal_object, seal_tomb, unseal)
 
 META_BATCH = 256  # small commands per pipeline
 UPLOAD_BATCH_BYTES = 64 << 20  # bytes of values per upload pipeline (bounds memory)
@@ -97,7 +98,8 @@ class Publication:
         failure = self._upload(blocks)
         # Records for the blocks before one that could not be uploaded: probes stop at the gap anyway.
         usable = len(blocks) if failure is None else [b.name for b in blocks].index(failure[0])
-        now, digest, records = self._now(), b"", []
+        layout_id, layout_value = seal_layout(layout_json, keys)
+        now, digest, records = self._now(), b"", [(space.layout(layout_id), layout_value)]  # first: before its records
         for i, k in enumerate(chain[:usable]):
             digest = names_digest(digest, blocks[i].name)
             records.append((where(k), seal_chain(k, RemoteRecord(i, i * bs, (i + 1) * bs, blocks[i].name, namespace),
@@ -231,13 +233,14 @@ class Publication:
     # --- best effort, after reads ---
 
     def touch(self, key_id: str, chain: Sequence[bytes], exact: bytes | None, names: Sequence[str],
-              converted: bool = False) -> None:
-        """Queue an EXPIRE of what a hit used: its records (of the converted chain) and values live another TTL."""
+              converted: bool = False, layout_id: bytes | None = None) -> None:
+        """Queue an EXPIRE of what a hit used: its records (of the converted chain), their layout and
+        values live another TTL."""
         space = self.spaces.get(key_id)
         if space is not None:
             where = space.converted if converted else space.record
             self._best_effort("expire", [where(k) for k in chain] + ([space.exact(exact)] if exact else [])
-                              + [space.block(n) for n in names])
+                              + ([space.layout(layout_id)] if layout_id else []) + [space.block(n) for n in names])
 
     def remove_bad(self, keys: list[str]) -> None:
         """Queue an UNLINK of values that failed verification: the next publisher uploads them again."""

@@ -8,21 +8,27 @@
     signature = Ed25519 by the writer (writers.py) of what the record says:
             a chain record i signs its prefix key, the digest of the block
             names 0..i (`names_digest`: so one signature vouches for the
-            whole run a lookup uses, and a lookup verifies one), its head and
-            layout digest; an exact or object record signs its kind, key and
-            body. A writer without a signing key writes zeros, which only a
+            whole run a lookup uses, and a lookup verifies one) and its head
+            (with its layout's id); an exact or object record signs its kind,
+            key and body. A writer without a signing key writes zeros, which only a
             reader without an allow-list accepts.
 
 Three kinds hang from a prefix key (the chain key of full blocks 0..i):
 
-- a chain record (kind "c"): block i's name and the engine's layout JSON
-  (kept as bytes here; remote_state.py parses the one a lookup uses), so a
-  reader can rebuild the first i+1 blocks of KV. A lookup reads one per
-  block (255 at 8k tokens), so its body is packed binary (CHAIN_HEAD, then
-  the namespace, then the layout): parsing it costs a microsecond where
-  JSON cost a hundred. A chain record without a layout is a marker: the
-  prefix continues (towards an exact record), but its blocks alone are no
-  usable state.
+- a chain record (kind "c"): block i's name and the id of its publication's
+  layout (the engine's layout JSON, which says how to rebuild the first i+1
+  blocks of KV), with the layout's minimum reusable offset. A lookup reads
+  one per block (255 at 8k tokens), so its body is packed binary
+  (CHAIN_HEAD, then the namespace): parsing it costs a microsecond where
+  JSON cost a hundred. The layout (~3 KB for a 30-layer model) is stored
+  once per publication (`seal_layout`, under KeySpace.layout of its keyed
+  id, TeamKeys.layout_id), not in each record: a lookup reads ~100 bytes a
+  block instead of ~3 KB, and the one layout it ends on in the round trip
+  it makes anyway for tombstones (tier.py). A layout value is encrypted like
+  a record, bound to its id as associated data, and opens only if its
+  plaintext hashes to that id, which the record's signature covers. A chain
+  record without a layout is a marker: the prefix continues (towards an
+  exact record), but its blocks alone are no usable state.
 - a converted chain record (kind "q"): the same, for a checkpoint that
   serves only lengths from its layout's `min_reusable_offset` on (KV
   quantized at kv_start: its blocks before the start are quantized too, so
@@ -74,11 +80,14 @@ MAX_AGE_S = 7 * 24 * 3600  # a record must be republished (re-sealed) within thi
 MAX_SKEW_S = 5 * 60  # clocks disagree by minutes; a record further in the future is refused
 MAX_VALUE_BYTES = 1 << 30  # no block or manifest is larger
 MAX_EXACT_STATES = 8  # exact states kept under one prefix key, newest first
-CHAIN, CONVERTED, EXACT, OBJECT, TOMB = "c", "q", "x", "o", "t"
-# version, flags (1: a block, 2: a layout), key id, issued, index, start, end, block digest, namespace length
-CHAIN_HEAD = struct.Struct("<BB6sQIII32sH")
+CHAIN, CONVERTED, EXACT, OBJECT, TOMB, LAYOUT = "c", "q", "x", "o", "t", "l"
+# version, flags (1: a block, 2: a layout), key id, issued, index, start, end, minimum reusable offset,
+# block digest, layout id, namespace length
+CHAIN_HEAD = struct.Struct("<BB6sQIIII32s32sH")
+LAYOUT_MAGIC = b"MXL1"
 _MAX_INDEX = 1 << 24
 _INT32_MAX = 2**31 - 1
+_UINT32_MAX = 2**32 - 1
 
 
 class RemoteRecord(NamedTuple):  # a tuple: a probe makes hundreds, a frozen dataclass is 3x slower to build
@@ -89,12 +98,13 @@ class RemoteRecord(NamedTuple):  # a tuple: a probe makes hundreds, a frozen dat
     end: int
     block: str | None  # the block's name (BLAKE3 hex of its value); None in a marker without blocks
     namespace: str
-    layout: bytes | None = None  # its JSON, parsed by whoever uses it; None: a marker (the prefix continues)
+    layout_id: bytes | None = None  # the id of its layout (TeamKeys.layout_id); None: a marker (the prefix continues)
     key_id: str = ""
     issued: int = 0
     writer: bytes = NO_WRITER  # the signer's id (writers.py)
     signature: bytes = NO_SIGNATURE
-    head: bytes = b""  # the packed head and namespace as read: what the signature covers, with the layout digest
+    head: bytes = b""  # the packed head and namespace as read: what the signature covers
+    min_offset: int = 0  # its layout's minimum reusable offset (converted KV: the shortest length it serves)
 
 
 def names_digest(previous: bytes, block: str | None) -> bytes:
@@ -102,15 +112,14 @@ def names_digest(previous: bytes, block: str | None) -> bytes:
     return blake3.blake3(previous + (bytes.fromhex(block) if block else bytes(32))).digest()
 
 
-def _chain_signed(prefix_key: bytes, digest: bytes, writer: bytes, head: bytes, layout: bytes) -> bytes:
-    return b"mlxcache chain signature" + prefix_key + digest + writer + head + _digest(layout)
+def _chain_signed(prefix_key: bytes, digest: bytes, writer: bytes, head: bytes) -> bytes:
+    return b"mlxcache chain signature" + prefix_key + digest + writer + head
 
 
 def chain_signature(prefix_key: bytes, rec: "RemoteRecord", digest: bytes, writers: Writers) -> str | None:
     """None if chain record `rec` (at `prefix_key`, with block names digest `digest` of 0..rec.index)
     is signed by an allow-listed writer; else why not ("unknown_writer" / "signature")."""
-    return writers.verify(rec.writer, rec.signature, _chain_signed(prefix_key, digest, rec.writer, rec.head,
-                                                                  rec.layout or b""))
+    return writers.verify(rec.writer, rec.signature, _chain_signed(prefix_key, digest, rec.writer, rec.head))
 
 
 @dataclass(frozen=True)
@@ -202,20 +211,18 @@ def _record_signed(kind: str, prefix_key: bytes, body: bytes) -> bytes:
     return b"mlxcache record signature" + kind.encode() + prefix_key + body
 
 
-_last_layout = (b"", blake3.blake3(b"").digest())
+_last_layout = (b"", 0)
 
 
-def _digest(layout: bytes) -> bytes:
-    """BLAKE3 of a layout; the last one is remembered (a probe reads the same layout in each of its
-    records: comparing bytes is ten times cheaper than hashing them). A (bytes, digest) pair is
-    replaced whole, so threads sharing it see one or the other."""
+def _offset_of(layout: bytes) -> int:
+    """min_reusable_offset of a layout being sealed, as a record's uint32; the last one is remembered
+    (a publication seals the same layout in each of its records). A (bytes, offset) pair is replaced
+    whole, so threads sharing it see one or the other."""
     global _last_layout
     last = _last_layout
-    if layout == last[0]:
-        return last[1]
-    digest = blake3.blake3(layout).digest()
-    _last_layout = (layout, digest)
-    return digest
+    if layout != last[0]:
+        last = _last_layout = (layout, min(min_reusable_offset(layout), _UINT32_MAX))
+    return last[1]
 
 
 def _seal(kind: str, prefix_key: bytes, fields: dict, keys: TeamKeys, now: float, signer: SigningKey | None) -> bytes:
@@ -227,18 +234,37 @@ def _seal(kind: str, prefix_key: bytes, fields: dict, keys: TeamKeys, now: float
 
 def seal_chain(prefix_key: bytes, rec: RemoteRecord, layout_json: str | None, keys: TeamKeys, now: float,
                signer: SigningKey | None = None, digest: bytes = b"", kind: str = CHAIN) -> bytes:
-    """`digest`: names_digest of the block names 0..rec.index (what the signature vouches for).
+    """`layout_json`: the publication's layout (stored apart: seal_layout), None for a marker.
+    `digest`: names_digest of the block names 0..rec.index (what the signature vouches for).
     kind CONVERTED: a record of the converted chain (its layout has a minimum reusable offset)."""
     ns = rec.namespace.encode()
     flags = (rec.block is not None) | (layout_json is not None) << 1
+    layout = layout_json.encode() if layout_json is not None else None
     head = CHAIN_HEAD.pack(REMOTE_FORMAT, flags, keys.key_id_bytes, int(now), rec.index, rec.start, rec.end,
-                           bytes.fromhex(rec.block) if rec.block else bytes(32), len(ns)) + ns
-    layout = layout_json.encode() if layout_json is not None else b""
+                           0 if layout is None else _offset_of(layout), bytes.fromhex(rec.block) if rec.block
+                           else bytes(32), bytes(32) if layout is None else keys.layout_id(layout), len(ns)) + ns
     if signer is None:
         signed = NO_WRITER + NO_SIGNATURE
     else:
-        signed = signer.id + signer.sign(_chain_signed(prefix_key, digest, signer.id, head, layout))
-    return MAGIC + keys.encrypt(_ad(kind, prefix_key), signed + head + layout)
+        signed = signer.id + signer.sign(_chain_signed(prefix_key, digest, signer.id, head))
+    return MAGIC + keys.encrypt(_ad(kind, prefix_key), signed + head)
+
+
+def seal_layout(layout_json: str, keys: TeamKeys) -> tuple[bytes, bytes]:
+    """(its id, its value): a publication's layout, stored once under KeySpace.layout(id)."""
+    layout = layout_json.encode()
+    layout_id = keys.layout_id(layout)
+    return layout_id, LAYOUT_MAGIC + keys.encrypt(_ad(LAYOUT, layout_id), layout)
+
+
+def open_layout(layout_id: bytes, value, keys: TeamKeys) -> bytes | None:
+    """The layout JSON a layout value holds, if it is the one named `layout_id` (sealed by a holder
+    of the secret for this id, and hashing to it); None otherwise. Never raises."""
+    if (not isinstance(value, bytes) or not len(LAYOUT_MAGIC) + AEAD_OVERHEAD < len(value) <= MAX_RECORD_BYTES
+            or not value.startswith(LAYOUT_MAGIC)):
+        return None
+    plain = keys.decrypt(_ad(LAYOUT, layout_id), memoryview(value)[len(LAYOUT_MAGIC):])
+    return plain if plain is not None and keys.layout_id(plain) == layout_id else None
 
 
 def seal_exact(prefix_key: bytes, states: Sequence[ExactRecord], keys: TeamKeys, now: float,
@@ -308,11 +334,10 @@ def _unseal_chain(plain: bytes, keys: TeamKeys, now: float, max_age_s: float):
     """unseal() of a decrypted chain record: its head unpacked once, its layout sliced once (a probe does hundreds)."""
     if len(plain) < SIGNED + CHAIN_HEAD.size:
         return None, "malformed"
-    v, flags, kid, issued, index, start, end, block, ns_len = CHAIN_HEAD.unpack_from(plain, SIGNED)
+    v, flags, kid, issued, index, start, end, offset, block, layout_id, ns_len = CHAIN_HEAD.unpack_from(plain, SIGNED)
     at = SIGNED + CHAIN_HEAD.size + ns_len
-    layout = plain[at:]
     if (v != REMOTE_FORMAT or flags > 3 or kid != keys.key_id_bytes or index > _MAX_INDEX or not start < end
-            or not 0 < ns_len <= 1024 or len(plain) < at or bool(layout) != bool(flags & 2)):
+            or not 0 < ns_len <= 1024 or len(plain) != at or (offset and not flags & 2)):
         return None, "malformed"
     try:
         namespace = plain[SIGNED + CHAIN_HEAD.size:at].decode()
@@ -320,9 +345,9 @@ def _unseal_chain(plain: bytes, keys: TeamKeys, now: float, max_age_s: float):
         return None, "malformed"
     if not now - max_age_s <= issued <= now + MAX_SKEW_S:
         return None, "stale"
-    return RemoteRecord(index, start, end, block.hex() if flags & 1 else None, namespace, layout or None,
-                        keys.key_id, issued, plain[:WRITER_ID_BYTES], plain[WRITER_ID_BYTES:SIGNED],
-                        plain[SIGNED:at]), None
+    return RemoteRecord(index, start, end, block.hex() if flags & 1 else None, namespace,
+                        layout_id if flags & 2 else None, keys.key_id, issued, plain[:WRITER_ID_BYTES],
+                        plain[WRITER_ID_BYTES:SIGNED], plain[SIGNED:at], offset), None
 
 
 def _head_ok(kind: str, d, keys: TeamKeys) -> bool:

@@ -6,6 +6,7 @@
     <prefix>:<key id>:ext:<prefix key>       a sealed exact record (a state exact at its own length)
     <prefix>:<key id>:obj:<namespace root>   a sealed object record (an exact tensor object, find_object)
     <prefix>:<key id>:tomb:<prefix key>      a signed tombstone: remove() was here (records.Tombstone)
+    <prefix>:<key id>:lay:<layout id>        a publication's layout, once for all its chain records
 
 Reads use read commands only (STRLEN, GETRANGE), so a read-only ACL user
 or a replica serves lookups, and every read is bounded before it is made:
@@ -28,6 +29,7 @@ pools are thread-safe, counters sit under a lock.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import time
@@ -42,15 +44,16 @@ from .meter import Meter, fetch_beats_recompute
 from .publish import Publication
 from .reads import GET_BATCH, BlockReads, RemoteMiss, time_left
 from .records import (CHAIN, CONVERTED, EXACT, MAX_AGE_S, MAX_RECORD_BYTES, OBJECT, TOMB, ExactRecord,
-                      ObjectRecord, chain_signature, min_reusable_offset, names_digest, unseal)
+                      ObjectRecord, chain_signature, names_digest, open_layout, unseal)
 from .writers import NO_WRITER, SigningKey, Writers
 
 PROBE_BATCH = 16  # prefix keys per round trip
 SIGNATURE_TRIES = 4  # chain records a lookup verifies, from the end of its run, before it gives up
 MIN_FETCH_TOKENS = 256  # below this, recomputing is cheaper than any round trip worth making
+LAYOUTS_KEPT = 64  # layouts a tier remembers (one per publication a lookup ended on; ~3 KB each)
 COUNTERS = ("hits", "misses", "bytes_read", "bytes_written", "blocks_uploaded", "blocks_skipped", "records_written",
             "records_found", "probes", "mac_rejected", "malformed", "stale", "wrong_size", "bad_blocks",
-            "unknown_writer", "signature_rejected", "tombstoned")
+            "unknown_writer", "signature_rejected", "tombstoned", "layouts_read", "layout_missing")
 
 
 @dataclass
@@ -63,6 +66,7 @@ class Found:
     chain: list = field(default_factory=list)  # the prefix keys probed (for touch())
     writer: str = ""  # hex id of the writer whose signature vouches for `records` ("" unsigned, no allow-list)
     converted: bool = False  # `records` are of the converted chain (records.CONVERTED)
+    layout: bytes | None = None  # the layout JSON of records[-1] (verified against its id)
 
 
 class RemoteTier(BlockReads, Publication):
@@ -93,6 +97,7 @@ class RemoteTier(BlockReads, Publication):
         self.max_age_s = MAX_AGE_S if max_age_s is None else max_age_s
         self.breaker = breaker or Breaker()
         self.meter = Meter()
+        self._layouts: collections.OrderedDict = collections.OrderedDict()  # (key id, layout id) -> layout JSON
         self.signer = None if signing_key is None else SigningKey.load(signing_key)
         self.writers = Writers.parse(writers)
         if tls and not self.config.tls:
@@ -183,12 +188,12 @@ class RemoteTier(BlockReads, Publication):
                         found.exact = max(fits, key=lambda x: len(x.tail), default=found.exact)
                     rec = record(CHAIN, k, i, r[:2])
                     runs[CHAIN] = rec is not None
-                    plain = plain and rec is not None and rec.layout is not None and rec.block is not None
+                    plain = plain and rec is not None and rec.layout_id is not None and rec.block is not None
                     if plain:
                         found.records.append(rec)
                 if runs[CONVERTED]:
                     rec = record(CONVERTED, k, i, r[-2:])
-                    runs[CONVERTED] = rec is not None and rec.layout is not None and rec.block is not None
+                    runs[CONVERTED] = rec is not None and rec.layout_id is not None and rec.block is not None
                     if runs[CONVERTED]:
                         conv.append(rec)
                 if not any(runs.values()):
@@ -197,35 +202,72 @@ class RemoteTier(BlockReads, Publication):
                 continue
             break
         plain_run = found.records
-        if len(conv) > len(plain_run) and len(conv) * block_size >= min_reusable_offset(conv[-1].layout):
+        if len(conv) > len(plain_run) and len(conv) * block_size >= conv[-1].min_offset:
             found.records, found.converted = conv, True
-            self._vouched(found, self._removals(found, keys, namespace, deadline, now))
-            if found.records and len(found.records) * block_size >= min_reusable_offset(found.records[-1].layout):
+            self._settle(found, keys, namespace, deadline, now)
+            if found.records and len(found.records) * block_size >= found.records[-1].min_offset:
                 return found
             # Cut below its start (unsigned or removed records after it): it serves nothing, and the
             # plain run is still what it was (a non-member's converted records cannot hide it).
-            found.records, found.converted, found.writer = plain_run, False, ""
-        self._vouched(found, self._removals(found, keys, namespace, deadline, now))
+            found.records, found.converted, found.writer, found.layout = plain_run, False, "", None
+        self._settle(found, keys, namespace, deadline, now)
         return found
+
+    def _settle(self, found: Found, keys: TeamKeys, namespace: str, deadline, now: float) -> None:
+        """Cut a probe's run to what its signatures, tombstones and layout allow (one round trip)."""
+        self._vouched(found, self._removals(found, keys, namespace, deadline, now))
+        self._layout_of(found, keys)
 
     def _removals(self, found: Found, keys: TeamKeys, namespace: str, deadline, now: float) -> dict:
         """{index: issue time} of the tombstones at the keys a hit can end on (the last SIGNATURE_TRIES
         of the run, the exact record's): only the record a hit ends on needs to be no older than its
-        key's removal, since its signature vouches for the names before it. One round trip, none for
-        a miss; unreadable: every candidate counts as removed (a miss)."""
+        key's removal, since its signature vouches for the names before it. The same round trip reads
+        the layouts those records name that this tier does not remember (into self._layouts). One
+        round trip, none for a miss; unreadable: every candidate counts as removed (a miss)."""
         idx = sorted({*range(max(0, len(found.records) - SIGNATURE_TRIES), len(found.records)),
                       *((found.exact.index,) if found.exact is not None else ())})
         space = self.spaces[keys.key_id]
+        wanted = list(dict.fromkeys(r.layout_id for r in found.records[-SIGNATURE_TRIES:]
+                                    if r.layout_id is not None and (keys.key_id, r.layout_id) not in self._layouts))
+
+        def fill(p):
+            for i in idx:
+                p.strlen(space.tomb(found.chain[i]))
+                p.getrange(space.tomb(found.chain[i]), 0, MAX_RECORD_BYTES - 1)
+            for lid in wanted:
+                p.strlen(space.layout(lid))
+                p.getrange(space.layout(lid), 0, MAX_RECORD_BYTES - 1)
+
         try:
-            replies = self.reader.pipeline("tombstones", lambda p: [(p.strlen(space.tomb(found.chain[i])), p.getrange(
-                space.tomb(found.chain[i]), 0, MAX_RECORD_BYTES - 1)) for i in idx], time_left(deadline)) if idx else []
+            replies = self.reader.pipeline("tombstones", fill, time_left(deadline)) if idx else []
         except RemoteError:
             return dict.fromkeys(idx, 1 << 62)
         out = {}
         for n, i in enumerate(idx):
             t = self._unseal(TOMB, found.chain[i], replies[2 * n:2 * n + 2], keys, now)
             out[i] = t.issued if t is not None and (t.namespace, t.index) == (namespace, i) else -1
+        for n, lid in enumerate(wanted, len(idx)):
+            size, value = replies[2 * n:2 * n + 2]
+            layout = open_layout(lid, value, keys) if size == len(value or b"") else None
+            if layout is not None:
+                self.count(layouts_read=1)
+                self._layouts[keys.key_id, lid] = layout
+                while len(self._layouts) > LAYOUTS_KEPT:
+                    self._layouts.popitem(last=False)
+            elif size:
+                self.count(malformed=1)
         return out
+
+    def _layout_of(self, found: Found, keys: TeamKeys) -> None:
+        """found.layout from the layout its last record names; none (evicted, expired, or not the
+        layout of that id): the run serves nothing, counted."""
+        lid = found.records[-1].layout_id if found.records else None
+        found.layout = None if lid is None else self._layouts.get((keys.key_id, lid))
+        if found.layout is not None:
+            self._layouts.move_to_end((keys.key_id, lid))
+        elif found.records:
+            self.count(layout_missing=1)
+            found.records.clear()
 
     def _vouched(self, found: Found, removed: dict) -> None:
         """Cut found.records to the longest run whose last record is not removed (its key's tombstone

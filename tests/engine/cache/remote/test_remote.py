@@ -33,8 +33,9 @@ from mlxcache_kernel.engine.cache.remote.breaker import Breaker
 from mlxcache_kernel.engine.cache.remote.keys import KeySpace
 from mlxcache_kernel.engine.cache.remote.publisher import Publisher
 from mlxcache_kernel.engine.cache.remote.reads import GET_BATCH, chunk_sizes
-from mlxcache_kernel.engine.cache.remote.records import (MAX_AGE_S, ExactRecord, ExactSet, RemoteRecord, seal_chain,
-                                                         seal_exact, unseal)
+from mlxcache_kernel.engine.cache.remote.records import (LAYOUT, LAYOUT_MAGIC, MAX_AGE_S, ExactRecord, ExactSet,
+                                                         RemoteRecord, _ad, encode_layout, seal_chain, seal_exact,
+                                                         seal_layout, unseal)
 
 BS = 64  # tokens per block in these tests
 PW = "pw-9c1e-SECRET"  # default user's password
@@ -202,8 +203,8 @@ def test_records_are_sealed_to_their_key_kind_and_secret():
     team = TeamKeys(SECRET)
     k1, k2 = (blake3.blake3(bytes([i])).digest() for i in (1, 2))
     now = time.time()
-    rec = RemoteRecord(3, 192, 256, "ab" * 32, "ns", b'{"layers":2}', team.key_id, int(now))
-    value = seal_chain(k1, rec, rec.layout.decode(), team, now)
+    rec = RemoteRecord(3, 192, 256, "ab" * 32, "ns", team.layout_id(b'{"layers":2}'), team.key_id, int(now))
+    value = seal_chain(k1, rec, '{"layers":2}', team, now)
     got, why = unseal("c", k1, value, team, now=now)
     assert why is None and got[:8] == rec[:8] and got.head  # the rest: writer, signature, what it signs
     assert unseal("c", k1, value, TeamKeys(OTHER), now=now) == (None, "mac")  # another team
@@ -313,7 +314,7 @@ def test_round_trip_with_acl_user(server):
         recs = found.records
         assert [r.block for r in recs] == [b.name for b in blocks] and found.key_id == tier.keys[0].key_id
         assert [(r.start, r.end) for r in recs] == [(i * BS, (i + 1) * BS) for i in range(5)]
-        assert json.loads(recs[0].layout) == {"layers": 4} and found.exact is None
+        assert json.loads(found.layout) == {"layers": 4} and found.exact is None
         assert tier.get_blocks(items(blocks)) == values
         assert tier.probe("ns-acl", toks[: 3 * BS + 10], BS).records == recs[:3]  # a shorter prompt: its own blocks
         assert tier.probe("ns-acl", toks[:BS - 1], BS).records == []
@@ -354,12 +355,49 @@ def test_teams_on_one_server_never_see_or_break_each_other(server):
         c = server.client()
         keys_a = set(c.scan_iter(match=f"mlxcache:{ka}:*"))
         keys_b = set(c.scan_iter(match=f"mlxcache:{kb}:*"))
-        assert len(keys_a) == len(keys_b) == 6 and not keys_a & keys_b
+        assert len(keys_a) == len(keys_b) == 7 and not keys_a & keys_b  # 3 blocks, 3 records, 1 layout
         assert a.stats()["mac_rejected"] == b.stats()["mac_rejected"] == 0
         # A reader that knows both secrets (a rotation) finds the first one's records first.
         with RemoteTier(server.url(USER, USER_PW), secret=[team_b, team_a]) as both:
             assert both.probe("ns-shared", toks, BS).key_id == kb
             assert both.probe("ns-shared", tokens_for(3, seed=21), BS).records == []
+
+
+def test_a_layout_is_stored_once_per_publication_and_opens_only_as_itself(server):
+    """Chain records carry their layout's id, not the layout: one layout value per publication, read
+    once per process (in the probe's tombstone round trip), refreshed by a hit. A layout that is gone,
+    or another layout at its key (even one sealed by a member), serves nothing: counted, a miss."""
+    _, blocks = blocks_of(12, size=8 * 1024)
+    toks = tokens_for(12, seed=40)
+    layout = {"layers": [{"kind": "KVCache", "arrays": 2, "meta": {"offset": 12 * BS}}] * 30}
+    with tier_on(server) as writer:
+        assert publish(writer, "ns-layout", toks, blocks, layout) == []
+        space = writer.spaces[writer.keys[0].key_id]
+        c, team = server.client(), writer.keys[0]
+        lays = [space.layout(team.layout_id(encode_layout(layout).encode()))]
+        records = [c.get(space.record(k)) for k in team.prefix_keys("ns-layout", toks, BS)]
+        assert c.exists(lays[0]) and len(records) == 12 and all(records)
+        assert max(map(len, records)) < 400 < len(c.get(lays[0]))  # the layout (1.6 KB here) once, not 12 times
+    with tier_on(server) as reader:
+        for _ in range(3):
+            found = reader.probe("ns-layout", toks, BS)
+            assert len(found.records) == 12 and json.loads(found.layout) == layout
+        assert reader.stats()["layouts_read"] == 1  # remembered: the records' round trips carry no layout
+        c.expire(lays[0], 60)
+        reader.touch(found.key_id, found.chain, None, [], layout_id=found.records[-1].layout_id)
+        assert reader.wait(30) == [] and c.ttl(lays[0]) > 60  # a hit keeps its layout alive with its records
+    real, lid = c.get(lays[0]), found.records[-1].layout_id
+    other = LAYOUT_MAGIC + writer.keys[0].encrypt(_ad(LAYOUT, lid), json.dumps({"layers": 4}).encode())  # a member's lie
+    for planted in (None, other, seal_layout(json.dumps({"layers": 4}), writer.keys[0])[1], real[:-1]):
+        c.delete(lays[0]) if planted is None else c.set(lays[0], planted)
+        with tier_on(server) as reader:  # (a new process: nothing remembered)
+            found = reader.probe("ns-layout", toks, BS)
+            s = reader.stats()
+            assert found.records == [] and found.layout is None and s["layout_missing"] == 1
+            assert s["malformed"] == (planted is not None) and s["layouts_read"] == 0
+    c.set(lays[0], real)
+    with tier_on(server) as reader:
+        assert len(reader.probe("ns-layout", toks, BS).records) == 12
 
 
 def test_non_member_records_are_rejected(server):

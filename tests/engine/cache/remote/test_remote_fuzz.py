@@ -27,12 +27,13 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from mlxcache_kernel.engine.cache.remote import REMOTE_FORMAT, TeamKeys
-from mlxcache_kernel.engine.cache.remote.records import (CHAIN, CHAIN_HEAD, EXACT, MAGIC, MAX_RECORD_BYTES,
-                                                         MAX_VALUE_BYTES, SIGNED, ExactSet, RemoteRecord, _ad, unseal)
+from mlxcache_kernel.engine.cache.remote.records import (CHAIN, CHAIN_HEAD, EXACT, LAYOUT, LAYOUT_MAGIC, MAGIC,
+                                                         MAX_RECORD_BYTES, MAX_VALUE_BYTES, SIGNED, ExactSet,
+                                                         RemoteRecord, _ad, open_layout, seal_layout, unseal)
 from mlxcache_kernel.engine.cache.remote.rebuild import SpanLayout, parse_layout
 
 EXAMPLES = {"raw": 10_000, "json_bodies": 2_000, "seeded_bodies": 30_000, "mutated_records": 24_000,
-            "json_layouts": 2_000, "mutated_layouts": 32_000}
+            "json_layouts": 2_000, "mutated_layouts": 28_000, "layout_values": 4_000}
 assert sum(EXAMPLES.values()) == 100_000
 KEYS = TeamKeys(b"fuzzing team secret, 16+ bytes")
 PREFIX = bytes(range(32))
@@ -104,20 +105,21 @@ def real_exact() -> dict:
 
 def chain_body(rng: random.Random | None = None) -> bytes:
     """A chain record's packed body: the real one, or (with rng) one with fields out of range,
-    a namespace of any bytes and a layout that is nasty, mutated or absent."""
-    fields = [REMOTE_FORMAT, 3, KEYS.key_id_bytes, int(NOW), 3, 96, 128, bytes(range(32)), 2]
-    widest = [255, 255, None, 2**64 - 1, 2**32 - 1, 2**32 - 1, 2**32 - 1, None, 2**16 - 1]  # what each field holds
-    ns, layout = b"ns", json.dumps(real_layout()).encode()
+    a namespace of any bytes and bytes after it (a layout inline, as records held one before)."""
+    layout_id = KEYS.layout_id(json.dumps(real_layout()).encode())
+    fields = [REMOTE_FORMAT, 3, KEYS.key_id_bytes, int(NOW), 3, 96, 128, 0, bytes(range(32)), layout_id, 2]
+    widest = [255, 255, None, 2**64 - 1, 2**32 - 1, 2**32 - 1, 2**32 - 1, 2**32 - 1, None, None, 2**16 - 1]
+    ns, layout = b"ns", b""
     if rng is not None:
         for _ in range(rng.randint(1, 3)):
             i = rng.randrange(len(fields))
-            if widest[i] is None:  # key id, block digest
+            if widest[i] is None:  # key id, block digest, layout id
                 fields[i] = rng.randbytes(len(fields[i]))
             else:
                 fields[i] = min(widest[i], rng.choice([0, 1, 2, 3, 4, 255, 2**16 - 1, 2**24 + 1, 2**32 - 1, 2**64 - 1,
                                                        rng.randrange(2**16), int(NOW) + 10**6]))
         ns = rng.choice([ns, rng.randbytes(rng.randrange(8)), "é".encode() * 3, b"\xff\xfe"])
-        layout = rng.choice([layout, b"", json.dumps(mutated(rng, real_layout())).encode(),
+        layout = rng.choice([layout, layout, json.dumps(mutated(rng, real_layout())).encode(),
                              json.dumps(nasty(rng)).encode()])
     return CHAIN_HEAD.pack(*fields) + ns + layout
 
@@ -191,7 +193,9 @@ def test_the_real_records_parse():
     for kind, body in ((CHAIN, chain_body()), (EXACT, json.dumps(real_exact()).encode())):
         rec, why = unseal(kind, PREFIX, sealed(kind, body), KEYS, now=NOW)
         assert why is None and rec.index == 3
-    assert parse_layout(unseal(CHAIN, PREFIX, sealed(CHAIN, chain_body()), KEYS, now=NOW)[0].layout, BT) is not None
+    rec = unseal(CHAIN, PREFIX, sealed(CHAIN, chain_body()), KEYS, now=NOW)[0]
+    layout_id, value = seal_layout(json.dumps(real_layout()), KEYS)
+    assert rec.layout_id == layout_id and parse_layout(open_layout(layout_id, value, KEYS), BT) is not None
 
 
 # --- hypothesis ---
@@ -243,3 +247,22 @@ def test_parse_mutated_real_layouts(seed):
     rng = random.Random(seed)
     layout = mutated(rng, real_layout()) if rng.random() < 0.9 else nasty(rng)
     check_layout(damaged(rng, json.dumps(layout).encode()) if rng.random() < 0.5 else layout)
+
+
+@settings(max_examples=EXAMPLES["layout_values"], **FUZZ)
+@given(seed=seeds)
+def test_open_mutated_layout_values(seed):
+    """A layout value opens only as the layout of its id: damaged, sealed for another id, by another
+    team, or of another layout under this id, it is None, never an exception."""
+    rng = random.Random(seed)
+    text = json.dumps(mutated(rng, real_layout()) if rng.random() < 0.5 else real_layout())
+    layout_id, value = seal_layout(text, KEYS)
+    r = rng.random()
+    if r < 0.2:  # another layout sealed for this id (a member who lies about what it signed)
+        value = LAYOUT_MAGIC + KEYS.encrypt(_ad(LAYOUT, layout_id), (json.dumps(real_layout()) + " ").encode())
+    elif r < 0.3:
+        value = seal_layout(text, TeamKeys(b"another team, 16+ bytes of it"))[1]
+    elif r < 0.4:
+        layout_id = rng.randbytes(32)
+    got = open_layout(layout_id, damaged(rng, value), KEYS)
+    assert got is None or (KEYS.layout_id(got) == layout_id and got == text.encode())
