@@ -158,6 +158,7 @@ SCHEMA = {
     "remote_unknown_writer": "remote records refused: not signed by a writer on the allow-list (a miss)",
     "remote_signature_rejected": "remote records whose writer's signature did not verify (a miss)",
     "remote_tombstoned": "remote records written back after a remove() (older than its signed tombstone: a miss)",
+    "remote_layout_missing": "remote prefixes whose layout (stored once per publication) was gone or not theirs (a miss)",
     "remote_publish_pending": "publications waiting or running",
     "remote_publish_failed": "publications that failed",
     "remote_blocks_uploaded": "blocks uploaded (the remote lacked them)",
@@ -172,6 +173,7 @@ SCHEMA = {
     "remote_deadline_missed": "remote calls abandoned at their deadline (slow or dripping server)",
     "remote_errors": "calls to the remote that failed",
     "remote_get_bandwidth_bytes_per_s": "measured remote read bandwidth (None until measured)",
+    "remote_latency_s": "estimated remote round trip, from probes (None until measured)",
 }
 
 _GENERATION_COUNTERS = (

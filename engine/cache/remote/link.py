@@ -307,8 +307,8 @@ def close(link: RemoteLink | None, timeout: float) -> list[str]:
 
 _TIER_KEYS = ("publish_pending", "publish_failed", "blocks_uploaded", "blocks_skipped", "bytes_read", "bytes_written",
               "mac_rejected", "malformed", "stale", "wrong_size", "bad_blocks", "deadline_missed", "errors",
-              "unknown_writer", "signature_rejected", "tombstoned",
-              "get_bandwidth_bytes_per_s")
+              "unknown_writer", "signature_rejected", "tombstoned", "layout_missing",
+              "get_bandwidth_bytes_per_s", "latency_s")
 
 
 def remote_stats(link: RemoteLink | None) -> dict:
@@ -316,7 +316,8 @@ def remote_stats(link: RemoteLink | None) -> dict:
     if link is None:
         out = {f"remote_{k}": 0 for k in (*link_counter_names(), *_TIER_KEYS)}
         out.update(remote_url=None, remote_publish=None, remote_state=None, remote_last_error=None,
-                   remote_get_bandwidth_bytes_per_s=None, remote_fetch_seconds=0.0, remote_auth=None)
+                   remote_get_bandwidth_bytes_per_s=None, remote_latency_s=None, remote_fetch_seconds=0.0,
+                   remote_auth=None)
         return out
     t = link.tier.stats()
     out = dict(link.counters)
