@@ -247,8 +247,9 @@ class RemoteTier(BlockReads, Publication):
             t = self._unseal(TOMB, found.chain[i], replies[2 * n:2 * n + 2], keys, now)
             out[i] = t.issued if t is not None and (t.namespace, t.index) == (namespace, i) else -1
         for n, lid in enumerate(wanted, len(idx)):
-            size, value = replies[2 * n:2 * n + 2]
-            layout = open_layout(lid, value, keys) if size == len(value or b"") else None
+            size, value = replies[2 * n:2 * n + 2]  # (a wrong type planted there: errors, not bytes)
+            whole = type(size) is int and isinstance(value, bytes) and size == len(value)
+            layout = open_layout(lid, value, keys) if whole else None
             if layout is not None:
                 self.count(layouts_read=1)
                 self._layouts[keys.key_id, lid] = layout

@@ -388,8 +388,12 @@ def test_a_layout_is_stored_once_per_publication_and_opens_only_as_itself(server
         assert reader.wait(30) == [] and c.ttl(lays[0]) > 60  # a hit keeps its layout alive with its records
     real, lid = c.get(lays[0]), found.records[-1].layout_id
     other = LAYOUT_MAGIC + writer.keys[0].encrypt(_ad(LAYOUT, lid), json.dumps({"layers": 4}).encode())  # a member's lie
-    for planted in (None, other, seal_layout(json.dumps({"layers": 4}), writer.keys[0])[1], real[:-1]):
-        c.delete(lays[0]) if planted is None else c.set(lays[0], planted)
+    for planted in (None, other, seal_layout(json.dumps({"layers": 4}), writer.keys[0])[1], real[:-1], "a list"):
+        c.delete(lays[0])
+        if planted == "a list":
+            c.rpush(lays[0], real)  # another type at the key: the server refuses STRLEN and GETRANGE
+        elif planted is not None:
+            c.set(lays[0], planted)
         with tier_on(server) as reader:  # (a new process: nothing remembered)
             found = reader.probe("ns-layout", toks, BS)
             s = reader.stats()
