@@ -211,18 +211,18 @@ def _record_signed(kind: str, prefix_key: bytes, body: bytes) -> bytes:
     return b"mlxcache record signature" + kind.encode() + prefix_key + body
 
 
-_last_layout = (b"", 0)
+_last_layout: tuple = (b"", None, 0, b"")
 
 
-def _offset_of(layout: bytes) -> int:
-    """min_reusable_offset of a layout being sealed, as a record's uint32; the last one is remembered
-    (a publication seals the same layout in each of its records). A (bytes, offset) pair is replaced
+def _layout_facts(layout: bytes, keys: TeamKeys) -> tuple[int, bytes]:
+    """(min_reusable_offset as a record's uint32, layout id) of a layout being sealed; the last one is
+    remembered (a publication seals the same layout in each of its records). The tuple is replaced
     whole, so threads sharing it see one or the other."""
     global _last_layout
     last = _last_layout
-    if layout != last[0]:
-        last = _last_layout = (layout, min(min_reusable_offset(layout), _UINT32_MAX))
-    return last[1]
+    if layout != last[0] or keys is not last[1]:
+        last = _last_layout = (layout, keys, min(min_reusable_offset(layout), _UINT32_MAX), keys.layout_id(layout))
+    return last[2], last[3]
 
 
 def _seal(kind: str, prefix_key: bytes, fields: dict, keys: TeamKeys, now: float, signer: SigningKey | None) -> bytes:
@@ -239,10 +239,9 @@ def seal_chain(prefix_key: bytes, rec: RemoteRecord, layout_json: str | None, ke
     kind CONVERTED: a record of the converted chain (its layout has a minimum reusable offset)."""
     ns = rec.namespace.encode()
     flags = (rec.block is not None) | (layout_json is not None) << 1
-    layout = layout_json.encode() if layout_json is not None else None
-    head = CHAIN_HEAD.pack(REMOTE_FORMAT, flags, keys.key_id_bytes, int(now), rec.index, rec.start, rec.end,
-                           0 if layout is None else _offset_of(layout), bytes.fromhex(rec.block) if rec.block
-                           else bytes(32), bytes(32) if layout is None else keys.layout_id(layout), len(ns)) + ns
+    offset, layout_id = (0, bytes(32)) if layout_json is None else _layout_facts(layout_json.encode(), keys)
+    head = CHAIN_HEAD.pack(REMOTE_FORMAT, flags, keys.key_id_bytes, int(now), rec.index, rec.start, rec.end, offset,
+                           bytes.fromhex(rec.block) if rec.block else bytes(32), layout_id, len(ns)) + ns
     if signer is None:
         signed = NO_WRITER + NO_SIGNATURE
     else:
@@ -331,7 +330,7 @@ def unseal(kind: str, prefix_key: bytes, value, keys: TeamKeys, *, now: float, m
 
 
 def _unseal_chain(plain: bytes, keys: TeamKeys, now: float, max_age_s: float):
-    """unseal() of a decrypted chain record: its head unpacked once, its layout sliced once (a probe does hundreds)."""
+    """unseal() of a decrypted chain record: its head unpacked once (a probe does hundreds)."""
     if len(plain) < SIGNED + CHAIN_HEAD.size:
         return None, "malformed"
     v, flags, kid, issued, index, start, end, offset, block, layout_id, ns_len = CHAIN_HEAD.unpack_from(plain, SIGNED)

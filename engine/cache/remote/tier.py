@@ -247,15 +247,14 @@ class RemoteTier(BlockReads, Publication):
             t = self._unseal(TOMB, found.chain[i], replies[2 * n:2 * n + 2], keys, now)
             out[i] = t.issued if t is not None and (t.namespace, t.index) == (namespace, i) else -1
         for n, lid in enumerate(wanted, len(idx)):
-            size, value = replies[2 * n:2 * n + 2]  # (a wrong type planted there: errors, not bytes)
-            whole = type(size) is int and isinstance(value, bytes) and size == len(value)
-            layout = open_layout(lid, value, keys) if whole else None
+            value = self._value_of(replies[2 * n:2 * n + 2])
+            layout = None if value is None else open_layout(lid, value, keys)
             if layout is not None:
                 self.count(layouts_read=1)
                 self._layouts[keys.key_id, lid] = layout
                 while len(self._layouts) > LAYOUTS_KEPT:
                     self._layouts.popitem(last=False)
-            elif size:
+            elif value is not None:
                 self.count(malformed=1)
         return out
 
@@ -313,8 +312,8 @@ class RemoteTier(BlockReads, Publication):
                 return rec
         return None
 
-    def _unseal(self, kind: str, key: bytes, reply: list, keys: TeamKeys, now: float):
-        """A record from a [STRLEN, GETRANGE] reply pair, or None (counted unless simply absent)."""
+    def _value_of(self, reply: list) -> bytes | None:
+        """The whole value of a [STRLEN, GETRANGE] reply pair, or None (counted unless simply absent)."""
         size, value = reply
         if size == 0:
             return None
@@ -323,6 +322,13 @@ class RemoteTier(BlockReads, Publication):
             return None
         if size > MAX_RECORD_BYTES:
             self.count(wrong_size=1)
+            return None
+        return value
+
+    def _unseal(self, kind: str, key: bytes, reply: list, keys: TeamKeys, now: float):
+        """A record from a [STRLEN, GETRANGE] reply pair, or None (counted unless simply absent)."""
+        value = self._value_of(reply)
+        if value is None:
             return None
         rec, why = unseal(kind, key, value, keys, now=now, max_age_s=self.max_age_s, writers=self.writers)
         if why is not None:
