@@ -83,6 +83,12 @@ def test_a_sample_computed_ahead_checks_only_the_tokens_it_was_computed_for(mode
     caches = model.new_caches()
     early = first_layer.ahead(model, ids)
     assert early is not None and early.is_of(model.model, ids) and not early.is_of(model.model, ids[:-1])
+    assert early.is_of(model.model, tuple(ids)) and early.is_of(model.model, np.asarray(ids))  # a checkpoint's, a prompt's
+    sampled = set(early.pos.reshape(-1).tolist())
+    at, off = min(sampled), min(set(range(len(ids))) - sampled)
+    swapped = lambda i: [*ids[:i], ids[i] + 1, *ids[i + 1:]]  # noqa: E731
+    assert not early.is_of(model.model, swapped(at))  # another token where the reference was computed
+    assert early.is_of(model.model, swapped(off))  # one elsewhere: the reference there depends on nothing else
     assert first_layer.first_layer_matches(model.model, caches, ids, layer0, early) is True
     _, (k2, v2) = prefill_layer0(model, other)
     k, v = np.array(k), np.array(v)
