@@ -74,7 +74,7 @@ from .writers import NO_SIGNATURE, NO_WRITER, SIG_BYTES, WRITER_ID_BYTES, Signin
 
 MAGIC = b"MXR4"
 SIGNED = WRITER_ID_BYTES + SIG_BYTES  # writer id and signature, after the tag
-MAX_RECORD_BYTES = 64 * 1024  # a longer value at a record key is not read
+MAX_RECORD_BYTES = 64 * 1024  # a value this long or longer at a record key is not read (nor more of it)
 MAX_LAYOUT_BYTES = MAX_RECORD_BYTES - 1024
 MAX_AGE_S = 7 * 24 * 3600  # a record must be republished (re-sealed) within this (the values' TTL)
 MAX_SKEW_S = 5 * 60  # clocks disagree by minutes; a record further in the future is refused

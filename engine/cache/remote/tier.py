@@ -10,8 +10,8 @@
 
 Reads use read commands only (STRLEN, GETRANGE), so a read-only ACL user
 or a replica serves lookups, and every read is bounded before it is made:
-a record is read with GETRANGE up to MAX_RECORD_BYTES (its STRLEN in the
-same pipeline says whether that was all of it); a block or manifest is
+a record is read with one GETRANGE of MAX_RECORD_BYTES (a reply that fills
+it is of a longer value: refused, so no STRLEN is needed); a block or manifest is
 read only after STRLEN says it is exactly the size its record or layout
 promised, and then with GETRANGE of that size. A value of the wrong size
 or type, a record that does not verify, a block that does not hash to its
@@ -153,13 +153,12 @@ class RemoteTier(BlockReads, Publication):
         chain, space = keys.prefix_keys(namespace, tokens, block_size), self.spaces[keys.key_id]
         found, plain, now = Found(key_id=keys.key_id, chain=chain), True, time.time()
         names = [space.record] + [space.exact] * exact + [space.converted] * converted  # read per key, in order
-        step, runs = 2 * len(names), {CHAIN: True, CONVERTED: converted}  # which chains still continue
+        step, runs = len(names), {CHAIN: True, CONVERTED: converted}  # which chains still continue
         conv: list = []
 
         def fill(p, chunk):
             for k in chunk:
                 for name in names:
-                    p.strlen(name(k))
                     p.getrange(name(k), 0, MAX_RECORD_BYTES - 1)
 
         def record(kind, k, i, reply):
@@ -181,18 +180,18 @@ class RemoteTier(BlockReads, Publication):
             for i, k in enumerate(chunk, first):
                 r = replies[(i - first) * step:(i - first + 1) * step]
                 if runs[CHAIN]:
-                    xs = self._unseal(EXACT, k, r[2:4], keys, now) if exact else None
+                    xs = self._unseal(EXACT, k, r[1], keys, now) if exact else None
                     if xs is not None and xs.namespace == namespace and xs.index == i:
                         fits = [x for x in xs.states if x.length(block_size) <= len(tokens)
                                 and tuple(tokens[(i + 1) * block_size:x.length(block_size)]) == x.tail]
                         found.exact = max(fits, key=lambda x: len(x.tail), default=found.exact)
-                    rec = record(CHAIN, k, i, r[:2])
+                    rec = record(CHAIN, k, i, r[0])
                     runs[CHAIN] = rec is not None
                     plain = plain and rec is not None and rec.layout_id is not None and rec.block is not None
                     if plain:
                         found.records.append(rec)
                 if runs[CONVERTED]:
-                    rec = record(CONVERTED, k, i, r[-2:])
+                    rec = record(CONVERTED, k, i, r[-1])
                     runs[CONVERTED] = rec is not None and rec.layout_id is not None and rec.block is not None
                     if runs[CONVERTED]:
                         conv.append(rec)
@@ -232,10 +231,8 @@ class RemoteTier(BlockReads, Publication):
 
         def fill(p):
             for i in idx:
-                p.strlen(space.tomb(found.chain[i]))
                 p.getrange(space.tomb(found.chain[i]), 0, MAX_RECORD_BYTES - 1)
             for lid in wanted:
-                p.strlen(space.layout(lid))
                 p.getrange(space.layout(lid), 0, MAX_RECORD_BYTES - 1)
 
         try:
@@ -244,10 +241,10 @@ class RemoteTier(BlockReads, Publication):
             return dict.fromkeys(idx, 1 << 62)
         out = {}
         for n, i in enumerate(idx):
-            t = self._unseal(TOMB, found.chain[i], replies[2 * n:2 * n + 2], keys, now)
+            t = self._unseal(TOMB, found.chain[i], replies[n], keys, now)
             out[i] = t.issued if t is not None and (t.namespace, t.index) == (namespace, i) else -1
         for n, lid in enumerate(wanted, len(idx)):
-            value = self._value_of(replies[2 * n:2 * n + 2])
+            value = self._value_of(replies[n])
             layout = None if value is None else open_layout(lid, value, keys)
             if layout is not None:
                 self.count(layouts_read=1)
@@ -302,8 +299,8 @@ class RemoteTier(BlockReads, Publication):
         for keys in self.keys:
             name = self.spaces[keys.key_id].object(keys.root(namespace))
             try:
-                reply = self.reader.pipeline("find object", lambda p: (p.strlen(name), p.getrange(
-                    name, 0, MAX_RECORD_BYTES - 1)), time_left(deadline))
+                reply, = self.reader.pipeline("find object", lambda p: (p.getrange(name, 0, MAX_RECORD_BYTES - 1),),
+                                              time_left(deadline))
             except RemoteError:
                 return None
             rec = self._unseal(OBJECT, keys.root(namespace), reply, keys, now)
@@ -312,21 +309,20 @@ class RemoteTier(BlockReads, Publication):
                 return rec
         return None
 
-    def _value_of(self, reply: list) -> bytes | None:
-        """The whole value of a [STRLEN, GETRANGE] reply pair, or None (counted unless simply absent)."""
-        size, value = reply
-        if size == 0:
+    def _value_of(self, value) -> bytes | None:
+        """The whole value a GETRANGE of MAX_RECORD_BYTES read, or None (counted unless simply absent)."""
+        if value == b"":
             return None
-        if not isinstance(size, int) or not isinstance(value, bytes) or len(value) != min(size, MAX_RECORD_BYTES):
-            self.count(malformed=1)  # a wrong type planted at the key, or replaced between the two commands
+        if not isinstance(value, bytes):
+            self.count(malformed=1)  # a wrong type planted at the key (the server's error)
             return None
-        if size > MAX_RECORD_BYTES:
-            self.count(wrong_size=1)
+        if len(value) >= MAX_RECORD_BYTES:
+            self.count(wrong_size=1)  # the first MAX_RECORD_BYTES of a longer value
             return None
         return value
 
-    def _unseal(self, kind: str, key: bytes, reply: list, keys: TeamKeys, now: float):
-        """A record from a [STRLEN, GETRANGE] reply pair, or None (counted unless simply absent)."""
+    def _unseal(self, kind: str, key: bytes, reply, keys: TeamKeys, now: float):
+        """A record from a GETRANGE reply, or None (counted unless simply absent)."""
         value = self._value_of(reply)
         if value is None:
             return None
