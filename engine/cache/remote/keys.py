@@ -37,6 +37,7 @@ from typing import Sequence
 import blake3
 import numpy as np
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from ...config import reveal
@@ -90,12 +91,13 @@ class TeamKeys:
         if secret is None:  # the open space's "encryption" key is public: integrity against corruption only
             self._chain = None
             self.key_id = OPEN
-            self._aead = AESGCM(blake3.blake3(_context("open space").encode()).digest())
+            self._key = blake3.blake3(_context("open space").encode()).digest()
         else:
             secret = stretch(check_secret(secret))
             self._chain = blake3.blake3(secret, derive_key_context=_context("prefix keys")).digest()
             self.key_id = blake3.blake3(secret, derive_key_context=_context("key id")).hexdigest()[:12]
-            self._aead = AESGCM(blake3.blake3(secret, derive_key_context=_context("encryption")).digest())
+            self._key = blake3.blake3(secret, derive_key_context=_context("encryption")).digest()
+        self._aead = AESGCM(self._key)
 
     def encrypt(self, ad: bytes, data: bytes) -> bytes:
         """AES-256-GCM under this secret, a fresh random nonce, `ad` (what names the value) bound in:
@@ -112,6 +114,14 @@ class TeamKeys:
             return self._aead.decrypt(view[:NONCE_BYTES], view[NONCE_BYTES:], ad)
         except InvalidTag:
             return None
+
+    def decryptor(self, ad: bytes, nonce: bytes):
+        """A streaming AES-256-GCM decryptor of an encrypt(ad, ...) value whose first NONCE_BYTES are
+        `nonce` (reads.py opens a large value piece by piece as it arrives): what its update_into()
+        writes is unauthenticated until finalize_with_tag(the value's last 16 bytes) returns."""
+        d = Cipher(algorithms.AES(self._key), modes.GCM(nonce)).decryptor()
+        d.authenticate_additional_data(ad)
+        return d
 
     @property
     def key_id_bytes(self) -> bytes:

@@ -15,7 +15,9 @@ GIL), so a hit's crypto hides behind its transfer. Where values are large
 against the round trip, the last chunks halve (4, 2, 1 values): what is left
 to verify after the last byte arrives is one value, not GET_BATCH (on a link
 slower than the crypto, the only part of it a lookup waits for), for two or
-three more round trips. Values are still taken in
+three more round trips; and that last value, when its verification outlasts
+a probe's round trip, is read in pieces (ValueInPieces: 1/2, 1/4, 1/8, 1/8), each
+decrypted and hashed as it arrives. Values are still taken in
 order, exactly as if read one chunk after another: the verified values
 before a bad block, a read error or the deadline are what RemoteMiss carries.
 """
@@ -27,13 +29,17 @@ from concurrent import futures
 from typing import Sequence
 
 from .client import RemoteError
-from .keys import AEAD_OVERHEAD, KeySpace, block_name, is_block_name
+import blake3
+from cryptography.exceptions import InvalidTag
+
+from .keys import AEAD_OVERHEAD, NONCE_BYTES, KeySpace, block_name, is_block_name
 from .meter import PRIOR_LATENCY_S
 from .records import MAX_VALUE_BYTES
 
+PIECES = 4  # the last value of a fetch, read in up to this many ranges (1/2, 1/4, 1/8, 1/8 of it)
+MIN_PIECE_BYTES = 64 * 1024
 GET_BATCH = 8  # block values per round trip: at most 8 x 4 MB read while the 8 before are verified
 META_BATCH = 256  # small commands (STRLEN, EXPIRE, record SET, UNLINK) per pipeline
-VERIFY_BYTES_PER_S = 1e9  # AES-GCM + BLAKE3 of a value on one core (~0.5 GB/s each here when idle, 2x on Apple silicon)
 
 
 class RemoteMiss(Exception):
@@ -78,21 +84,42 @@ class BlockReads:
         if bad is not None:
             raise RemoteMiss(f"not a block name or size: {bad!r:.80}")
         sized, why = self._sized(items, space, deadline)
-        opening, first = None, 0  # (the chunk before, its values being opened by the worker)
-        largest = max((s for _, s in sized), default=0)  # halving: 3 more round trips against 7 values' verification
-        halve = 3 * (self.meter.latency_s or PRIOR_LATENCY_S) < (GET_BATCH - 1) * largest / VERIFY_BYTES_PER_S
-        for size in chunk_sizes(len(sized), halve):
-            chunk, first = sized[first:first + size], first + size
+        opening = None  # (the chunk before, its values being opened by the worker)
+        for chunk, pieces in self.read_plan(sized):
             try:
-                values = self._read_values(chunk, space, deadline)
+                got = self._read_piece(space, chunk[0], *pieces[0], deadline) if pieces else \
+                    self._read_values(chunk, space, deadline)
             finally:  # the chunk before is kept first, even when this read failed: as if read one by one
                 if opening is not None:
                     self._keep(space, *opening, out)
-            opening = chunk, self._opener.submit(_opened, space, chunk, values)
+            if not pieces:
+                opening = chunk, self._opener.submit(self._opened, space, chunk, got)
+                continue
+            value = ValueInPieces(space, *chunk[0])
+            self._opener.submit(value.feed, got)
+            for lo, hi in pieces[1:]:
+                self._opener.submit(value.feed, self._read_piece(space, chunk[0], lo, hi, deadline))
+            opening = chunk, self._opener.submit(value.finish)
         if opening is not None:
             self._keep(space, *opening, out)
         if why is not None:
             raise RemoteMiss(why)
+
+    def read_plan(self, sized: list) -> list[tuple[list, list]]:
+        """How get_blocks reads (name, size) items: [(chunk, pieces)], a chunk's values in one round
+        trip, or one value in ranges `pieces`. GET_BATCH values a chunk; where values are large against
+        the round trip, the last chunks halve (three more round trips against 7 values' verification)
+        and the last value, when its verification outlasts a probe's round trip, comes in pieces."""
+        largest, latency = max((s for _, s in sized), default=0), self.meter.latency_s or PRIOR_LATENCY_S
+        halve = 3 * latency < self.meter.verify_seconds((GET_BATCH - 1) * largest)
+        plan, first = [], 0
+        for size in chunk_sizes(len(sized), halve):
+            chunk, first = sized[first:first + size], first + size
+            # Pieces: 3 one-command round trips, about one probe round trip (its 32 commands' client work
+            # is most of it near the server), against 7/8 of the value's verification.
+            last = size == 1 and first == len(sized) and latency < self.meter.verify_seconds(chunk[0][1])
+            plan.append((chunk, piece_ranges(chunk[0][1]) if last else []))
+        return plan
 
     def _keep(self, space: KeySpace, chunk: list, opened: futures.Future, out: list) -> None:
         """Append a chunk's verified values; at its first bad one count it, remove it, RemoteMiss."""
@@ -134,19 +161,81 @@ class BlockReads:
         self.meter.transfer(n_bytes, time.perf_counter() - t0)
         return values
 
+    def _read_piece(self, space: KeySpace, item: tuple[str, int], lo: int, hi: int, deadline) -> bytes:
+        """Bytes [lo, hi) of an item's stored (encrypted) value."""
+        t0 = time.perf_counter()
+        piece = self.reader.pipeline("read a block's piece", lambda p: [p.getrange(space.block(item[0]), lo, hi - 1)],
+                                     time_left(deadline))[0]
+        piece = piece if isinstance(piece, bytes) else b""
+        self.count(bytes_read=len(piece))
+        self.meter.transfer(len(piece), time.perf_counter() - t0)
+        return piece
+
+    def _opened(self, space: KeySpace, chunk: list, values: list) -> list[bytes]:
+        """The plaintexts of a chunk's values up to the first that does not decrypt to its size and
+        name (on the opener thread, timed: read_plan weighs round trips against it)."""
+        t0, out = time.perf_counter(), []
+        for (n, size), v in zip(chunk, values):
+            v = space.keys.decrypt(space.block(n).encode(), v)  # one AEAD call per value
+            if v is None or len(v) != size or block_name(v) != n:
+                break
+            out.append(v)
+        self.meter.verified(sum(map(len, out)), time.perf_counter() - t0)
+        return out
+
     def close_reads(self) -> None:
         self._opener.shutdown(cancel_futures=True)
 
 
-def _opened(space: KeySpace, chunk: list, values: list) -> list[bytes]:
-    """The plaintexts of a chunk's values up to the first that does not decrypt to its size and name."""
-    out = []
-    for (n, size), v in zip(chunk, values):
-        v = space.keys.decrypt(space.block(n).encode(), v)  # one AEAD call per value
-        if v is None or len(v) != size or block_name(v) != n:
-            break
-        out.append(v)
-    return out
+
+
+class ValueInPieces:
+    """One value opened as its pieces arrive, in order, on the opener thread: decrypted (AES-GCM)
+    into its buffer and hashed piece by piece, so what is left when its last byte arrives is
+    the last piece's work. finish() returns [the value] only if the GCM tag authenticates all of
+    it and its BLAKE3 is its name; nothing unauthenticated leaves this object."""
+
+    def __init__(self, space: KeySpace, name: str, size: int):
+        self.keys, self.ad, self.name, self.size = space.keys, space.block(name).encode(), name, size
+        self.buf = bytearray(size + 16)  # update_into needs a block's room beyond what it writes
+        self.at, self.decryptor, self.tag = 0, None, b""
+        self.hasher = blake3.blake3()
+
+    def feed(self, piece: bytes) -> None:
+        """The next piece of the stored value (nonce, ciphertext, tag), in order."""
+        view = memoryview(piece)
+        if self.decryptor is None:
+            if len(view) < NONCE_BYTES:  # gone or replaced since its STRLEN (GCM takes no such nonce)
+                return  # finish() finds it short
+            self.decryptor, view = self.keys.decryptor(self.ad, bytes(view[:NONCE_BYTES])), view[NONCE_BYTES:]
+        end = self.size - self.at  # ciphertext bytes still to come; the tag follows them
+        data, self.tag = view[:end], bytes(view[end:])
+        with memoryview(self.buf) as out:  # (released before finish() trims the buffer)
+            n = self.decryptor.update_into(data, out[self.at:])
+            self.hasher.update(out[self.at:self.at + n])
+        self.at += n
+
+    def finish(self) -> list:
+        if self.decryptor is None or self.at != self.size or len(self.tag) != 16:
+            return []
+        try:
+            self.decryptor.finalize_with_tag(self.tag)
+        except InvalidTag:
+            return []
+        if self.hasher.hexdigest() != self.name:
+            return []
+        del self.buf[self.size:]
+        return [self.buf]
+
+
+def piece_ranges(size: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of a value of `size` plaintext bytes as stored (AEAD_OVERHEAD more): halves,
+    1/2, 1/4, 1/8, 1/8 of it, none under MIN_PIECE_BYTES; [] for a value too small to split."""
+    total, out, lo = size + AEAD_OVERHEAD, [], 0
+    while len(out) < PIECES - 1 and (total - lo) // 2 >= MIN_PIECE_BYTES:
+        out.append((lo, lo + (total - lo) // 2))
+        lo = out[-1][1]
+    return out + [(lo, total)] if out else []
 
 
 def chunk_sizes(n: int, halve: bool = True) -> list[int]:

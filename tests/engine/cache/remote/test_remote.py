@@ -32,7 +32,7 @@ from mlxcache_kernel.engine.cache.remote import (RemoteConfigError, RemoteMiss, 
 from mlxcache_kernel.engine.cache.remote.breaker import Breaker
 from mlxcache_kernel.engine.cache.remote.keys import KeySpace
 from mlxcache_kernel.engine.cache.remote.publisher import Publisher
-from mlxcache_kernel.engine.cache.remote.reads import GET_BATCH, chunk_sizes
+from mlxcache_kernel.engine.cache.remote.reads import GET_BATCH, ValueInPieces, chunk_sizes, piece_ranges
 from mlxcache_kernel.engine.cache.remote.records import (LAYOUT, LAYOUT_MAGIC, MAX_AGE_S, ExactRecord, ExactSet,
                                                          RemoteRecord, _ad, encode_layout, seal_chain, seal_exact,
                                                          seal_layout, unseal)
@@ -112,10 +112,10 @@ def tier_on(server: RedisServer, secret=SECRET, user=USER, password=USER_PW, **k
 
 
 @contextlib.contextmanager
-def published(server: RedisServer, ns: str, n_blocks: int, seed: int):
-    """A tier on `server` that published `n_blocks` random blocks of a prompt under `ns`:
-    (tier, its key space, values, blocks, tokens)."""
-    values, blocks = blocks_of(n_blocks)
+def published(server: RedisServer, ns: str, n_blocks: int, seed: int, size: int = 256 * 1024):
+    """A tier on `server` that published `n_blocks` random blocks of `size` bytes of a prompt under
+    `ns`: (tier, its key space, values, blocks, tokens)."""
+    values, blocks = blocks_of(n_blocks, size)
     toks = tokens_for(n_blocks, seed=seed)
     with tier_on(server) as tier:
         assert publish(tier, ns, toks, blocks) == []
@@ -270,6 +270,33 @@ def test_one_slow_first_round_trip_does_not_decide_alone():
     for _ in range(10):
         tier.meter.round_trip(0.7)
     assert not tier.worth_fetching(288, 20_000, 100.0, block_size=32)
+    tier.close()
+
+
+def test_a_fetch_plan_weighs_round_trips_against_the_measured_verification():
+    """get_blocks halves its last reads and takes its last value in pieces only where the verification
+    they hide outlasts the round trips they add: near the server, or where verifying is slow (a busy
+    core, measured as it runs); a far server, or a fast verifier, gets whole chunks of GET_BATCH."""
+    tier = RemoteTier("redis://127.0.0.1:1", secret=SECRET)  # never contacted here
+    sized = [(f"{i:064x}", 1 << 20) for i in range(20)]
+
+    def plan():
+        p = tier.read_plan(sized)
+        assert [v for c, _ in p for v in c] == sized
+        return [len(c) for c, _ in p], p[-1][1]
+
+    tier.meter.latency_s = 1e-4
+    assert plan() == (chunk_sizes(20), piece_ranges(1 << 20))  # 0.1 ms away: 4, 2, 1, and pieces
+    tier.meter.latency_s = 0.05
+    assert plan() == (chunk_sizes(20, halve=False), [])  # 50 ms away: no round trip added
+    tier.meter.latency_s = 3e-3
+    assert plan() == (chunk_sizes(20), [])  # 7 values' verification outlasts 3 round trips, one value's not one
+    for _ in range(20):
+        tier.meter.verified(1 << 20, 0.01)  # a verifier at 100 MB/s (a starved core)
+    assert plan() == (chunk_sizes(20), piece_ranges(1 << 20))
+    for _ in range(20):
+        tier.meter.verified(1 << 20, 1e-4)  # at 10 GB/s
+    assert plan() == (chunk_sizes(20, halve=False), [])
     tier.close()
 
 
@@ -531,6 +558,66 @@ def test_a_member_cannot_swap_a_blocks_bytes(server, bad):
         s = tier.stats()
         assert s["bad_blocks"] == 1 and s["hits"] == bad and s["misses"] == 12 - bad
         assert publish(tier, f"ns-swap-{bad}", toks, blocks) == [] and tier.get_blocks(items(blocks)) == values
+
+
+def test_a_value_in_pieces_opens_only_whole_authentic_and_named():
+    """The last value of a fetch is decrypted and hashed piece by piece as it arrives (reads.py);
+    what comes out is the value itself or nothing, whatever the pieces were."""
+    space = KeySpace(TeamKeys(SECRET))
+    value = os.urandom(1 << 20)
+    name, ad = block_name(value), space.block(block_name(value)).encode()
+    stored = space.keys.encrypt(ad, value)
+    ranges = piece_ranges(len(value))
+    assert len(ranges) == 4 and all(hi - lo == (len(stored) - lo) // 2 for lo, hi in ranges[:3])  # 1/2, 1/4, 1/8, 1/8
+    assert ranges[0][0] == 0 and ranges[-1][1] == len(stored) and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert piece_ranges(100_000) == []  # too small to be worth more round trips
+
+    def opened(pieces, stored_name=name):
+        v = ValueInPieces(space, stored_name, len(value))
+        for p in pieces:
+            v.feed(p)
+        return v.finish()
+
+    honest = [stored[lo:hi] for lo, hi in ranges]
+    assert opened(honest) == [value]
+    tag_changed = honest[:-1] + [honest[-1][:-1] + bytes([honest[-1][-1] ^ 1])]
+    assert opened(tag_changed) == []  # the plaintext still hashes to its name: only the GCM tag tells
+    other = space.keys.encrypt(ad, os.urandom(len(value)))  # a member's other bytes under the block's key
+    assert opened([other[lo:hi] for lo, hi in ranges]) == []  # the tag opens; BLAKE3 against the name tells
+    assert opened(honest, stored_name=block_name(b"another")) == []
+    assert opened([*honest[:2], honest[2][:-8], honest[3]]) == []  # a short piece: the tag would come up short
+    assert opened([b"12345", *honest[1:]]) == []  # replaced by a value shorter than a nonce since its STRLEN
+    assert opened(honest[:-1]) == [] and opened([]) == []
+
+
+def test_the_last_value_of_a_fetch_comes_in_pieces_and_a_change_between_them_is_a_miss(server):
+    """Near the server (verifying a value outlasts three round trips) a fetch's last value is read in
+    pieces, each opened as it arrives; far from it, whole. The same values either way, and a value
+    replaced between its pieces is a counted miss, removed, after the verified values before it."""
+    with published(server, "ns-pieces", 3, seed=81, size=1 << 20) as (tier, space, values, blocks, toks):
+        read = []
+        real = tier._read_piece
+        tier._read_piece = lambda sp, item, lo, hi, dl: read.append((lo, hi)) or real(sp, item, lo, hi, dl)
+        tier.meter.latency_s = 0.5  # far: whole values
+        assert tier.meter.verify_rate is None
+        assert tier.get_blocks(items(blocks)) == values and read == []
+        assert tier.meter.verify_rate > 0  # measured as the opener ran: read_plan weighs it
+        tier.meter.latency_s = 1e-4  # 0.1 ms away
+        assert tier.get_blocks(items(blocks)) == values and read == piece_ranges(blocks[-1].size)
+        key = space.block(blocks[-1].name)
+        for replacement in (tier.keys[0].encrypt(key.encode(), os.urandom(blocks[-1].size)), b"12345"):
+            def after_first(sp, item, lo, hi, dl, replacement=replacement):
+                piece = real(sp, item, lo, hi, dl)
+                if lo == 0:
+                    server.client().set(key, replacement)
+                return piece
+
+            tier._read_piece = after_first
+            before = tier.stats()["bad_blocks"]
+            miss = _outcome(tier.get_blocks, items(blocks))
+            assert isinstance(miss, RemoteMiss) and "failed verification" in str(miss) and miss.blocks == values[:2]
+            assert tier.wait(10) == [] and server.client().strlen(key) == 0 and tier.stats()["bad_blocks"] == before + 1
+            assert publish(tier, "ns-pieces", toks, blocks) == []  # uploaded again
 
 
 def test_read_only_user_and_replica_get_hits(server, own_server):
