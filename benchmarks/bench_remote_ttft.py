@@ -38,8 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,7 +45,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from common import default_model, emit, median, prompt_tokens
+from common import behind_link, default_model, emit, median, prompt_tokens
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))
 from redis_servers import RedisServer, missing  # noqa: E402
@@ -155,7 +153,6 @@ def _fetch_cost(url: str, ns: str, ids: list[int], rounds: int = 5) -> dict:
     added = get_blocks - raw: what decryption and verification add to a lookup's wall-clock."""
     from mlxcache_kernel.engine.cache.remote import RemoteTier
     from mlxcache_kernel.engine.cache.remote.rebuild import build_spans, parse_layout
-    from mlxcache_kernel.engine.cache.remote.reads import chunk_sizes
 
     toks = ids[: (len(ids) - 1) // 32 * 32]
     with RemoteTier(url, secret=SECRET) as tier:
@@ -169,9 +166,11 @@ def _fetch_cost(url: str, ns: str, ids: list[int], rounds: int = 5) -> dict:
         def raw():
             sized, why = tier._sized(items, space, None)
             assert why is None and len(sized) == len(items)
-            ends = np.cumsum([0, *chunk_sizes(len(sized))])  # the same reads as get_blocks makes
-            chunks = (sized[a:b] for a, b in zip(ends[:-1], ends[1:]))
-            return [v for c in chunks for v in tier._read_values(c, space, None)]  # kept, as a lookup keeps them
+            kept = []  # the same reads as get_blocks makes, kept as a lookup keeps them
+            for chunk, pieces in tier.read_plan(sized):
+                kept += [tier._read_piece(space, chunk[0], lo, hi, None) for lo, hi in pieces] if pieces else \
+                    tier._read_values(chunk, space, None)
+            return kept
 
         times = {"raw": [], "get_blocks": [], "build_spans": []}
         for _ in range(rounds):
@@ -210,17 +209,6 @@ def _run_child(*args) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _behind_link(rate: str) -> None:
-    """Run this benchmark again in a network namespace whose loopback passes `rate` (a token bucket:
-    the server's replies arrive as from another host behind that link; the CPU is still shared)."""
-    if not (sys.platform.startswith("linux") and os.geteuid() == 0 and shutil.which("unshare") and shutil.which("tc")):
-        raise SystemExit("--link needs Linux, root, unshare and tc (a network namespace with a rate-limited loopback)")
-    script = (f"ip link set lo up && tc qdisc add dev lo root tbf rate {shlex.quote(rate)} burst 2mb latency 50ms"
-              ' && exec "$0" "$@"')
-    os.environ["MLXCACHE_BENCH_LINK"] = rate
-    os.execvp("unshare", ["unshare", "--net", "sh", "-c", script, sys.executable, __file__, *sys.argv[1:]])
-
-
 def main() -> None:
     if sys.argv[1:2] == ["_child"]:
         _child(*sys.argv[2:5])
@@ -234,7 +222,7 @@ def main() -> None:
                                    "loopback rate-limited in a network namespace of its own (Linux, root)")
     args = ap.parse_args()
     if args.link and os.environ.get("MLXCACHE_BENCH_LINK") != args.link:
-        _behind_link(args.link)
+        behind_link(args.link, __file__)
     if args.auth_only:
         args.cold_max = 0
     if missing():

@@ -44,3 +44,18 @@ def emit(result: dict) -> None:
 
     result = {"blas": active_blas(), "python": sys.version.split()[0], "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **result}
     print(json.dumps(result, indent=2))
+
+
+def behind_link(rate: str, script: str) -> None:
+    """Run `script` again (with this process's arguments) in a network namespace whose loopback
+    passes `rate` (tc tbf, e.g. 1gbit): a server started there answers as from another host behind
+    that link; the CPU is still this machine's. Linux, root."""
+    import shlex
+    import shutil
+
+    if not (sys.platform.startswith("linux") and os.geteuid() == 0 and shutil.which("unshare") and shutil.which("tc")):
+        raise SystemExit("--link needs Linux, root, unshare and tc (a network namespace with a rate-limited loopback)")
+    setup = (f"ip link set lo up && tc qdisc add dev lo root tbf rate {shlex.quote(rate)} burst 2mb latency 50ms"
+             ' && exec "$0" "$@"')
+    os.environ["MLXCACHE_BENCH_LINK"] = rate
+    os.execvp("unshare", ["unshare", "--net", "sh", "-c", setup, sys.executable, script, *sys.argv[1:]])
