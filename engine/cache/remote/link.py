@@ -153,11 +153,12 @@ class RemoteLink:
         if not self.tier.worth_fetching(records[-1].end - have, layout.data_bytes / bt, rate, block_size=bt):
             self.counters["remote_skipped"] += 1
             return None, None
-        early = None if layout.min_reusable_offset else self._ahead(ns, prompt[:len(records) * bt])  # (quantized: unchecked)
         names = [r.block for r in records]
+        fetch = self.tier.start_blocks([(r.block, layout.block_bytes(r.index)) for r in records],
+                                       key_id=found.key_id, deadline=deadline)
+        early = None if layout.min_reusable_offset else self._ahead(ns, prompt[:len(records) * bt])  # (quantized: unchecked)
         try:
-            values = self.tier.get_blocks([(r.block, layout.block_bytes(r.index)) for r in records],
-                                          key_id=found.key_id, deadline=deadline)
+            values = fetch.result()
         except RemoteMiss as e:  # a shorter run of verified blocks may still be worth it
             values = e.blocks
             self.counters["remote_misses"] += 1
@@ -198,8 +199,9 @@ class RemoteLink:
                 self.tier.count(malformed=1)
                 raise RemoteMiss("a remote exact record and its manifest disagree on its size")
             # (a state past kv_start has quantized layers: its first layer is not checked)
+            fetch = self.tier.start_blocks(items, key_id=found.key_id, deadline=deadline)
             early = None if manifest.header.min_reusable_offset else self._ahead(ns, prompt[:n])
-            values = self.tier.get_blocks(items, key_id=found.key_id, deadline=deadline)
+            values = fetch.result()
             try:
                 cp = manifest.build(values)
             except Exception as e:  # noqa: BLE001 - layers from another build: whatever the codecs raise is a miss

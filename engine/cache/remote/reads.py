@@ -58,6 +58,14 @@ class BlockReads:
 
     def __init__(self):
         self._opener = futures.ThreadPoolExecutor(1, thread_name_prefix="mlxcache-remote-verify")
+        self._fetcher = futures.ThreadPoolExecutor(1, thread_name_prefix="mlxcache-remote-fetch")
+
+    def start_blocks(self, items: Sequence[tuple[str, int]], *, key_id: str | None = None,
+                     deadline: float | None = None) -> futures.Future:
+        """get_blocks on the tier's fetch thread, so the caller's thread does other work meanwhile (the
+        first-layer sample: ~1-1.5 ms at 8k that would delay the first read); result() returns or
+        raises as get_blocks would."""
+        return self._fetcher.submit(self.get_blocks, items, key_id=key_id, deadline=deadline)
 
     def get_blocks(self, items: Sequence[tuple[str, int]], *, key_id: str | None = None,
                    deadline: float | None = None) -> list[bytes]:
@@ -184,6 +192,7 @@ class BlockReads:
         return out
 
     def close_reads(self) -> None:
+        self._fetcher.shutdown(cancel_futures=True)
         self._opener.shutdown(cancel_futures=True)
 
 

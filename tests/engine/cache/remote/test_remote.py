@@ -620,6 +620,17 @@ def test_the_last_value_of_a_fetch_comes_in_pieces_and_a_change_between_them_is_
             assert publish(tier, "ns-pieces", toks, blocks) == []  # uploaded again
 
 
+def test_blocks_fetched_on_the_fetch_thread_are_those_of_get_blocks(server):
+    """A lookup starts its fetch on the tier's thread (the caller computes the first-layer sample
+    meanwhile): the same values, and the same miss with the verified values before it."""
+    with published(server, "ns-start", 3, seed=82) as (tier, space, values, blocks, toks):
+        fetch = tier.start_blocks(items(blocks))
+        assert fetch.result(30) == values
+        server.client().unlink(space.block(blocks[2].name))
+        miss = _outcome(tier.start_blocks(items(blocks)).result, 30)
+        assert isinstance(miss, RemoteMiss) and miss.blocks == values[:2]
+
+
 def test_read_only_user_and_replica_get_hits(server, own_server):
     values, blocks = blocks_of(3)
     toks = tokens_for(3, seed=50)
