@@ -1,7 +1,7 @@
 """One remote lookup (probe, then the hit's block values) on its own, as the engine makes it (issue 30).
 
     .venv/bin/python benchmarks/bench_remote_lookup.py [--blocks 255] [--value-bytes 1476868] [--rounds 7]
-        [--link 1gbit]
+        [--probe-rounds 40] [--link 1gbit]
 
 A writer publishes a prompt of --blocks 32-token blocks (random values of an
 8k SmolLM2 float32 block's size, its 30-layer layout) to a redis-server this
@@ -17,7 +17,9 @@ the model: bench_remote_trust.py.
 The same file runs against an older checkout (PYTHONPATH=<a git archive of it>,
 engine/ and widgets/ symlinked under its mlxcache_kernel/): it uses only
 RemoteTier(url, secret), publish, wait, probe and get_blocks, and passes a
-signing key and an allow-list only where the tier takes them. Prints one JSON document.
+signing key and an allow-list only where the tier takes them (--ahead needs this
+checkout: it times the first-layer sample's call serially and beside a fetch on
+the tier's fetch thread, as link.py makes it). Prints one JSON document.
 """
 
 from __future__ import annotations
@@ -93,11 +95,52 @@ def _raw_values(tier, items: list, space) -> list:
     return [v for i in range(0, len(sized), 8) for v in tier._read_values(sized[i:i + 8], space, None)]
 
 
+def _overlap(tier, items: list, toks: list, rounds: int, ends: list) -> dict:
+    """The first-layer sample's call (kv/first_layer.ahead, the default model) and the fetch, as a
+    lookup makes them: serially (the call, then get_blocks on this thread) and overlapped (get_blocks
+    on the tier's fetch thread, started first: link.py). `*_first_read_ms`: from the lookup's decision
+    to fetch until the fetch's first read begins; `*_fetch_ms`: until the values are there."""
+    import mlx.core as mx
+    from common import default_model
+
+    from mlxcache_kernel.engine import Engine
+    from mlxcache_kernel.engine.kv import first_layer
+
+    eng = Engine(ssd=False)
+    eng.load_model(default_model(), name="m")
+    m, prompt = eng.models.get("m"), np.asarray(toks, dtype=np.int64)
+    starts, real = [], tier._sized
+    tier._sized = lambda *a: starts.append(time.perf_counter()) or real(*a)
+    out = {k: [] for k in ("serial_first_read", "serial_fetch", "overlapped_first_read", "overlapped_fetch",
+                           "ahead_call")}
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        early = first_layer.ahead(m, prompt)
+        out["ahead_call"].append(time.perf_counter() - t0)
+        tier.get_blocks(items)
+        out["serial_first_read"].append(starts[-1] - t0)
+        out["serial_fetch"].append(ends[-1] - t0)
+        mx.eval(*early.got)
+        t0 = time.perf_counter()
+        fetch = tier.start_blocks(items)
+        early = first_layer.ahead(m, prompt)
+        fetch.result()
+        out["overlapped_first_read"].append(starts[-1] - t0)
+        out["overlapped_fetch"].append(ends[-1] - t0)
+        mx.eval(*early.got)
+    tier._sized = real
+    eng.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--blocks", type=int, default=255)
     ap.add_argument("--value-bytes", type=int, default=1_476_868)
-    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=7, help="fetches of the values (each timed raw and opened)")
+    ap.add_argument("--probe-rounds", type=int, default=40)
+    ap.add_argument("--ahead", action="store_true", help="also time the first-layer sample's call beside the fetch "
+                                                         "(serial and overlapped; loads the default model)")
     ap.add_argument("--link", help="the server behind a link of this rate (tc tbf, e.g. 1gbit; Linux, root)")
     args = ap.parse_args()
     if args.link and os.environ.get("MLXCACHE_BENCH_LINK") != args.link:
@@ -134,7 +177,7 @@ def main() -> None:
                         return r
                     setattr(tier, m, timed)
                 t = {k: [] for k in ("raw_probe", "probe", "raw_values", "get_blocks", "after_last_byte")}
-                for _ in range(args.rounds):
+                for _ in range(args.probe_rounds):  # apart from the fetches, whose 377 MB churn the memory
                     t0 = time.perf_counter()
                     _raw_probe(tier, chain, space)
                     t["raw_probe"].append(time.perf_counter() - t0)
@@ -142,6 +185,7 @@ def main() -> None:
                     f = tier.probe(ns, toks, BS)
                     t["probe"].append(time.perf_counter() - t0)
                     assert len(f.records) == args.blocks
+                for _ in range(args.rounds):
                     t0 = time.perf_counter()
                     kept = _raw_values(tier, items, space)
                     t["raw_values"].append(time.perf_counter() - t0)
@@ -153,11 +197,14 @@ def main() -> None:
                     t["after_last_byte"].append(t1 - ends[-1])
                     assert got == values
                     del got
+                if args.ahead:
+                    t.update(_overlap(tier, items, toks[:args.blocks * BS], args.rounds, ends))
                 ms = {k: round(median(v) * 1e3, 2) for k, v in t.items()}
         finally:
             server.stop()
     emit({"case": "remote_lookup", "link": args.link or "loopback", "blocks": args.blocks,
-          "value_bytes": args.value_bytes, "rounds": args.rounds, "signed": bool(trust),
+          "value_bytes": args.value_bytes, "rounds": args.rounds, "probe_rounds": args.probe_rounds,
+          "signed": bool(trust),
           "results": {**{f"{k}_ms": v for k, v in ms.items()},
                       "probe_added_ms": round(ms["probe"] - ms["raw_probe"], 2),
                       "values_added_ms": round(ms["get_blocks"] - ms["raw_values"], 2),

@@ -65,7 +65,9 @@ class BlockReads:
         """get_blocks on the tier's fetch thread, so the caller's thread does other work meanwhile (the
         first-layer sample: ~1-1.5 ms at 8k that would delay the first read); result() returns or
         raises as get_blocks would."""
-        return self._fetcher.submit(self.get_blocks, items, key_id=key_id, deadline=deadline)
+        fetch = self._fetcher.submit(self.get_blocks, items, key_id=key_id, deadline=deadline)
+        time.sleep(0)  # the GIL to the fetch thread first: its first read, not the caller's work, is what a hit waits for
+        return fetch
 
     def get_blocks(self, items: Sequence[tuple[str, int]], *, key_id: str | None = None,
                    deadline: float | None = None) -> list[bytes]:
