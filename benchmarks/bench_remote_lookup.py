@@ -10,7 +10,9 @@ benchmark starts; a reader's tier then looks it up --rounds times: `probe`
 signature) and `get_blocks` (every value read, decrypted and hashed against its
 name). Each is timed beside `raw`, the same round trips with the replies kept
 and nothing opened, so `*_added_ms` is what opening and checking cost a
-lookup's wall-clock (medians of interleaved rounds); `after_last_byte_ms` is the
+lookup's wall-clock (medians of interleaved rounds; the probe's also in this
+thread's CPU time, `*_cpu_ms`, steadier between processes, which on two cores
+land beside redis-server or not); `after_last_byte_ms` is the
 part of get_blocks after its last read returned. The first-layer check needs
 the model: bench_remote_trust.py.
 
@@ -64,12 +66,12 @@ def _trust() -> dict:
     return {"signing_key": key.seed_text(), "writers": f"bench={key.public_text()}"}
 
 
-def _raw_probe(tier, chain: list, space) -> None:
-    """The probe's round trips (what this checkout's probe sends), replies kept, nothing opened."""
+def _raw_probe(tier, chain: list, space, pair: bool) -> None:
+    """The probe's round trips (what this checkout's probe sends: `pair`, a STRLEN beside each GETRANGE),
+    replies kept, nothing opened."""
     from mlxcache_kernel.engine.cache.remote import tier as tier_module
 
     size = tier_module.MAX_RECORD_BYTES
-    pair = "strlen" in inspect.getsource(type(tier)._probe)  # older probes read STRLEN beside each record
     for first in range(0, len(chain), tier.probe_batch):
         chunk = chain[first:first + tier.probe_batch]
 
@@ -152,7 +154,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     values = [rng.bytes(args.value_bytes) for _ in range(args.blocks)]
     blocks = [Value(block_name(v), len(v), (lambda v=v: v)) for v in values]
-    toks = rng.integers(0, 49_152, args.blocks * BS + 7).tolist()
+    toks = rng.integers(0, 49_152, args.blocks * BS + 7)  # int64, as a lookup has the prompt (tiered.take)
     ns = "bench-lookup"
     trust = _trust()
     with tempfile.TemporaryDirectory() as d:
@@ -160,7 +162,7 @@ def main() -> None:
         try:
             url = server.url(password="bench-pw-123")
             with _tier(url, **trust) as writer:
-                assert writer.publish(ns, toks, BS, blocks, _layout())
+                assert writer.publish(ns, toks.tolist(), BS, blocks, _layout())
                 assert writer.wait(300) == []
             with _tier(url, **trust) as tier:
                 keys = tier.keys[0]
@@ -176,14 +178,18 @@ def main() -> None:
                         ends.append(time.perf_counter())
                         return r
                     setattr(tier, m, timed)
-                t = {k: [] for k in ("raw_probe", "probe", "raw_values", "get_blocks", "after_last_byte")}
+                pair = "strlen" in inspect.getsource(type(tier)._probe)  # older probes read STRLEN beside each record
+                t = {k: [] for k in ("raw_probe", "probe", "raw_probe_cpu", "probe_cpu", "raw_values", "get_blocks",
+                                     "after_last_byte")}
                 for _ in range(args.probe_rounds):  # apart from the fetches, whose 377 MB churn the memory
-                    t0 = time.perf_counter()
-                    _raw_probe(tier, chain, space)
+                    t0, c0 = time.perf_counter(), time.thread_time()
+                    _raw_probe(tier, chain, space, pair)
                     t["raw_probe"].append(time.perf_counter() - t0)
-                    t0 = time.perf_counter()
+                    t["raw_probe_cpu"].append(time.thread_time() - c0)
+                    t0, c0 = time.perf_counter(), time.thread_time()
                     f = tier.probe(ns, toks, BS)
                     t["probe"].append(time.perf_counter() - t0)
+                    t["probe_cpu"].append(time.thread_time() - c0)
                     assert len(f.records) == args.blocks
                 for _ in range(args.rounds):
                     t0 = time.perf_counter()
@@ -207,6 +213,7 @@ def main() -> None:
           "signed": bool(trust),
           "results": {**{f"{k}_ms": v for k, v in ms.items()},
                       "probe_added_ms": round(ms["probe"] - ms["raw_probe"], 2),
+                      "probe_added_cpu_ms": round(ms["probe_cpu"] - ms["raw_probe_cpu"], 2),
                       "values_added_ms": round(ms["get_blocks"] - ms["raw_values"], 2),
                       "lookup_ms": round(ms["probe"] + ms["get_blocks"], 2), "load": os.getloadavg()[0]}})
 
