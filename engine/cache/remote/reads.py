@@ -72,7 +72,8 @@ class BlockReads:
     def get_blocks(self, items: Sequence[tuple[str, int]], *, key_id: str | None = None,
                    deadline: float | None = None) -> list[bytes]:
         """The values of blocks (name, exact size), each read only if its size is right and verified
-        by BLAKE3; RemoteMiss (with the verified values before it) if any is missing, wrong or unreadable."""
+        by BLAKE3; RemoteMiss (with the verified values before it) if any is missing, wrong or unreadable.
+        Each is bytes, but a value read in pieces (a fetch's last) is a bytearray: no copy of it."""
         items, out = list(items), []
         try:
             self._read_blocks(items, key_id, deadline, out)
@@ -172,10 +173,13 @@ class BlockReads:
         return values
 
     def _read_piece(self, space: KeySpace, item: tuple[str, int], lo: int, hi: int, deadline) -> bytes:
-        """Bytes [lo, hi) of an item's stored (encrypted) value."""
+        """Bytes [lo, hi) of an item's stored (encrypted) value; RemoteMiss if it is gone since its STRLEN
+        (evicted or expired: not counted as a bad block; anything else it became fails verification)."""
         t0 = time.perf_counter()
         piece = self.reader.pipeline("read a block's piece", lambda p: [p.getrange(space.block(item[0]), lo, hi - 1)],
                                      time_left(deadline))[0]
+        if piece == b"":
+            raise RemoteMiss(f"block {item[0][:16]} is not in the remote (evicted or expired while read)")
         piece = piece if isinstance(piece, bytes) else b""
         self.count(bytes_read=len(piece))
         self.meter.transfer(len(piece), time.perf_counter() - t0)

@@ -113,3 +113,18 @@ def test_a_whole_only_mark_is_of_that_model_not_of_its_reused_id(model):
         assert first_layer.ahead(model, ids) is not None  # sampled ahead: not taken for the old model
     finally:
         first_layer._whole_only.pop(id(model.model), None)
+
+
+def test_the_samples_comparison_is_allclose_without_its_cost():
+    """first_layer._all_close stands in for np.allclose on a lookup's path: the same verdicts, NaN
+    never close, equal infinities close (a float16 key that overflowed at a sampled position)."""
+    rng = np.random.default_rng(5)
+    want = rng.standard_normal((3, 64, 16)).astype(np.float32)
+    tol = first_layer.TOLERANCE[mx.float32]
+    for noise in (0.0, 1e-6, 1e-4, 1e-2):
+        got = (want + noise * rng.standard_normal(want.shape)).astype(np.float32)
+        assert first_layer._all_close(got, want, tol) == np.allclose(got, want, rtol=tol[0], atol=tol[1])
+    inf, nan = want.copy(), want.copy()
+    inf[0, 0, 0], nan[1, 2, 3] = np.inf, np.nan
+    assert first_layer._all_close(inf, inf.copy(), tol) and not first_layer._all_close(inf, want, tol)
+    assert not first_layer._all_close(nan, nan.copy(), tol)

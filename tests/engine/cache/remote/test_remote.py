@@ -605,19 +605,42 @@ def test_the_last_value_of_a_fetch_comes_in_pieces_and_a_change_between_them_is_
         tier.meter.latency_s = 1e-4  # 0.1 ms away
         assert tier.get_blocks(items(blocks)) == values and read == piece_ranges(blocks[-1].size)
         key = space.block(blocks[-1].name)
-        for replacement in (tier.keys[0].encrypt(key.encode(), os.urandom(blocks[-1].size)), b"12345"):
-            def after_first(sp, item, lo, hi, dl, replacement=replacement):
+
+        def replaced_after_first(replacement):
+            def read(sp, item, lo, hi, dl):
                 piece = real(sp, item, lo, hi, dl)
                 if lo == 0:
                     server.client().set(key, replacement)
                 return piece
+            return read
 
-            tier._read_piece = after_first
-            before = tier.stats()["bad_blocks"]
-            miss = _outcome(tier.get_blocks, items(blocks))
-            assert isinstance(miss, RemoteMiss) and "failed verification" in str(miss) and miss.blocks == values[:2]
-            assert tier.wait(10) == [] and server.client().strlen(key) == 0 and tier.stats()["bad_blocks"] == before + 1
-            assert publish(tier, "ns-pieces", toks, blocks) == []  # uploaded again
+        # a member's other bytes of the same size: the pieces decrypt, the name does not match
+        tier._read_piece = replaced_after_first(tier.keys[0].encrypt(key.encode(), os.urandom(blocks[-1].size)))
+        before = tier.stats()["bad_blocks"]
+        miss = _outcome(tier.get_blocks, items(blocks))
+        assert isinstance(miss, RemoteMiss) and "failed verification" in str(miss) and miss.blocks == values[:2]
+        assert tier.wait(10) == [] and server.client().strlen(key) == 0 and tier.stats()["bad_blocks"] == before + 1
+        assert publish(tier, "ns-pieces", toks, blocks) == []  # uploaded again
+        # five bytes: the pieces past them read as gone; the next lookup's STRLEN finds it the wrong size
+        tier._read_piece = replaced_after_first(b"12345")
+        miss = _outcome(tier.get_blocks, items(blocks))
+        assert isinstance(miss, RemoteMiss) and "evicted" in str(miss) and miss.blocks == values[:2]
+        tier._read_piece = real
+        assert isinstance(_outcome(tier.get_blocks, items(blocks)), RemoteMiss) and tier.stats()["wrong_size"] == 1
+        assert tier.wait(10) == [] and server.client().strlen(key) == 0
+        assert publish(tier, "ns-pieces", toks, blocks) == []
+
+        def evicted_after_first(sp, item, lo, hi, dl):
+            piece = real(sp, item, lo, hi, dl)
+            if lo == 0:
+                server.client().unlink(key)  # evicted or expired between two pieces: a miss, not a bad block
+            return piece
+
+        tier._read_piece = evicted_after_first
+        before = tier.stats()["bad_blocks"]
+        miss = _outcome(tier.get_blocks, items(blocks))
+        assert isinstance(miss, RemoteMiss) and "evicted" in str(miss) and miss.blocks == values[:2]
+        assert tier.stats()["bad_blocks"] == before
 
 
 def test_blocks_fetched_on_the_fetch_thread_are_those_of_get_blocks(server):
