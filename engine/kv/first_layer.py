@@ -213,7 +213,7 @@ def _sampled(keys, values, early: Ahead, tol) -> bool:
 
 def _all_close(got: np.ndarray, want: np.ndarray, tol) -> bool:
     """np.allclose(got, want, rtol, atol) for float32 arrays (a NaN is never close, equal infinities
-    are: a float16 key that overflows), without its float64 temporaries: 0.1 ms instead of 1 ms at 8k."""
+    are: a float16 key that overflows), without its float64 temporaries: ~2/3 of its time at 8k."""
     rtol, atol = tol
     bound = np.abs(want)
     bound *= np.float32(rtol)
