@@ -152,6 +152,8 @@ def _fetch_cost(url: str, ns: str, ids: list[int], rounds: int = 5) -> dict:
     the checkpoint from them (build_spans: the copies into MLX buffers, and any check left there).
     added = get_blocks - raw: what decryption and verification add to a lookup's wall-clock."""
     from mlxcache_kernel.engine.cache.remote import RemoteTier
+    from bench_remote_lookup import raw_values
+
     from mlxcache_kernel.engine.cache.remote.rebuild import build_spans, parse_layout
 
     toks = ids[: (len(ids) - 1) // 32 * 32]
@@ -164,13 +166,7 @@ def _fetch_cost(url: str, ns: str, ids: list[int], rounds: int = 5) -> dict:
         layers = layout.layers_at(n)
 
         def raw():
-            sized, why = tier._sized(items, space, None)
-            assert why is None and len(sized) == len(items)
-            kept = []  # the same reads as get_blocks makes, kept as a lookup keeps them
-            for chunk, pieces in tier.read_plan(sized):
-                kept += [tier._read_piece(space, chunk[0], lo, hi, None) for lo, hi in pieces] if pieces else \
-                    tier._read_values(chunk, space, None)
-            return kept
+            return raw_values(tier, items, space)  # the same reads as get_blocks makes, kept as a lookup keeps them
 
         times = {"raw": [], "get_blocks": [], "build_spans": []}
         for _ in range(rounds):

@@ -87,9 +87,9 @@ class Ahead:
     where (`pos`, per row of the batch) and the first-layer keys and values there (evaluating in
     the background)."""
 
-    def __init__(self, model, tokens: Sequence[int], pos: np.ndarray, got: tuple | None):
+    def __init__(self, model, tokens: Sequence[int], pos: np.ndarray, got: tuple | None, caches=None):
         self.model_id, self.n, self.pos, self.got = id(model), len(tokens), pos, got
-        self.caches = None  # the model's fresh caches it was computed with (reused by the check)
+        self.caches = caches  # the model's fresh caches it was computed with (reused by the check)
         self.sampled_tokens = _tokens_at(tokens, pos)
 
     def is_of(self, model, tokens: Sequence[int]) -> bool:
@@ -118,9 +118,7 @@ def ahead(m, tokens: Sequence[int]) -> Ahead | None:
     if got is None:
         return None
     mx.async_eval(*got)
-    early = Ahead(m.model, tokens, pos, got)
-    early.caches = caches  # (only its first is ever asked for anything: the pass stops there)
-    return early
+    return Ahead(m.model, tokens, pos, got, caches)  # (only their first is asked anything: the pass stops there)
 
 
 def bound_to_tokens(m, cp, early: Ahead | None = None) -> bool | None:

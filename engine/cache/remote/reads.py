@@ -28,10 +28,10 @@ import time
 from concurrent import futures
 from typing import Sequence
 
-from .client import RemoteError
 import blake3
 from cryptography.exceptions import InvalidTag
 
+from .client import RemoteError
 from .keys import AEAD_OVERHEAD, NONCE_BYTES, KeySpace, block_name, is_block_name
 from .meter import PRIOR_LATENCY_S
 from .records import MAX_VALUE_BYTES
@@ -162,28 +162,28 @@ class BlockReads:
         return items, None
 
     def _read_values(self, chunk: list, space: KeySpace, deadline) -> list[bytes]:
+        """A chunk's stored (encrypted) values, whole, in one round trip."""
+        return self._read_ranges(space, [(n, 0, s + AEAD_OVERHEAD) for n, s in chunk], deadline)
+
+    def _read_piece(self, space: KeySpace, item: tuple[str, int], lo: int, hi: int, deadline) -> bytes:
+        """Bytes [lo, hi) of an item's stored (encrypted) value; RemoteMiss if it is gone since its STRLEN
+        (evicted or expired: not counted as a bad block; anything else it became fails verification)."""
+        piece, = self._read_ranges(space, [(item[0], lo, hi)], deadline)
+        if piece == b"":
+            raise RemoteMiss(f"block {item[0][:16]} is not in the remote (evicted or expired while read)")
+        return piece
+
+    def _read_ranges(self, space: KeySpace, ranges: list, deadline) -> list[bytes]:
+        """Bytes [lo, hi) of each (name, lo, hi), one GETRANGE each in one round trip (b"" for what the
+        server refused); counted and timed for the bandwidth estimate."""
         t0 = time.perf_counter()
-        values = self.reader.pipeline("read blocks", lambda p: [p.getrange(space.block(n), 0, s + AEAD_OVERHEAD - 1)
-                                                                 for n, s in chunk],
-                                      time_left(deadline))
+        values = self.reader.pipeline("read blocks", lambda p: [p.getrange(space.block(n), lo, hi - 1)
+                                                                 for n, lo, hi in ranges], time_left(deadline))
         values = [v if isinstance(v, bytes) else b"" for v in values]
         n_bytes = sum(len(v) for v in values)
         self.count(bytes_read=n_bytes)
         self.meter.transfer(n_bytes, time.perf_counter() - t0)
         return values
-
-    def _read_piece(self, space: KeySpace, item: tuple[str, int], lo: int, hi: int, deadline) -> bytes:
-        """Bytes [lo, hi) of an item's stored (encrypted) value; RemoteMiss if it is gone since its STRLEN
-        (evicted or expired: not counted as a bad block; anything else it became fails verification)."""
-        t0 = time.perf_counter()
-        piece = self.reader.pipeline("read a block's piece", lambda p: [p.getrange(space.block(item[0]), lo, hi - 1)],
-                                     time_left(deadline))[0]
-        if piece == b"":
-            raise RemoteMiss(f"block {item[0][:16]} is not in the remote (evicted or expired while read)")
-        piece = piece if isinstance(piece, bytes) else b""
-        self.count(bytes_read=len(piece))
-        self.meter.transfer(len(piece), time.perf_counter() - t0)
-        return piece
 
     def _opened(self, space: KeySpace, chunk: list, values: list) -> list[bytes]:
         """The plaintexts of a chunk's values up to the first that does not decrypt to its size and
