@@ -37,7 +37,8 @@ from common import default_model, emit, prompt_tokens
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxcache_kernel.engine import Engine, scoring
+from mlxcache_kernel.engine import Engine
+from mlxcache_kernel.engine.generate import scoring
 
 
 def loadavg() -> str:

@@ -35,7 +35,7 @@ from bench_vision import document  # noqa: E402
 from common import emit, median  # noqa: E402
 
 from mlxcache_kernel.engine import Engine  # noqa: E402
-from mlxcache_kernel.engine.media import prompt_for  # noqa: E402
+from mlxcache_kernel.engine.media.prompt import prompt_for  # noqa: E402
 from tiny_vlm import build_vlm, make_clip, write_mp4, write_wav  # noqa: E402
 
 SSD_RESTARTS = 3

@@ -9,13 +9,13 @@ import statistics
 import sys
 import time
 
-from mlxcache_kernel.engine.blas import ensure_fast_blas
+from mlxcache_kernel.engine.host.blas import ensure_fast_blas
 
 ensure_fast_blas()  # before MLX loads: OpenBLAS must be in the process from the start
 
 
 def default_model() -> str:
-    from mlxcache_kernel.engine.convert import ensure_default_model
+    from mlxcache_kernel.engine.models.convert import ensure_default_model
 
     return os.environ.get("MLXCACHE_BENCH_MODEL") or str(ensure_default_model())
 
@@ -40,7 +40,7 @@ def median(xs):
 
 
 def emit(result: dict) -> None:
-    from mlxcache_kernel.engine.blas import active_blas
+    from mlxcache_kernel.engine.host.blas import active_blas
 
     result = {"blas": active_blas(), "python": sys.version.split()[0], "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **result}
     print(json.dumps(result, indent=2))

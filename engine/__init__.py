@@ -14,15 +14,15 @@ import importlib
 _EXPORTS = {
     "Checkpoint": ".kv.checkpoint",
     "Engine": ".engine",
-    "GenerationError": ".sampling",
-    "GenerationResult": ".generation",
-    "ModelError": ".models",
-    "SamplingParams": ".sampling",
-    "ScoreResult": ".scoring",
-    "TokenLogprob": ".logprobs",
-    "SessionError": ".sessions",
+    "GenerationError": ".generate.sampling",
+    "GenerationResult": ".generate.generation",
+    "ModelError": ".models.registry",
+    "SamplingParams": ".generate.sampling",
+    "ScoreResult": ".generate.scoring",
+    "TokenLogprob": ".generate.logprobs",
+    "SessionError": ".chat.sessions",
     "default_cache_dir": ".config",
-    "default_ram_budget": ".memory",
+    "default_ram_budget": ".host.memory",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -141,7 +141,7 @@ def parse_size(value, *, what: str = "size", allow_none: bool = False) -> int | 
         raise ValueError(f"{what}: cannot parse {value!r} (use e.g. 2GiB, 512MB, 1073741824 or 25%)")
     number, unit = float(m.group(1)), m.group(2).lower()
     if unit == "%":
-        from .system import physical_memory
+        from .host.system import physical_memory
 
         mem = physical_memory()
         if mem is None:

@@ -14,9 +14,9 @@ import warnings
 from pathlib import Path
 from typing import Callable, Sequence
 
-from . import blas
-from .batch import DEFAULT_BATCH_SIZE, BatchRun, batch_seeds, row_tokens
-from . import cache_admin
+from .host import blas
+from .generate.batch.run import DEFAULT_BATCH_SIZE, BatchRun, batch_seeds, row_tokens
+from .admin import entries as cache_admin
 from .cache.objects.cache import ObjectCache
 from .cache.catalog.database import CatalogBusy
 from .cache.remote import RemoteConfigError, resolve as resolve_remote
@@ -25,22 +25,22 @@ from .config import EngineConfig, default_cache_dir, hide_credentials  # noqa: F
 from .cache.remote.link import attach as attach_remote, close as close_remote, flush as flush_remote
 from .cache.tiered import TieredPromptCache
 from .events import EventBus
-from .sampling import GenerationError, SamplingParams
+from .generate.sampling import GenerationError, SamplingParams
 from .kv.caches import always_cuttable
-from .inflight import InflightRecords
-from .media import new_counters as new_vision_counters, prompt_for as media_prompt
+from .generate.resume import InflightRecords
+from .media.prompt import new_counters as new_vision_counters, prompt_for as media_prompt
 from .cache.retention import make_policy
-from .memory import PressureGuard
+from .host.memory import PressureGuard
 from .metrics import AccessTrace, GenerationMetrics
-from .models import IdentityMemo, ModelRegistry
-from .named_checkpoints import NamedCheckpoints
-from .prompts import encode_prompt
-from .scoring import ScoreResult, score
-from .generation import Generation, GenerationResult, Request, Services
-from .sessions import Sessions
-from .speculative import load_with_draft, resolve_draft
-from .user_states import UserStates
-from .system import make_private_dir
+from .models.registry import IdentityMemo, ModelRegistry
+from .named.checkpoints import NamedCheckpoints
+from .chat.prompts import encode_prompt
+from .generate.scoring import ScoreResult, score
+from .generate.generation import Generation, GenerationResult, Request, Services
+from .chat.sessions import Sessions
+from .generate.speculative.draft import load_with_draft, resolve_draft
+from .named.states import UserStates
+from .host.system import make_private_dir
 
 _UNSET = object()  # a keyword not given: the environment's value, else the default
 REMOTE_CLOSE_S = 5.0  # close() waits this long for remote publications, then says what was not published

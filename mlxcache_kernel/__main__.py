@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def main() -> None:
-    from mlxcache_kernel.engine.blas import ensure_fast_blas
+    from mlxcache_kernel.engine.host.blas import ensure_fast_blas
 
     ensure_fast_blas()  # re-exec with OpenBLAS preloaded when the kernelspec did not already
     from ipykernel.kernelapp import IPKernelApp

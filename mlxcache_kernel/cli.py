@@ -16,7 +16,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def cmd_models_default(args: argparse.Namespace) -> int:
     """Convert the default model if needed and print its directory."""
-    from mlxcache_kernel.engine.convert import ensure_default_model
+    from mlxcache_kernel.engine.models.convert import ensure_default_model
 
     try:
         path = ensure_default_model(dtype=args.dtype, models_dir=args.models_dir)
@@ -49,7 +49,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     import tempfile
 
     from mlxcache_kernel.engine import Engine
-    from mlxcache_kernel.engine.convert import ensure_default_model
+    from mlxcache_kernel.engine.models.convert import ensure_default_model
 
     prompt = args.prompt
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="mlxcache-demo-")
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mlxcache_kernel.engine.blas import ensure_fast_blas
+    from mlxcache_kernel.engine.host.blas import ensure_fast_blas
 
     args = build_parser().parse_args(argv)
     if argv is None:  # a real process we own: restart it with OpenBLAS preloaded if that helps

@@ -19,7 +19,7 @@ DISPLAY_NAME = "MLX Cache (Python 3)"
 
 
 def kernel_json(*, display_name: str = DISPLAY_NAME, env: dict | None = None, python: str | None = None) -> dict:
-    from mlxcache_kernel.engine.blas import fast_blas_env
+    from mlxcache_kernel.engine.host.blas import fast_blas_env
 
     spec_env = fast_blas_env({})  # only LD_PRELOAD (when OpenBLAS is there), not this shell's environment
     spec_env.update(env or {})
@@ -118,7 +118,7 @@ def cmd_lab(args) -> int:
     print(f"kernelspec 'mlxcache' installed in {dest}", flush=True)
     if not (Path(sys.prefix) / "share" / "jupyter" / "labextensions" / "mlxcache-panel" / "package.json").exists():
         print("note: the MLX Cache side panel is not installed here (scripts/build_panel.sh builds it)", flush=True)
-    from mlxcache_kernel.engine.blas import fast_blas_env
+    from mlxcache_kernel.engine.host.blas import fast_blas_env
 
     env = fast_blas_env()
     if args.prefix:  # make sure this server looks there

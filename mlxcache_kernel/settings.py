@@ -223,7 +223,7 @@ def redact_env_magic(ipython) -> None:
 def resolve_model_spec(spec: str) -> str:
     """``smollm2`` (any case) means the converted default model; anything else is passed through."""
     if spec.strip().lower() in (DEFAULT_MODEL_ALIAS, "default:smollm2", "smollm2-135m-instruct"):
-        from mlxcache_kernel.engine.convert import ensure_default_model
+        from mlxcache_kernel.engine.models.convert import ensure_default_model
 
         return str(ensure_default_model())
     return os.path.expanduser(spec)

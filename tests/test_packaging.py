@@ -81,7 +81,7 @@ def test_the_wheel_installs_every_package_and_generates(wheel, tmp_path, tiny_mo
 
 def test_the_wheel_ships_the_panel(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    for module in ("mlxcache_kernel/panel/handlers.py", "mlxcache_kernel/engine/overview.py",
+    for module in ("mlxcache_kernel/panel/handlers.py", "mlxcache_kernel/engine/admin/overview.py",
                    "mlxcache_kernel/engine/cache/catalog/reading.py", "mlxcache_kernel/widgets/dashboard.py"):
         assert module in names, module
     data = next(n.split("/")[0] for n in names if ".data/" in n)

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 
 from ..kv.checkpoint import Checkpoint
 from ..kv.tokens import as_token_array, common_prefix_len
-from ..memory import PressureGuard
+from ..host.memory import PressureGuard
 from .gate import GenerationGate
 from .prefetch import BackgroundReader, ReadJob, choose
 from .entry import Entry

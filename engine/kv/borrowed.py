@@ -223,7 +223,7 @@ class BorrowedKVCache:
         return None if N == 1 else "causal"
 
     def merge(self, caches):
-        """Rows joining a batch (engine/batch.py): into mlx-lm's batch cache, as its `KVCache` merges
+        """Rows joining a batch (engine/generate/batch/run.py): into mlx-lm's batch cache, as its `KVCache` merges
         (one left-padded copy of every row: mlx-lm's batch decoding needs it)."""
         if self._merge is None:
             raise TypeError("this borrowed cache cannot join a batch")

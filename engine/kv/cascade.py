@@ -14,7 +14,7 @@ Models call mlx-lm's `scaled_dot_product_attention(queries, keys, values, cache=
 (around a batch, for the modules of that batch's model only) sends calls whose cache is a
 `RowsCache` here and every other call to mlx-lm's own function, unchanged. A model that attends
 to keys of its own making (MLA, its own softmax) is found out at its first call (`Unroutable`)
-and its batch runs the other way (engine/batch.py).
+and its batch runs the other way (engine/generate/batch/run.py).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import line_magic, magics_class
 from IPython.core.magic_arguments import argument, kwds, magic_arguments
 
-from mlxcache_kernel.engine.sessions import shown
+from mlxcache_kernel.engine.chat.sessions import shown
 
 from .base import EngineMagics, no_target, only_for, parse_args, usage_errors
 from .help import CHEAT_SHEET, examples

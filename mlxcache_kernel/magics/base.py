@@ -84,7 +84,7 @@ class EngineMagics(Magics):
         super().__init__(shell, **kwargs)
         self.settings = settings if settings is not None else MLXCache(parent=shell)
         self._engine = None
-        self._report = None  # what this kernel holds, for the JupyterLab panel (engine/reports.py)
+        self._report = None  # what this kernel holds, for the JupyterLab panel (engine/admin/reports.py)
         self._widgets: list = []
 
     @property
@@ -134,7 +134,7 @@ class EngineMagics(Magics):
             try:
                 self._engine.poll()
                 if self._report is None:
-                    from mlxcache_kernel.engine.reports import ProcessReport
+                    from mlxcache_kernel.engine.admin.reports import ProcessReport
 
                     self._report = ProcessReport(self._engine)
                 self._report.maybe_write()
@@ -169,7 +169,7 @@ def sampling_arguments(func):
     (`SamplingParams`'s fields: flags, defaults, help)."""
     from dataclasses import fields
 
-    from mlxcache_kernel.engine.sampling import SamplingParams
+    from mlxcache_kernel.engine.generate.sampling import SamplingParams
 
     for f in reversed(fields(SamplingParams)):
         meta = f.metadata
@@ -182,6 +182,6 @@ def sampling_arguments(func):
 
 def sampling_options(args, **overrides) -> dict:
     """The parsed sampling options as `generate`'s keywords."""
-    from mlxcache_kernel.engine.sampling import SamplingParams
+    from mlxcache_kernel.engine.generate.sampling import SamplingParams
 
     return {**{name: getattr(args, name) for name in SamplingParams.names()}, **overrides}

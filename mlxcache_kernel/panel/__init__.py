@@ -1,8 +1,8 @@
 """The JupyterLab side panel "MLX Cache": a Jupyter server extension serving one view of every
 kernel's cache on the cache directory, and the changes the panel may make.
 
-- `handlers.py`: the HTTP API under ``/mlxcache/api/`` (the overview as JSON: engine/overview.py;
-  pin, unpin and delete: engine/directory_actions.py), run off the server's event loop.
+- `handlers.py`: the HTTP API under ``/mlxcache/api/`` (the overview as JSON: engine/admin/overview.py;
+  pin, unpin and delete: engine/admin/panel_actions.py), run off the server's event loop.
 - `restore.py`: what "restore into this notebook" runs in the notebook's own kernel.
 
 The drawing is a prebuilt labextension (TypeScript in ``panel/`` of the repository, built into

@@ -1,6 +1,6 @@
 """The panel's HTTP API, under ``<base_url>/mlxcache/api/``:
 
-    GET  overview?group=&sort=&desc=&q=&pinned=&limit=&offset=   engine/overview.py, plus which
+    GET  overview?group=&sort=&desc=&q=&pinned=&limit=&offset=   engine/admin/overview.py, plus which
                                                                   notebook each kernel pid serves
     POST pin {namespace, key, name} · unpin {name} · delete {namespace, key}
 
@@ -23,9 +23,9 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 
 from mlxcache_kernel.engine.config import cache_dir_from_env
-from mlxcache_kernel.engine.directory_actions import DirectoryActions
-from mlxcache_kernel.engine.named_checkpoints import CheckpointNameError
-from mlxcache_kernel.engine.overview import DirectoryOverview
+from mlxcache_kernel.engine.admin.panel_actions import DirectoryActions
+from mlxcache_kernel.engine.named.checkpoints import CheckpointNameError
+from mlxcache_kernel.engine.admin.overview import DirectoryOverview
 
 ROUTE = "mlxcache/api"
 

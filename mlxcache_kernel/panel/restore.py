@@ -21,7 +21,7 @@ class Answer(dict):
 
 
 def restore(name) -> Answer:
-    from mlxcache_kernel.engine.named_checkpoints import CheckpointNameError, check_name
+    from mlxcache_kernel.engine.named.checkpoints import CheckpointNameError, check_name
     from mlxcache_kernel.extension import get_engine
     from mlxcache_kernel.magics.tables import describe_checkpoint
 

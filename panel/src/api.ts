@@ -153,7 +153,7 @@ export function act(action: 'pin' | 'unpin' | 'delete', body: object): Promise<A
   return call(action, { method: 'POST', body: JSON.stringify(body) });
 }
 
-const NAME = /^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$/; // engine/user_names.py
+const NAME = /^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$/; // engine/named/names.py
 
 export function validName(name: string): boolean {
   return NAME.test(name);

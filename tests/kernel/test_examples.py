@@ -307,10 +307,10 @@ def test_cli_lab_serves_the_kernelspec(tmp_path):
         with urllib.request.urlopen(req, timeout=30) as r:
             kernel = json_module.loads(r.read())
         assert kernel["name"] == "mlxcache"
-        code = "from mlxcache_kernel.engine.blas import active_blas; print(active_blas())\n%cache config"
+        code = "from mlxcache_kernel.engine.host.blas import active_blas; print(active_blas())\n%cache config"
         out = asyncio.run(_execute_over_websocket(port, "t0k", kernel["id"], code))
         assert f"cache_dir: {tmp_path / 'cache'}" in out
-        from mlxcache_kernel.engine.blas import openblas_path
+        from mlxcache_kernel.engine.host.blas import openblas_path
 
         if openblas_path():
             assert out.startswith("openblas:")

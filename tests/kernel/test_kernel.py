@@ -27,7 +27,7 @@ def test_kernelspec_install(tmp_path):
     assert spec["argv"] == [sys.executable, "-m", "mlxcache_kernel", "-f", "{connection_file}"]
     assert spec["display_name"] == "MLX Cache (Python 3)"
     assert spec["language"] == "python"
-    from mlxcache_kernel.engine.blas import openblas_path
+    from mlxcache_kernel.engine.host.blas import openblas_path
 
     if openblas_path():
         assert spec["env"]["LD_PRELOAD"].split(":")[0] == openblas_path()
@@ -74,8 +74,8 @@ def test_kernel_info_magics_and_errors(start_kernel):
     assert c["ram"] == c["prompt"] - 1 and c["prefilled"] == 1
     res = k.execute("print(type(r).__name__, len(r.tokens), r.stats['cache_source'])")
     assert res["stream"].strip() == "CellResult 4 ram"
-    res = k.execute("from mlxcache_kernel.engine.blas import active_blas; print(active_blas())")
-    from mlxcache_kernel.engine.blas import openblas_path
+    res = k.execute("from mlxcache_kernel.engine.host.blas import active_blas; print(active_blas())")
+    from mlxcache_kernel.engine.host.blas import openblas_path
 
     if openblas_path():
         assert res["stream"].startswith("openblas")

@@ -12,7 +12,7 @@ from magics_shell import GEN, engine, run, usage_error
 from tiny_model import build_tiny_model
 
 from mlxcache_kernel.magics import CellResult, interpolate
-from mlxcache_kernel.engine.system import physical_memory
+from mlxcache_kernel.engine.host.system import physical_memory
 from mlxcache_kernel.settings import MLXCache, parse_bool, parse_size
 
 

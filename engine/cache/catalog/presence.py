@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ...system import process_tag
+from ...host.system import process_tag
 from .database import CatalogBusy, Database
 from .liveness import HEARTBEAT_S, Heart, Identity, Keeper, Peers, process_state
 

@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 import blake3
 
-from ...system import make_private_dir, write_json_atomic
+from ...host.system import make_private_dir, write_json_atomic
 from ...kv.tokens import token_key
 
 MAX_ORIGIN_FILE_BYTES = 8 << 20

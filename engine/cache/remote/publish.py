@@ -36,7 +36,7 @@ from redis.exceptions import NoPermissionError, ReadOnlyError, ResponseError
 
 from .client import RemoteError
 from .keys import AEAD_OVERHEAD, block_name, is_block_name
-from .publisher import Publisher
+from .publish_queue import Publisher
 from .records import (CHAIN, CONVERTED, EXACT, MAX_RECORD_BYTES, MAX_SKEW_S, ExactRecord, ObjectRecord, RemoteRecord, encode_layout,
                       names_digest, seal_chain, seal_exact, seal_layout, seal_object, seal_tomb, unseal)
 

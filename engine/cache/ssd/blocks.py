@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 import blake3
 import numpy as np
 
-from ...system import fsync_file, make_private_dir, process_tag, unlink_quietly
+from ...host.system import fsync_file, make_private_dir, process_tag, unlink_quietly
 from ..faults import fault
 
 MAGIC = b"MLXBLK2\n"

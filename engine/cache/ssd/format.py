@@ -14,7 +14,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from ...system import fsync_dir, fsync_file, process_tag, unlink_quietly
+from ...host.system import fsync_dir, fsync_file, process_tag, unlink_quietly
 from ..faults import fault
 from .blocks import BlockRef
 from .header import (  # noqa: F401  (re-exported: callers use fmt.<name>)

@@ -25,7 +25,7 @@ from typing import Callable
 
 import numpy as np
 
-from ...system import fsync_dir
+from ...host.system import fsync_dir
 from ..catalog.database import CatalogBusy
 from ..faults import fault
 from . import blocks

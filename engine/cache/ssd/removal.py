@@ -36,7 +36,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from ...system import fsync_dir, unlink_quietly
+from ...host.system import fsync_dir, unlink_quietly
 from ..catalog.database import CatalogBusy
 from ..faults import fault
 from . import blocks

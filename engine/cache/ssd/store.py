@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ...kv.tokens import token_key
-from ...system import fsync_dir, make_private_dir, unlink_quietly, unsupported_filesystem
+from ...host.system import fsync_dir, make_private_dir, unlink_quietly, unsupported_filesystem
 from ..catalog.tables import Catalog, FileRow
 from ..catalog.database import CatalogBusy, CatalogCorrupt
 from ..faults import fault

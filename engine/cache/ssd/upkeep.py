@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from ...kv.tokens import legacy_token_key, token_key
-from ...system import fsync_dir
+from ...host.system import fsync_dir
 from ..catalog.database import CatalogBusy
 from ..catalog.liveness import pid_alive
 from ..faults import fault

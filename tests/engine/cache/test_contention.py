@@ -19,7 +19,8 @@ import pytest
 from fault_worker import (NS, assert_nothing_leaks, expected_digest, open_store, read_digest,
                           tokens, write)
 
-from mlxcache_kernel.engine import Engine, SamplingParams, system
+from mlxcache_kernel.engine import Engine, SamplingParams
+from mlxcache_kernel.engine.host import system
 from mlxcache_kernel.engine.cache.ssd import blocks
 from mlxcache_kernel.engine.cache.ssd import format as fmt
 from mlxcache_kernel.engine.kv.tokens import token_key

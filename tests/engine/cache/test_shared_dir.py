@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from mlxcache_kernel.engine import Engine, SamplingParams
-from mlxcache_kernel.engine.named_checkpoints import CheckpointNameError
+from mlxcache_kernel.engine.named.checkpoints import CheckpointNameError
 from repo_paths import SUPPORT
 
 WORKER = SUPPORT / "shared_dir_worker.py"

@@ -19,7 +19,7 @@ from catalog_view import inflight_records
 from holds import wait_ready
 
 from mlxcache_kernel.engine import Engine
-from mlxcache_kernel.engine.named_checkpoints import CheckpointNameError
+from mlxcache_kernel.engine.named.checkpoints import CheckpointNameError
 from mlxcache_kernel.engine.cache.ssd import format as fmt
 from repo_paths import SUPPORT
 
@@ -359,7 +359,7 @@ def test_resume_of_a_record_holding_every_token_emits_no_more(tiny_model_dir, tm
     """A record written at the last step (older builds did) finishes the request as it stands."""
     from mlxcache_kernel.engine import SamplingParams
     from mlxcache_kernel.engine.cache.catalog.tables import Catalog
-    from mlxcache_kernel.engine.inflight import InflightRecords, request_id
+    from mlxcache_kernel.engine.generate.resume import InflightRecords, request_id
     from mlxcache_kernel.engine.kv.tokens import token_key
 
     eng = new_engine(tmp_path / "c", tiny_model_dir)

@@ -10,7 +10,8 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from mlxcache_kernel.engine import Engine, SamplingParams, scoring
+from mlxcache_kernel.engine import Engine, SamplingParams
+from mlxcache_kernel.engine.generate import scoring
 
 START = 40
 

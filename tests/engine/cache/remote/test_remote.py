@@ -31,7 +31,7 @@ from mlxcache_kernel.engine.cache.remote import (RemoteConfigError, RemoteMiss, 
                                                  block_name, parse_remote_url, redact)
 from mlxcache_kernel.engine.cache.remote.breaker import Breaker
 from mlxcache_kernel.engine.cache.remote.keys import KeySpace
-from mlxcache_kernel.engine.cache.remote.publisher import Publisher
+from mlxcache_kernel.engine.cache.remote.publish_queue import Publisher
 from mlxcache_kernel.engine.cache.remote.reads import GET_BATCH, ValueInPieces, chunk_sizes, piece_ranges
 from mlxcache_kernel.engine.cache.remote.records import (LAYOUT, LAYOUT_MAGIC, MAX_AGE_S, ExactRecord, ExactSet,
                                                          RemoteRecord, _ad, encode_layout, seal_chain, seal_exact,

@@ -22,7 +22,7 @@ from remote_fixtures import PW, READER, READER_PW, SECRET, kind, server  # noqa:
 from tiny_archs import build_arch_model
 
 from mlxcache_kernel.engine import Engine, SamplingParams
-from mlxcache_kernel.engine import models as models_mod
+from mlxcache_kernel.engine.models import registry as models_mod
 from mlxcache_kernel.engine.cache.remote import TeamKeys
 from mlxcache_kernel.engine.cache.remote.config import RemoteConfigError
 from mlxcache_kernel.engine.cache.remote.keys import KeySpace

@@ -1,0 +1,1 @@
+"""Chat: prompts through the model's template, sessions (conversation history) and previews of cached prefixes."""

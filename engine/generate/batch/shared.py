@@ -1,0 +1,181 @@
+"""Batch rows over shared prefixes, decoding together (`generate_batch` for plain-KV models).
+
+Each row starts from the prefix it got (its own cache loan, or a prefix the batch shared and
+prefilled once: engine/generate/batch/run.py); rows that got the same one form a group. Per layer a
+`RowsCache` (kv/cascade.py) holds each group's prefix once and every row's own positions in one
+left-padded tail: the rest of every row's prompt but its last token is prefilled together (left
+padded to the longest rest), then the rows decode together, one token each per step, each with
+its own (seed, step) sampler, stop strings and end. A finished row publishes its state (the
+group's lent segments and a copy of its own positions) and leaves the batch; the others go on.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+
+from ...kv.caches import lent_segments
+from ...kv.cascade import joined_prefix
+from ...kv.cascade_quantized import forward_rows, rows_cache
+from ...kv.checkpoint import Checkpoint
+from ..logprobs import log_softmax, pick, read
+from ...host.memory import DECODE_CHECK_EVERY
+from ..sampling import sample
+
+
+class SharedPrefixRows:
+    """One wave of rows (`start(row)` -> (its lent caches or None, positions they hold))."""
+
+    def __init__(self, run, rows: list, starts: list):
+        self.run, self.rows = run, list(rows)
+        self.model = run.model
+        self.kinds = self.model.new_caches()  # what each layer is (for its codec)
+        groups, self.group_of, self.lent, seeds, self.prefix = {}, [], [], [], []
+        for caches, n in starts:
+            lent = [lent_segments(c) for c in caches] if caches is not None else None
+            if not lent or not lent[0]:
+                self.group_of.append(None)
+                seeds.append([None] * len(self.kinds))
+                self.prefix.append(0)
+                continue
+            # Rows lent the same first segment (a document) share it; what else a row was lent
+            # (its own earlier positions) it brings into its tail (a copy of those few positions).
+            key = (id(lent[0][0].buffer), lent[0][0].length)
+            if key not in groups:
+                groups[key] = len(self.lent)
+                self.lent.append([[segs[0]] for segs in lent])
+            self.group_of.append(groups[key])
+            seeds.append([joined_prefix(segs[1:]) for segs in lent])
+            self.prefix.append(lent[0][0].length)
+        none = len(self.lent)
+        self.group_of = [none if g is None else g for g in self.group_of]
+        self.starts = [n if caches is not None else 0 for caches, n in starts]
+        layers = rows_cache(self.model)  # quantized KV: each row converts at kv_start
+        self.layers = [layers([joined_prefix(g[l]) for g in self.lent] + [None], self.group_of)
+                       for l in range(len(self.kinds))]
+        self._seeds = seeds
+
+    def run_wave(self) -> None:
+        rests = [row.tokens[start:-1] for row, start in zip(self.rows, self.starts)]
+        for l, c in enumerate(self.layers):
+            c.seed([s[l] for s in self._seeds], [len(r) for r in rests])
+        self._seeds = None
+        t = time.perf_counter()
+        self._prefill(rests)
+        spent = time.perf_counter() - t
+        for row, rest in zip(self.rows, rests):
+            row.prefill_s, row.prefilled = spent, len(rest) + 1
+        self.run.services.memory.check("prefill")
+        start = self.model.kv_start if self.model.kv_bits is not None else 0
+        if self.run.use_cache and start:  # rows whose decode converts: their prompt state stays apart
+            for pos, row in enumerate(self.rows):
+                if len(row.tokens) <= start:
+                    self._snapshot_prompt(pos)
+        self._decode()
+
+    def _snapshot_prompt(self, b: int) -> None:
+        """Row b's state before its last prompt token, in full precision (the row's final state
+        converts at kv_start and cannot serve a rerun of this prompt), unless the cache holds it."""
+        boundary, cache, ns = self.rows[b].tokens[:-1], self.run.cache, self.run.ns
+        if boundary and cache.get_exact(boundary, ns) is None:
+            cache.put(Checkpoint.of_layers(boundary, self._layers(b, b, len(boundary))), ns, defer_write=True)
+
+    def _layers(self, b: int, pos: int, n: int) -> tuple:
+        """Row b's (at batch position pos) first n positions, layer by layer: its group's lent
+        prefix, then its own."""
+        group = self.group_of[b]
+        lent = self.lent[group] if group < len(self.lent) else [[] for _ in self.layers]
+        return tuple(c.published(self.kinds[l], pos, lent[l], n) for l, c in enumerate(self.layers))
+
+    def _prefill(self, rests: list) -> None:
+        longest = max(map(len, rests))
+        if not longest:
+            return
+        padded = mx.array([[0] * (longest - len(r)) + list(r) for r in rests])
+        chunk, progress = self.run.services.prefill_chunk, self.run.on_progress
+        for at in range(0, longest, chunk):
+            forward_rows(self.model.model, padded[:, at : at + chunk], self.layers)
+            mx.eval([c.state for c in self.layers])
+            if progress is not None:
+                progress("prefill", min(at + chunk, longest), longest)
+
+    def _decode(self) -> None:
+        self.active = list(range(len(self.rows)))  # rows still decoding, in batch order
+        pending = [row.tokens[-1] for row in self.rows]
+        total = sum(r.gen.req.params.max_tokens for r in self.run.rows)
+        step = 0
+        while self.active:
+            logits = forward_rows(self.model.model, mx.array(pending)[:, None], self.layers)[:, -1, :]
+            tokens, picked = self._sample(logits, self.active)
+            now = time.perf_counter()
+            done, going = [], []
+            for i, b in enumerate(self.active):
+                if picked[i] is not None:
+                    self.rows[b].gen.decoded.logprobs += read([tokens[i]], picked[i])
+                (done if self._add(self.rows[b], tokens[i], now) else going).append(i)
+            for i in done:  # published before leaving the batch: the others' states go on
+                self._publish(self.active[i], i, interrupted=False)
+                self.run.result(self.rows[self.active[i]])
+            self.run.generated += len(self.active)
+            if going and len(going) < len(self.active):
+                for c in self.layers:
+                    c.keep(going)
+            self.active, pending = [self.active[i] for i in going], [tokens[i] for i in going]
+            step += 1
+            if step % DECODE_CHECK_EVERY == 0:
+                self.run.services.memory.check("decode")
+            if self.run.on_progress is not None:
+                self.run.on_progress("decode", self.run.generated, total)
+
+    def _sample(self, logits, active: list) -> tuple:
+        """Each active row's token (its own sampler at its own step) and picked log-probabilities."""
+        ys, picked = [], []
+        for i, b in enumerate(active):
+            params = self.rows[b].gen.req.params
+            step = len(self.rows[b].gen.decoded.tokens)
+            y = sample(logits[i : i + 1], params, step)
+            ys.append(y)
+            picked.append(pick(log_softmax(logits[i : i + 1]), y, params.logprobs)
+                          if params.logprobs is not None else None)
+        mx.eval(ys + [a for p in picked if p is not None for a in p if a is not None])
+        return [int(y.item()) for y in ys], picked
+
+    def _add(self, row, token: int, now: float) -> bool:
+        """Record one token as `generate` does; True when the row is done."""
+        g = row.gen
+        g.times.append(now)
+        g.decoded.tokens.append(token)
+        if token in self.model.eos_token_ids:  # an end token: not shown
+            g.decoded.finish_reason = "eos"
+            return True
+        g.stream.add(token)
+        if g.stream.stopped or len(g.decoded.tokens) >= g.req.params.max_tokens:
+            g.decoded.finish_reason = "stop" if g.stream.stopped else "length"
+            return True
+        return False
+
+    def _publish(self, b: int, pos: int, *, interrupted: bool) -> None:
+        """Row b's state (at batch position pos): its group's prefix and its own positions (all of
+        them, or after an interrupt those every layer holds)."""
+        g = self.rows[b].gen
+        g.stream.finish()
+        g.decode_ran, g.decoded.forwarded = True, max(len(g.decoded.tokens) - 1, 0)
+        if not self.run.use_cache:
+            return
+        known, prefix = g.known_tokens(), self.prefix[b]
+        own = min(c.own_length(pos) for c in self.layers)  # (after an interrupt, what every layer holds)
+        n = min(len(known), prefix + own) if interrupted else len(known)
+        if n < 1 or (not interrupted and prefix + own != len(known)):
+            self.run.services.events.emit("publish_skipped", ns=self.run.ns, row=self.rows[b].index,
+                                          reason="token mismatch")
+            return
+        g.publish_state(Checkpoint.of_layers(known[:n], self._layers(b, pos, n)))
+
+    def keep_unfinished(self) -> None:
+        """After an interrupt: what each row still in the batch computed, published (no error masked)."""
+        for pos, b in enumerate(getattr(self, "active", [])):
+            try:
+                self._publish(b, pos, interrupted=True)
+            except Exception:
+                pass

@@ -1,0 +1,176 @@
+"""Scoring given continuations of one context (`Engine.score`): the log-likelihood of each, as
+lm-eval's `loglikelihood` computes it, with the context prefilled once.
+
+Tokenization is lm-eval's: trailing whitespace of the context moves to the continuation, the
+continuation's tokens are those of the whole string past the context's own encoding, and they are
+conditioned on the context's encoding. The context but its last token comes from the cache (or is
+prefilled once and published); then every continuation's tokens, after the context's last token,
+go in one batched forward over that shared prefix (kv/cascade.py: the prefix attended to once for
+all of them); each position's log-softmax gives the next token's log-probability. With quantized KV
+from kv_start on, each row converts at exactly kv_start at its own column of the left-padded batch,
+or starts converted over a context past it (kv/cascade_quantized.py). Models whose caches cannot
+share a prefix across rows score one continuation after another, each over a loan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .decode import prefill
+from ..kv.caches import new_caches, shares_prefix
+from ..kv.cascade import Unroutable, joined_prefix, routing
+from ..kv.cascade_quantized import forward_rows, rows_cache
+from ..kv.checkpoint import Checkpoint
+from .logprobs import log_softmax
+from ..chat.prompts import render_turn
+from .sampling import GenerationError
+
+
+@dataclass
+class ScoreResult:
+    continuation: object  # as given: text or token ids
+    tokens: list  # the continuation's token ids
+    logprob: float  # their log-likelihood given the context (a sum)
+    token_logprobs: list = field(default_factory=list)  # one per token
+    greedy: bool = False  # every token the model's most likely one
+    stats: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def mean_logprob(self) -> float:
+        return self.logprob / max(len(self.tokens), 1)
+
+
+def score(services, model, context, continuations, *, raw: bool, system: str | None,
+          use_cache: bool) -> list[ScoreResult]:
+    """Engine.score: the inputs checked and tokenized, the rows scored, one result each."""
+    if model.vision is not None:
+        raise GenerationError(f"score: model {model.name!r} is a vision-language model: score text models")
+    if isinstance(continuations, (str, bytes)) or not isinstance(continuations, Sequence) or not continuations:
+        raise GenerationError("score: continuations are a non-empty list (of strings, or of token-id lists)")
+    tok = model.tokenizer
+    if raw:
+        encode = tok.encode
+    else:
+        context = render_turn(tok, context, system=system) if isinstance(context, str) else context
+        encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+    ctx, conts = encode_pairs(encode, context, list(continuations))
+    check(ctx, conts, model)
+    with services.cache.generating():
+        rows, stats = score_rows(services, model, ctx, conts, use_cache=use_cache and model.cache_notice is None)
+    services.events.emit("score", model=model.name, continuations=len(conts), **stats)
+    return [ScoreResult(c, ids, float(sum(lps)), lps, greedy, stats)
+            for c, ids, (lps, greedy) in zip(continuations, conts, rows)]
+
+
+def encode_pairs(encode, context, continuations: list) -> tuple[list, list]:
+    """(the context's token ids, each continuation's token ids) the lm-eval way (`encode`: text to
+    ids); token ids pass through."""
+    if isinstance(context, str):
+        if not context:
+            raise GenerationError("score: the context is empty (give it at least one token)")
+        pairs = []
+        for i, cont in enumerate(continuations):
+            if not isinstance(cont, str):
+                raise GenerationError(f"continuation {i}: give strings with a string context, not {type(cont).__name__}")
+            ctx = context
+            spaces = len(ctx) - len(ctx.rstrip())
+            if spaces:  # lm-eval: "the cat sat " + "on" scores " on" after "the cat sat"
+                cont, ctx = ctx[-spaces:] + cont, ctx[:-spaces]
+            whole, head = list(encode(ctx + cont)), list(encode(ctx))
+            pairs.append((head, whole[len(head):]))
+        ctx_ids = pairs[0][0] if pairs else list(encode(context))
+        if any(h != ctx_ids for h, _ in pairs):  # (only when some continuations move spaces and others not)
+            raise GenerationError("score: continuations disagree on where the context ends; strip its trailing spaces")
+        return ctx_ids, [c for _, c in pairs]
+    ctx_ids = _ids(context, "the context")
+    return ctx_ids, [_ids(c, f"continuation {i}") for i, c in enumerate(continuations)]
+
+
+def _ids(x, what: str) -> list:
+    if isinstance(x, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in x):
+        raise GenerationError(f"score: {what}: token ids (a list of ints) with a token-id context")
+    return [int(t) for t in x]
+
+
+def check(ctx: list, conts: list, model) -> None:
+    if not ctx:
+        raise GenerationError("score: the context is empty (give it at least one token)")
+    window = model.config.get("max_position_embeddings")
+    for i, c in enumerate(conts):
+        if not c:
+            raise GenerationError(f"score: continuation {i} is empty (no tokens after the context)")
+        if window and len(ctx) + len(c) > window:
+            raise GenerationError(f"score: continuation {i} makes {len(ctx) + len(c)} tokens, past the model's "
+                                  f"context window of {window}")
+
+
+def score_rows(services, model, ctx: list, conts: list, *, use_cache: bool) -> tuple[list, dict]:
+    """Each continuation's token log-probabilities and whether each token was the argmax."""
+    cache, ns = services.cache, model.namespace
+    loan = cache.take(ctx, ns) if use_cache else None  # at most len(ctx) - 1 tokens
+    try:
+        prefix_len = len(ctx) - 1
+        cached = loan.length if loan is not None else 0
+        caches = loan.caches if loan is not None else model.new_caches()
+        if cached < prefix_len:  # the context's rest, once for every continuation
+            prefill(model.forward, caches, ctx[cached:prefix_len], chunk=services.prefill_chunk)
+            services.metrics.record_prefill(ns, prefix_len - cached, 0.0)
+        inputs = [[ctx[-1]] + c[:-1] for c in conts]
+        stats = {"context_tokens": len(ctx), "cached_tokens": cached, "source": loan.source if loan else None}
+        # every layer plain KV in the model's own form: quantized KV too (the rows cache converts
+        # each row at exactly kv_start, at its own column; the live caches may be quantized already)
+        if prefix_len and shares_prefix(new_caches(model.model)):
+            cp = Checkpoint.capture(ctx[:prefix_len], caches)
+            if use_cache and cached < prefix_len:  # (past kv_start its layers serve only lengths >= start)
+                cache.put(cp, ns)
+            with routing(model.model) as routed:
+                if routed:
+                    try:
+                        return _batched(model, cp, inputs, conts, services.prefill_chunk), {**stats, "mode": "batched"}
+                    except Unroutable:
+                        pass
+            return [_one(model, cp.lend(prefix_len), x, c) for x, c in zip(inputs, conts)], {**stats, "mode": "serial"}
+        if prefix_len == 0:
+            return [_one(model, model.new_caches(), x, c) for x, c in zip(inputs, conts)], {**stats, "mode": "serial"}
+        cp = Checkpoint.capture(ctx[:prefix_len], caches, copy=True)
+        return [_one(model, cp.lend(prefix_len), x, c) for x, c in zip(inputs, conts)], {**stats, "mode": "serial"}
+    finally:
+        if loan is not None:
+            loan.release()
+
+
+def _batched(model, cp: Checkpoint, inputs: list, conts: list, chunk: int) -> list:
+    """Every continuation in one left-padded forward over the context (in chunks of `chunk`
+    columns; each chunk's log-probabilities read where they are needed, then dropped)."""
+    rows = rows_cache(model)  # a quantized prefix (past kv_start) is lent quantized: its rows start converted
+    layers = [rows([joined_prefix(c.lent_segments())], [0] * len(inputs)) for c in cp.lend(len(cp.tokens))]
+    longest = max(map(len, inputs))
+    for c in layers:
+        c.seed([None] * len(inputs), [len(x) for x in inputs])
+    padded = mx.array([[0] * (longest - len(x)) + x for x in inputs])
+    targets = mx.array([[0] * (longest - len(c)) + c for c in conts])
+    got, best = [], []
+    for at in range(0, longest, chunk):
+        lp = log_softmax(forward_rows(model.model, padded[:, at : at + chunk], layers))  # (split at kv_start)
+        got.append(mx.take_along_axis(lp, targets[:, at : at + chunk, None], axis=-1)[..., 0])
+        best.append(mx.argmax(lp, axis=-1))
+        mx.eval(got[-1], best[-1])
+    got, best = np.concatenate([np.array(g) for g in got], 1), np.concatenate([np.array(b) for b in best], 1)
+    return [(got[i, longest - len(c):].tolist(), bool(np.array_equal(best[i, longest - len(c):], c)))
+            for i, c in enumerate(conts)]
+
+
+def _one(model, caches: list, inputs: list, cont: list) -> tuple:
+    return _read(log_softmax(model.forward(mx.array(inputs)[None], cache=caches))[0], cont)
+
+
+def _read(lp: mx.array, cont: list) -> tuple:
+    """(token log-probabilities, greedy) of `cont` from its positions' log-probabilities."""
+    got = mx.take_along_axis(lp, mx.array(cont)[:, None], axis=-1)[:, 0]
+    best = mx.argmax(lp, axis=-1)
+    mx.eval(got, best)
+    return np.array(got).tolist(), bool(np.array_equal(np.array(best), np.array(cont)))

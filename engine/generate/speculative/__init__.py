@@ -1,0 +1,1 @@
+"""Speculative decoding: a draft proposes tokens, the target verifies them in one forward, rejected tokens are cut back exactly."""

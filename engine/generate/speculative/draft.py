@@ -1,0 +1,313 @@
+"""Speculative decoding: a draft model proposes tokens, the target verifies them in one forward.
+
+Exact by construction: the token at step i is the target's sample at step i, drawn by the
+(seed, step) sampler of sampling.py from the target's logits after the tokens actually emitted.
+A draft token is accepted iff it equals that sample, so the draft only decides how many target
+samples one forward yields, never which (greedy and seeded output equal plain decoding's).
+
+Rejected tokens are cut back from both models' caches (spec_rewind.py): plain and quantized KV
+trimmed; a sliding window that may wrap, recurrent state, chunked attention or a list of them
+restored from before the forward and the accepted tokens forwarded again. What cannot roll back
+exactly (an unknown cache kind, a delayed KV quantization converting during the generation):
+`fallback_reason` names it and the generation decodes plainly, after a one-line notice.
+
+The draft's KV lives in the same tiered cache under the draft model's own namespace: taken at
+its first proposal (the longest cached prefix, any tier), published at the end. The first round
+proposes nothing, so the first token comes as fast as without a draft (the draft's lookup and
+prefill come after it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import mlx.core as mx
+
+from ..decode import DecodeResult, prefill
+from ...kv.caches import unsupported
+from ...kv.checkpoint import Checkpoint
+from ..logprobs import log_softmax, pick, read
+from ...models.registry import LoadedModel, ModelError
+from ..sampling import GenerationError, SamplingParams, sample
+from .rewind import Rewind, cuttable
+
+DEFAULT_DRAFT_TOKENS = 4
+MAX_DRAFT_TOKENS = 32
+
+
+def load_with_draft(models, draft: str | None, path_or_id, name: str, **kv) -> LoadedModel:
+    """models.load(...), with `draft` (a loaded model's name) as the new model's default draft."""
+    if draft is not None and (not isinstance(draft, str) or draft not in models):
+        raise ModelError(f"unknown draft model {draft!r}: load it before the model it drafts for; "
+                         f"loaded: {', '.join(sorted(models.names())) or 'none'}")
+    if draft is not None and draft == name:
+        raise ModelError(f"model {name!r} cannot be its own default draft: it replaces the loaded {draft!r}")
+    loaded = models.load(path_or_id, name, **kv)
+    if draft is not None:
+        try:
+            check_draft(loaded, models.get(draft))
+        except GenerationError as e:
+            models.unload(name)
+            raise ModelError(f"model {name!r} not loaded: {e}") from None
+        loaded.info["draft"] = draft
+    return loaded
+
+
+def resolve_draft(models, target: LoadedModel, draft: str | bool | None, num_draft_tokens) -> tuple:
+    """(the draft LoadedModel or None, K) for a generation; a clear error for bad input.
+    draft=None: the model's default draft (load_model(..., draft=NAME)), if any; False: none."""
+    if draft is None and target.info.get("draft") is not None:
+        draft = target.info["draft"]
+        if draft not in models:
+            raise ModelError(f"model {target.name!r}'s default draft {draft!r} is not loaded: load it again, "
+                             "or pass draft=False (%%generate --no-draft)")
+    if draft is None or draft is False:
+        if num_draft_tokens is not None:
+            raise GenerationError("num_draft_tokens needs a draft model (draft=NAME)")
+        return None, 0
+    k = DEFAULT_DRAFT_TOKENS if num_draft_tokens is None else num_draft_tokens
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
+        raise GenerationError(f"num_draft_tokens must be an integer from 1 to {MAX_DRAFT_TOKENS}, got {k!r}")
+    if not isinstance(draft, str) or draft not in models:
+        raise ModelError(f"unknown draft model {draft!r}: load it first (load_model(path, name=...)); "
+                         f"loaded: {', '.join(sorted(models.names())) or 'none'}")
+    d = models.get(draft)
+    check_draft(target, d)
+    return d, k
+
+
+def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
+    """A draft must be a text model sharing the target's tokenizer and vocabulary."""
+    if draft.vision is not None:
+        raise GenerationError(f"draft model {draft.name!r} is a vision-language model; a draft must be a text model")
+    if target.vision is not None:
+        raise GenerationError(f"model {target.name!r} is a vision-language model: speculative decoding with a "
+                              "draft applies to text models")
+    if draft.identity.get("tokenizer") != target.identity.get("tokenizer"):
+        raise GenerationError(f"draft model {draft.name!r} has another tokenizer than {target.name!r} "
+                              "(their tokenizer files differ): a draft must share the target's tokenizer")
+    dv, tv = draft.config.get("vocab_size"), target.config.get("vocab_size")
+    if dv != tv:
+        raise GenerationError(f"draft model {draft.name!r} has a vocabulary of {dv} tokens, {target.name!r} "
+                              f"of {tv}: a draft must share the target's vocabulary")
+
+
+def _converts(m: LoadedModel, start: int, end: int) -> bool:
+    """Whether a delayed KV quantization converts this model's caches between lengths start and end."""
+    return bool(m.kv_bits is not None and m.kv_start and start < m.kv_start <= end)
+
+
+def fallback_reason(target: LoadedModel, caches: list, draft: LoadedModel, known: int, max_tokens: int) -> str | None:
+    """Why rejected tokens could not be rolled back exactly (then: plain decoding), or None."""
+    draft_caches = draft.new_caches()
+    for m, cs in ((target, caches), (draft, draft_caches)):
+        if unsupported(cs):
+            return (f"speculative decoding needs cache kinds it can roll back; model {m.name!r} has "
+                    f"{'+'.join(unsupported(cs))}: decoding without the draft (same tokens)")
+        if _converts(m, 0, known + max_tokens + MAX_DRAFT_TOKENS):
+            return (f"model {m.name!r} converts its KV to {m.kv_bits} bits at token {m.kv_start} during this "
+                    "generation, which a rollback cannot undo: decoding without the draft (same tokens)")
+    return None
+
+
+@dataclass
+class DraftCounts:
+    proposed: int = 0
+    accepted: int = 0
+    cached: int = 0  # draft tokens that came from the cache
+    prefilled: int = 0  # draft tokens prefilled before its first proposal
+    source: str | None = None
+
+    def stats(self, name: str, k: int, fallback: str | None) -> dict:
+        return {"draft": name, "num_draft_tokens": k, "draft_tokens_proposed": self.proposed,
+                "draft_tokens_accepted": self.accepted,
+                "draft_acceptance": round(self.accepted / self.proposed, 4) if self.proposed else None,
+                "draft_cached_tokens": self.cached, "draft_prefilled_tokens": self.prefilled,
+                "draft_cache_source": self.source, "draft_fallback": fallback}
+
+
+class Drafter:
+    """The draft model's side: its caches (lent by the tiered cache), proposals, rollback, publication.
+
+    `held` is exactly the tokens the draft caches hold; `sync(truth)` cuts them back to the longest
+    common prefix with the tokens decided so far but the last.
+    """
+
+    def __init__(self, services, model: LoadedModel, use_cache: bool, prompt_tokens: int, target_ns: str = ""):
+        self.services, self.model, self.use_cache = services, model, use_cache and model.cache_notice is None
+        self.target_ns = target_ns
+        self.prompt_tokens = prompt_tokens
+        self.caches: list = []
+        self.held: list = []
+        self.started = False
+        self.rewind: Rewind | None = None
+        self.marked = 0  # len(held) at the rewind's mark
+        self.loan = None
+        self.counts = DraftCounts()
+
+    @property
+    def ns(self) -> str:
+        return self.model.namespace
+
+    def start(self, truth: Sequence[int]) -> None:
+        """Hold every token of `truth` but its last: a cached prefix, the rest prefilled."""
+        truth = list(truth)
+        if self.use_cache:
+            self.loan = self.services.cache.take(truth, self.ns)  # no move: the target may lend the same entry
+        self.caches = self.loan.caches if self.loan else self.model.new_caches()
+        self.rewind = Rewind(self.model.forward, self.caches)
+        n = min(self.loan.length, len(truth) - 1) if self.loan else 0
+        for c in self.caches:
+            if cuttable(c) and c.offset > n:  # other kinds are lent at exact lengths only
+                c.trim(c.offset - n)
+        self.counts.cached, self.counts.source = n, (self.loan.source if self.loan else None)
+        rest = truth[n:-1]
+        if rest:
+            prefill(self.model.forward, self.caches, rest, chunk=self.services.prefill_chunk)
+        self.counts.prefilled = len(rest)
+        self.held = truth[:-1]
+        self.started = True
+        if rest and self.use_cache and self.rewind.exact and self.ns != self.target_ns:
+            # a state that serves its own length only (a window, recurrent state): keep this one,
+            # the boundary a rerun's draft starts at (as Generation.snapshot_prompt does for the target)
+            self.services.cache.put(Checkpoint.capture(self.held, self.caches, copy=True), self.ns, defer_write=True)
+
+    def sync(self, truth: Sequence[int]) -> list:
+        """Cut the caches back to what agrees with `truth`; returns the tokens of truth they lack."""
+        n = 0
+        limit = min(len(self.held), len(truth) - 1)  # the last token is always forwarded (a round cut
+        # short at a boundary can leave the draft holding every token decided)
+        while n < limit and self.held[n] == truth[n]:
+            n += 1
+        if n < len(self.held):
+            if self.rewind.exact:  # back to before this round's forwards; the rest forwarded again
+                self.rewind.restore(len(self.held) - self.marked)
+                n = self.marked
+            else:
+                for c in self.caches:
+                    c.trim(len(self.held) - n)
+            del self.held[n:]
+        return list(truth[n:])
+
+    def propose(self, truth: Sequence[int], k: int, params: SamplingParams, step: int) -> list:
+        """k draft tokens after `truth`; the i-th drawn with the sampler of step + i (as the target's)."""
+        if not self.started:
+            self.start(truth)
+        missing = self.sync(truth)
+        self.rewind.mark(())
+        self.marked = len(self.held)
+        out: list = []
+        inputs = missing
+        for i in range(k):
+            logits = self.model.forward(mx.array(inputs)[None], cache=self.caches)[:, -1, :]
+            self.held += inputs
+            token = sample(logits, params, step + i).item()
+            out.append(token)
+            inputs = [token]
+        return out
+
+    def publish(self, truth: Sequence[int], clean: bool) -> None:
+        """Publish the draft's state over the tokens decided (its own namespace, RAM then SSD).
+        After an interrupt (not `clean`) only caches that can be cut to their shortest layer."""
+        if not self.use_cache or not self.caches or self.ns == self.target_ns or (self.rewind.exact and not clean):
+            return  # the draft is the target's model: the target's own state covers these tokens
+        self.sync(truth)
+        n = min([len(self.held)] + [c.offset for c in self.caches if cuttable(c)])
+        for c in self.caches:
+            if cuttable(c) and c.offset > n:
+                c.trim(c.offset - n)
+        if n >= 1:
+            self.services.cache.put(Checkpoint.capture(self.held[:n], self.caches), self.ns,
+                                    prompt_tokens=self.prompt_tokens)
+            self.services.cache.queue_dirty()
+
+    def release(self) -> None:
+        if self.loan is not None:
+            self.loan.release()
+            self.loan = None
+        self.caches = []
+
+
+def decode_speculative(
+    model,
+    caches: list,
+    pending: Sequence[int],
+    params: SamplingParams,
+    *,
+    drafter: Drafter,
+    num_draft_tokens: int,
+    context: Sequence[int],  # every token decided: the prompt, tokens already emitted (pending ones too)
+    eos_ids: set,
+    first_step: int = 0,
+    on_token: Callable[[int, int], bool] | None = None,
+    into: DecodeResult | None = None,
+    sync_at: Callable[[int], bool] | None = None,
+) -> DecodeResult:
+    """decode()'s contract (decoding.py), with drafts. Each round the draft proposes
+    up to K tokens, the target forwards its pending tokens and the proposals at once, samples each
+    position with its step's sampler, and keeps the samples up to the first disagreement. Caches are
+    cut back (`Rewind`) before `on_token` sees a token; a round ends at a step where `sync_at` is
+    true, so the caches hold exactly the tokens before it there."""
+    result = into if into is not None else DecodeResult()
+    truth = list(context)
+    inputs = list(pending)
+    first = True  # the first round proposes nothing: the first token as soon as without a draft
+    rewind = Rewind(model, caches)
+    step = first_step
+    try:
+        while True:
+            left = params.max_tokens - first_step - len(result.tokens)
+            k = 0 if first else min(num_draft_tokens, left - 1)
+            drafts = drafter.propose(truth, k, params, step) if k > 0 else []
+            first = False
+            rewind.mark(inputs + drafts)
+            logits = model(mx.array(inputs + drafts)[None], cache=caches)[0, -(len(drafts) + 1):, :]
+            ys = mx.concatenate([sample(logits[i : i + 1], params, step + i) for i in range(len(drafts) + 1)])
+            picked = pick(log_softmax(logits), ys, params.logprobs) if params.logprobs is not None else None
+            mx.eval([ys] + [a for a in (picked or ()) if a is not None])
+            samples = ys.tolist()
+            agreed = 0
+            while agreed < len(drafts) and drafts[agreed] == samples[agreed]:
+                agreed += 1
+            emit = samples[: agreed + 1]
+            judged = len(drafts)  # proposals compared with the target's samples
+            for i, token in enumerate(emit):  # a round ends at an eos or where a boundary is captured
+                if token in eos_ids or (sync_at is not None and sync_at(step + i)):
+                    if i < agreed:  # cut before the first disagreement: the proposals after it were never judged
+                        emit, judged = emit[: i + 1], i
+                    break
+            drafter.counts.proposed += judged
+            drafter.counts.accepted += len(emit) - 1
+            before = len(result.tokens)
+            rewind.keep(len(inputs) + len(emit) - 1)  # the drafts that were emitted but the last one
+            result.forwarded = before + len(emit) - 1  # the inputs: pending tokens, or the last round's last
+            truth += emit
+            stop = None
+            for i, token in enumerate(emit):
+                result.tokens.append(token)
+                if picked is not None:
+                    result.logprobs += read([token], tuple(None if a is None else a[i : i + 1] for a in picked))
+                if token in eos_ids:
+                    stop = "eos"
+                elif on_token is not None and on_token(token, step + i):
+                    stop = "stop"
+                    cut = len(emit) - 1 - (i + 1)  # the caches hold emit[:-1]: keep emit[: i + 1]
+                    if cut > 0:
+                        rewind.keep(len(inputs) + i + 1)
+                        result.forwarded -= cut
+                if stop is None and len(result.tokens) >= params.max_tokens - first_step:
+                    stop = "length"
+                if stop:
+                    break
+            if stop:
+                result.finish_reason = stop
+                break
+            inputs = [emit[-1]]
+            step += len(emit)
+    except KeyboardInterrupt:
+        result.finish_reason = "interrupted"
+        raise
+    finally:
+        mx.eval([c.state for c in caches])
+    return result

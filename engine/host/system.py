@@ -1,0 +1,210 @@
+"""What the engine needs from the machine: private directories, atomic JSON
+files, durable fsyncs, the filesystem a directory is on, physical memory.
+Cache files hold people's prompts, so every directory is 0700 and every
+file 0600."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import threading
+from pathlib import Path
+
+from ..cache.faults import fault
+
+# macOS: fsync stops at the drive's cache; F_FULLFSYNC reaches the medium.
+_FULLFSYNC = getattr(__import__("fcntl"), "F_FULLFSYNC", None) if sys.platform == "darwin" else None
+# The filesystems the SSD tier uses unless told otherwise: local ones, where fsync reaches the
+# disk in order and SQLite's WAL (a shared-memory file mapped by every process) is coherent.
+# overlay: a container's own root (its upper layer is a local disk of this host; containers do
+# not share it, they share bind mounts, which show the filesystem below). tmpfs: local memory
+# (durable until reboot), /tmp or /dev/shm on many machines and CI runners. Not listed, so
+# refused unless named in ssd_filesystems: network and cluster filesystems (nfs, cifs, ceph,
+# ...), the shares of VMs and Docker Desktop (virtiofs, fakeowner, 9p, vboxsf, prl_fs,
+# vmhgfs), any FUSE filesystem (mergerfs, sshfs, ntfs-3g ...), and FAT/exFAT (no journal).
+LOCAL_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "bcachefs", "tmpfs", "overlay"})
+LOCAL_FILESYSTEMS_DARWIN = frozenset({"apfs", "hfs"})  # and the volume marked local (MNT_LOCAL)
+NETWORK_FILESYSTEMS = frozenset({  # (only to word the refusal)
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "afpfs", "webdav", "davfs", "9p", "afs", "coda", "ncpfs", "ceph",
+    "glusterfs", "lustre", "gpfs", "ocfs2", "gfs2", "beegfs", "virtiofs", "fakeowner", "vboxsf", "prl_fs",
+    "vmhgfs", "fuse.sshfs", "fuse.glusterfs", "fuse.cephfs", "fuse.s3fs", "fuse.rclone", "fuse.gcsfuse",
+    "fuse.juicefs", "fuse.davfs2",
+})
+MOUNTINFO = "/proc/self/mountinfo"
+_tag = os.urandom(6).hex()
+
+
+def process_tag() -> str:
+    """A random name for this process (a new one after fork): temp files carry it,
+    so their writer can be told alive or dead in any PID namespace."""
+    return _tag
+
+
+def _new_tag() -> None:
+    global _tag
+    _tag = os.urandom(6).hex()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_tag)
+
+
+def make_private_dir(path) -> Path:
+    """Create (or tighten) a directory readable by its owner only.
+
+    Another user's directory is refused (PermissionError), even where we
+    could write to it: its owner could read the prompts we would put there.
+    A directory created here is made durable in its parent.
+    """
+    path = Path(path).expanduser()
+    created = []
+    p = path
+    while not p.exists() and p != p.parent:
+        created.append(p)
+        p = p.parent
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    owner = os.stat(path).st_uid
+    if hasattr(os, "geteuid") and owner != os.geteuid():
+        raise PermissionError(f"{path} belongs to another user (uid {owner})")
+    os.chmod(path, 0o700)
+    for d in reversed(created):
+        fsync_dir(d.parent)
+    return path
+
+
+def write_json_atomic(path, obj, *, durable: bool = True) -> None:
+    """Replace `path` with `obj` as JSON (0600): a temp file, fsync, rename.
+
+    A reader sees the old record or the new one, never half of one.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f)
+            if durable:
+                f.flush()
+                fsync_file(f.fileno())
+        os.replace(tmp, path)
+        if durable:
+            fsync_dir(path.parent)
+    except BaseException:
+        unlink_quietly(tmp)
+        raise
+
+
+def fsync_file(fd: int) -> None:
+    """Make a file's data durable (on macOS through the drive's cache: F_FULLFSYNC)."""
+    if _FULLFSYNC is not None:
+        try:
+            __import__("fcntl").fcntl(fd, _FULLFSYNC)
+            return
+        except OSError:  # a filesystem without it: fsync is the best there is
+            pass
+    os.fsync(fd)
+
+
+def fsync_dir(path, point: str = "dir.fsync") -> None:
+    """Make renames, new files and deletions in `path` durable (`point`: its fault point)."""
+    fault(point)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fsync_file(fd)
+    finally:
+        os.close(fd)
+
+
+def unlink_quietly(path) -> None:
+    """Remove a file that may already be gone (a temp file after a failed write)."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def filesystem_type(path, mountinfo: str | None = None) -> str | None:
+    """The type of the filesystem holding `path` ("ext4", "nfs4", ...) from Linux's
+    mountinfo (MOUNTINFO unless given); None where unknown."""
+    p = _existing(path)
+    try:
+        with open(mountinfo or MOUNTINFO) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    best, kind = -1, None
+    for line in lines:  # "36 35 98:0 /root /mnt/point rw ... - fstype source options"
+        fields, _, rest = line.partition(" - ")
+        parts = fields.split()
+        if len(parts) < 5 or not rest:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[4])  # "\040" is a space
+        if (p == point or p.startswith(point.rstrip("/") + "/")) and len(point) >= best:
+            best, kind = len(point), rest.split()[0]
+    return kind
+
+
+def unsupported_filesystem(path, allowed=(), mountinfo: str | None = None) -> str | None:
+    """Why the SSD tier must not use the filesystem holding `path` (the type, and what it
+    is), or None where it may: a local filesystem (LOCAL_FILESYSTEMS, on macOS
+    LOCAL_FILESYSTEMS_DARWIN on a local volume), or one whose type is in `allowed` (the user
+    opted in by name; "unknown" where the type cannot be read). Other systems: not checked."""
+    if sys.platform == "darwin":
+        found = _darwin_statfs(_existing(path))
+        kind, local = (found[0], found[1]) if found is not None else ("unknown", False)
+        if kind in allowed or (kind in LOCAL_FILESYSTEMS_DARWIN and local):
+            return None
+        what = "a volume that is not local" if kind in LOCAL_FILESYSTEMS_DARWIN else _what(kind)
+    elif sys.platform.startswith("linux"):
+        kind = filesystem_type(path, mountinfo) or "unknown"
+        if kind in allowed or kind in LOCAL_FILESYSTEMS:
+            return None
+        what = _what(kind)
+    else:
+        return None
+    return f"{kind} ({what})"
+
+
+def _what(kind: str) -> str:
+    if kind == "unknown":
+        return "its type could not be read"
+    if kind in NETWORK_FILESYSTEMS:
+        return "a network or shared filesystem: SQLite's WAL is not coherent across it"
+    return "not a filesystem the SSD tier knows to be local"
+
+
+def _existing(path) -> str:
+    p = Path(path).expanduser().absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return os.path.realpath(p)
+
+
+def _darwin_statfs(path: str) -> tuple[str, bool] | None:
+    """statfs(2) on macOS: (f_fstypename, whether MNT_LOCAL is set)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        try:  # the 64-bit struct on Intel Macs; on Apple silicon it is the only one
+            statfs = libc["statfs$INODE64"]
+        except AttributeError:
+            statfs = libc.statfs
+        buf = ctypes.create_string_buffer(2400)  # struct statfs (64-bit): f_flags at 64, f_fstypename at 72
+        if statfs(path.encode(), buf) != 0:
+            return None
+        flags = int.from_bytes(buf.raw[64:68], "little")
+        name = buf.raw[72:88].split(b"\0", 1)[0].decode("ascii")
+        return (name, bool(flags & 0x1000)) if name.isalnum() else None  # MNT_LOCAL; garbage: unknown
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+def physical_memory() -> int | None:
+    """Bytes of physical memory, or None where the OS does not say."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
