@@ -1,10 +1,11 @@
 """mlxcache_kernel.engine: models, the tiered prompt cache, storage, generation.
 
 No Jupyter imports here: the engine works from a plain script too. A prompt
-travels: `engine.py` (the facade) -> `generation.py` (one generation) ->
-`cache/tiered.py` (RAM over SSD) -> `cache/ram.py` and `cache/ssd/`
-(`writer.py` -> `format.py` on disk, `restore.py` back into MLX), with the
-KV state itself in `kv/` (`codecs.py` per mlx-lm cache class, `checkpoint.py`).
+travels: `engine.py` (the facade) -> `generate/generation.py` (one generation,
+whose tokens come from the loop in `generate/`) -> `cache/tiered.py` (RAM over
+SSD) -> `cache/ram.py` and `cache/ssd/` (`writer.py` -> `persist.py` on disk,
+`restore.py` back into MLX), with the KV state itself in `kv/` (`codecs.py` per
+mlx-lm cache class, `checkpoint.py`). Every exception a caller sees is in `errors.py`.
 """
 
 import importlib
@@ -12,15 +13,32 @@ import importlib
 # Imported on first use (PEP 562): a process that needs only the storage layer
 # (a cache maintenance tool, the crash tests' workers) does not load MLX.
 _EXPORTS = {
+    "ConfigError": ".errors",
+    "RemoteConfigError": ".errors",
+    "ModelError": ".errors",
+    "VisionUnavailable": ".errors",
+    "GenerationError": ".errors",
+    "SessionError": ".errors",
+    "CheckpointNameError": ".errors",
+    "UnsupportedCache": ".errors",
+    "Unkeyable": ".errors",
+    "Unstorable": ".errors",
+    "CatalogBusy": ".errors",
+    "CatalogCorrupt": ".errors",
+    "ReadBusy": ".errors",
+    "ReadCorrupt": ".errors",
+    "CorruptCheckpoint": ".errors",
+    "NewerFormat": ".errors",
+    "CorruptBlock": ".errors",
+    "UnsupportedFilesystem": ".errors",
+    "CheckpointUnavailable": ".errors",
+    "RemoteError": ".errors",
     "Checkpoint": ".kv.checkpoint",
     "Engine": ".engine",
-    "GenerationError": ".generate.sampling",
     "GenerationResult": ".generate.generation",
-    "ModelError": ".models.registry",
     "SamplingParams": ".generate.sampling",
     "ScoreResult": ".generate.scoring",
     "TokenLogprob": ".generate.logprobs",
-    "SessionError": ".chat.sessions",
     "default_cache_dir": ".config",
     "default_ram_budget": ".host.memory",
 }

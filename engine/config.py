@@ -22,19 +22,13 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
+from .errors import ConfigError, RemoteConfigError  # noqa: F401 (raised here; defined in errors.py)
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z%]*)\s*$")
 NONE_WORDS = ("", "none", "off", "unlimited", "null")
 
-
-class ConfigError(ValueError):
-    """An option that cannot be used; the message names it (and never shows a secret)."""
-
-
-class RemoteConfigError(ConfigError):
-    """A remote tier setting that cannot be used (a URL: shown redacted; a secret: never shown)."""
 
 
 class Secret:

@@ -11,10 +11,8 @@ import time
 from dataclasses import dataclass, field
 
 from ..named.names import check_user_name
+from ..errors import SessionError  # noqa: F401 (raised here; defined in errors.py)
 
-
-class SessionError(ValueError):
-    pass
 
 
 def check_session_id(session_id: str) -> str:

@@ -14,10 +14,8 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_k, apply_top_p
 
 from .logprobs import MAX_TOP
+from ..errors import GenerationError  # noqa: F401 (raised here; defined in errors.py)
 
-
-class GenerationError(ValueError):
-    """Bad generation input, with a message naming the problem."""
 
 
 def _option(default, *flags: str, help: str, repeat: bool = False, type=None):

@@ -23,10 +23,8 @@ from mlx_lm.models import cache as lm_cache
 
 from .borrowed import BorrowedKVCache, BorrowedQuantizedKVCache, cut_segments, to_merge
 from .layers import LayerState, fresh as _fresh, own as _own, seq as _seq
+from ..errors import UnsupportedCache  # noqa: F401 (raised here; defined in errors.py)
 
-
-class UnsupportedCache(TypeError):
-    """A cache class no codec knows: the model generates, uncached."""
 
 
 class Codec:

@@ -20,6 +20,7 @@ from ..kv.caches import hit_summary, kv_scheme, new_caches, unsupported
 from ..kv.quantize_start import QuantizeFrom, check_quantizable
 from ..named.names import check_user_name
 from ..host.system import make_private_dir, write_json_atomic
+from ..errors import ModelError  # noqa: F401 (raised here; defined in errors.py)
 
 WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf")
 TOKENIZER_FILES = (
@@ -32,9 +33,6 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
 )
 
-
-class ModelError(ValueError):
-    """A model path, name or directory problem, with a message naming it."""
 
 
 def _hash_file(path: Path, chunk: int = 8 << 20) -> str:

@@ -41,14 +41,12 @@ import mlx.core as mx
 import numpy as np
 
 from ..kv.caches import mlx_lm_caches
+from ..errors import VisionUnavailable  # noqa: F401 (raised here; defined in errors.py)
 
 MEDIA_REVISION = 1  # of the encoder-output objects and media prefix keys; a change is a miss
 SUPPORTED = {"qwen2_vl": "QwenVL", "qwen2_5_vl": "QwenVL", "gemma3": "Gemma3", "gemma4": "Gemma4"}
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json", "chat_template.jinja")
 
-
-class VisionUnavailable(ImportError):
-    pass
 
 
 def is_vlm_config(config: dict) -> bool:

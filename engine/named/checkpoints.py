@@ -16,10 +16,8 @@ from pathlib import Path
 
 from .names import check_user_name
 from ..host.system import make_private_dir, write_json_atomic
+from ..errors import CheckpointNameError  # noqa: F401 (raised here; defined in errors.py)
 
-
-class CheckpointNameError(ValueError):
-    pass
 
 
 def check_name(name: str) -> str:

@@ -31,6 +31,7 @@ from typing import Callable, Iterator
 
 from ..faults import fault
 from .schema import SCHEMA_VERSION, migrate
+from ...errors import CatalogBusy, CatalogCorrupt  # noqa: F401 (raised here; defined in errors.py)
 
 OWNER_WAIT_S = 1.0
 LATE_WAIT_S = 0.05  # a cell's wait while the lock is known to be held elsewhere: a short transaction's length
@@ -46,13 +47,6 @@ BACKGROUND_WAIT_S = 60.0
 NOT_DURABLE = frozenset({"lease", "unlease", "keep"})
 _BUSY, _LOCKED, _CORRUPT, _NOTADB = 5, 6, 11, 26
 _thread = threading.local()
-
-class CatalogBusy(Exception):
-    """Another process held the catalogue's write lock longer than this caller may wait."""
-
-
-class CatalogCorrupt(Exception):
-    """The database is damaged (SQLITE_CORRUPT, SQLITE_NOTADB or a failed integrity check)."""
 
 
 def background_thread(wait_s: float = BACKGROUND_WAIT_S) -> None:

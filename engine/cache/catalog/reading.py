@@ -23,6 +23,7 @@ import sqlite3
 import threading
 from pathlib import Path
 from urllib.parse import quote
+from ...errors import ReadBusy, ReadCorrupt  # noqa: F401 (raised here; defined in errors.py)
 
 
 READ_WAIT_S = 0.1
@@ -44,13 +45,6 @@ def check_page(sort: str, pinned: str) -> None:
     if pinned not in ("all", "pinned", "unpinned"):
         raise ValueError(f"pinned must be all, pinned or unpinned, not {pinned!r}")
 
-
-class ReadBusy(Exception):
-    """The catalogue could not be read within READ_WAIT_S: ask again."""
-
-
-class ReadCorrupt(Exception):
-    """The catalogue is not a database, or a damaged one."""
 
 
 def _mapped(exc: sqlite3.Error, path: Path) -> Exception:

@@ -30,21 +30,11 @@ from typing import Any
 import blake3
 import mlx.core as mx
 import numpy as np
+from ...errors import Unkeyable, Unstorable  # noqa: F401 (raised here; defined in errors.py)
 
 NUMPY_KINDS = "biufcSUmM"  # numpy dtype kinds stored (not object or void: their bytes are not the value)
 _CONTAINERS = {list: "list", tuple: "tuple"}
 
-
-class Unkeyable(TypeError):
-    """A key (or memo argument) that cannot be encoded exactly; `where` says which part."""
-
-    def __init__(self, where: str, what: Any):
-        self.where, self.type_name = where, type(what).__qualname__
-        super().__init__(f"{where} is of type {self.type_name}, which cannot be part of an exact key")
-
-
-class Unstorable(TypeError):
-    """A value the object cache cannot store exactly."""
 
 
 # --- values ------------------------------------------------------------------

@@ -37,14 +37,12 @@ from redis.retry import Retry
 
 from .breaker import Breaker
 from .config import RemoteConfig, scrub
+from ...errors import RemoteError  # noqa: F401 (raised here; defined in errors.py)
 
 MAX_ERROR_CHARS = 300
 RECUT_S = 0.05  # after a deadline, cut again this often until the call returns (redis-py retries once)
 log = logging.getLogger(__name__.rsplit(".", 1)[0])
 
-
-class RemoteError(Exception):
-    """A remote call failed; the message is redacted (no user, no password)."""
 
 
 def connect(cfg: RemoteConfig, timeout_s: float, tls: dict | None = None):

@@ -39,6 +39,7 @@ import numpy as np
 
 from ...host.system import fsync_file, make_private_dir, process_tag, unlink_quietly
 from ..faults import fault
+from ...errors import CorruptBlock  # noqa: F401 (raised here; defined in errors.py)
 
 MAGIC = b"MLXBLK2\n"
 _PREFIX = struct.Struct("<8sI")
@@ -51,13 +52,6 @@ SUFFIX = ".blk"
 BLOCK_TOKENS = 32
 _IOV_MAX = 512  # iovecs per preadv/writev call (Linux allows 1024)
 
-
-class CorruptBlock(Exception):
-    """A block that does not hold what its name says: it goes to quarantine."""
-
-    def __init__(self, name: str, reason: str):
-        super().__init__(f"block {name[:16]}: {reason}")
-        self.name, self.reason = name, f"block {name[:16]}: {reason}"
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ import blake3
 import numpy as np
 
 from .blocks import BlockRef
+from ...errors import CorruptCheckpoint, NewerFormat  # noqa: F401 (raised here; defined in errors.py)
 
 MAGIC = b"MLXCKPT\n"
 FORMAT_VERSION = 2  # what this build writes, and the newest it reads
@@ -59,17 +60,6 @@ _REQUIRED = (
     "identity", "namespace", "tokens", "layout", "min_reusable_offset", "trimmable", "attachments", "created", "tensors",
 )
 
-
-class CorruptCheckpoint(Exception):
-    """The file is not a valid, complete, intact checkpoint."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
-class NewerFormat(Exception):
-    """A format version this build does not know: a newer build's file, left alone."""
 
 
 def hasher(version: int):

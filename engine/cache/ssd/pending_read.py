@@ -31,9 +31,7 @@ from .index import IndexEntry
 from .tensor_read import MissingBlock, allocate_all, fill
 
 from .store_side import ReadSide
-
-class CheckpointUnavailable(Exception):
-    """A checkpoint could not be restored; treat it as a cache miss."""
+from ...errors import CheckpointUnavailable  # noqa: F401 (raised here; defined in errors.py)
 
 
 class PendingRead:

@@ -45,6 +45,7 @@ from .removal import AfterCommit, changing
 from .leases import Reads
 from .layout import BLOCKS, HEARTBEATS, NAMESPACE_RE, QUARANTINE, SUFFIX
 from .upkeep import Upkeep
+from ...errors import UnsupportedFilesystem  # noqa: F401 (raised here; defined in errors.py)
 
 __all__ = ["CheckpointStore", "CheckpointUnavailable", "LostClaims", "PendingRead", "validate_namespace"]
 
@@ -53,10 +54,6 @@ class LostClaims(Exception):
     """A write's blocks are no longer all claimed and recorded (another process took the
     writer for dead and freed them): nothing was committed; the write is retried."""
 
-
-class UnsupportedFilesystem(OSError):
-    """The directory is not on a filesystem known to be local (system.LOCAL_FILESYSTEMS) and the
-    user did not name its type: SQLite's WAL needs a local disk."""
 
 
 def validate_namespace(namespace: str) -> str:
