@@ -177,12 +177,15 @@ class Engine:
                  on_progress: Callable[[str, int, int], None] | None = None,
                  checkpoint_every: int | None = None, images: Sequence | None = None, videos: Sequence | None = None,
                  fps: float | None = None, max_frames: int | None = None, audios: Sequence | None = None,
-                 draft: str | bool | None = None, num_draft_tokens: int | None = None, **sampling) -> GenerationResult:
+                 draft: str | bool | None = None, num_draft_tokens: int | None = None, lookup: bool | None = None,
+                 **sampling) -> GenerationResult:
         """sampling: SamplingParams's options (max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop=()).
         images (paths, PIL images, (H, W, 3) arrays), videos (paths, (T, C, H, W) arrays, sampled at fps, up to
         max_frames: video.py), audios (paths, 1-D waveforms: audio.py) for a VLM come before the text in the user turn
         (a session keeps them). draft: a loaded model proposing num_draft_tokens (default 4) per verify forward
-        (default: the model's default draft; False: none)."""
+        (default: the model's default draft; False: none). lookup: drafts from the prompt and the text so far
+        (speculative/lookup.py): None proposes them where they pay, True always, False never; the tokens are
+        plain decoding's either way."""
         self._check_open()
         self.poll(prepare=False)  # no buffers allocated for prefetches on the way to the first token
         params = SamplingParams.of(**sampling)
@@ -199,7 +202,7 @@ class Engine:
         result = self.generate_tokens(
             tokens, params, model=m.name, session=session, use_cache=use_cache, on_text=on_text,
             on_progress=on_progress, checkpoint_every=checkpoint_every, media=media,
-            draft=draft, num_draft_tokens=num_draft_tokens)
+            draft=draft, num_draft_tokens=num_draft_tokens, lookup=lookup)
         if session is not None:
             self.sessions.get(session).record_turn(prompt, result.text, tokens, result.tokens,
                                                    images=media.images if media else ())
@@ -207,7 +210,7 @@ class Engine:
 
     def generate_batch(self, prompts: Sequence, *, seed: int | Sequence[int] = 0, model: str | None = None,
                        system: str | None = None, raw: bool = False, use_cache: bool = True,
-                       batch_size: int = DEFAULT_BATCH_SIZE,
+                       batch_size: int = DEFAULT_BATCH_SIZE, lookup: bool | None = None,
                        on_progress: Callable[[str, int, int], None] | None = None,
                        on_row: Callable[[int, GenerationResult], None] | None = None,
                        **sampling) -> list[GenerationResult]:
@@ -224,7 +227,9 @@ class Engine:
         params = [SamplingParams.of(**sampling, seed=s).validate(vocab) for s in batch_seeds(seed, len(rows))]
         if not rows:
             return []
-        results = BatchRun(self.services, m, rows, params, use_cache=use_cache, batch_size=batch_size,
+        if lookup is not None and not isinstance(lookup, bool):
+            raise GenerationError(f"lookup must be True, False or None (where it pays), got {lookup!r}")
+        results = BatchRun(self.services, m, rows, params, use_cache=use_cache, batch_size=batch_size, lookup=lookup,
                            on_progress=on_progress, on_row=on_row).run()
         self.last_result = results[-1]
         return results
@@ -246,7 +251,7 @@ class Engine:
     ) -> GenerationResult:
         """Generate from prompt token ids: resume or cache lookup, prefill, decode, publish (run.py).
 
-        options: session, use_cache, on_text, on_progress, checkpoint_every, draft, num_draft_tokens
+        options: session, use_cache, on_text, on_progress, checkpoint_every, draft, num_draft_tokens, lookup
         (see `generate`).
         """
         self._check_open()
@@ -255,6 +260,8 @@ class Engine:
         if not tokens:
             raise GenerationError("empty prompt: no tokens to generate from")
         params.validate(m.config.get("vocab_size"))
+        if options.get("lookup") is not None and not isinstance(options["lookup"], bool):
+            raise GenerationError(f"lookup must be True, False or None (where it pays), got {options['lookup']!r}")
         options["draft"], options["num_draft_tokens"] = resolve_draft(self.models, m, options.get("draft"),
                                                                       options.pop("num_draft_tokens", None))
         req = Request(m, tokens, params, **options)

@@ -33,7 +33,8 @@ from ..host.memory import DECODE_CHECK_EVERY, PressureGuard
 from ..metrics import AccessTrace, GenerationMetrics, generation_stats
 from ..models.registry import LoadedModel
 from .sampling import SamplingParams
-from .speculative.draft import DraftCounts, Drafter, fallback_reason
+from .speculative.draft import DraftCounts, Drafter
+from .speculative.proposers import Choice, choose_proposers
 
 ONE_PASS_TOKENS = 64  # a rest of the prompt up to this long is forwarded with the first decode step
 
@@ -75,8 +76,9 @@ class Request:
     on_progress: Callable[[str, int, int], None] | None = None
     checkpoint_every: int | None = None
     media: Any = None  # a MediaPrompt (media.py) when the prompt holds images for a VLM
-    draft: LoadedModel | None = None  # speculative decoding with this draft model (speculative.py)
+    draft: LoadedModel | None = None  # speculative decoding with this draft model (speculative/draft.py)
     num_draft_tokens: int = 0
+    lookup: bool | None = None  # drafts from the context (speculative/lookup.py): None where they pay
 
     @property
     def ns(self) -> str:
@@ -118,7 +120,7 @@ class Generation:
         self.pending: list | None = None  # prompt tokens the first decode step forwards (None: the last one)
         self.converts_in_decode = False  # (set by run)
         self.drafter: Drafter | None = None  # with a draft that can roll back exactly
-        self.draft_fallback: str | None = None  # why a draft was not used
+        self.proposers = Choice()  # where drafts came from (set when decoding starts)
 
     def run(self) -> GenerationResult:
         req, cache = self.req, self.cache
@@ -190,7 +192,8 @@ class Generation:
         stats.update(self.prompt.stats(cached, loan.source if loan else None))
         if req.draft is not None:
             counts = self.drafter.counts if self.drafter else DraftCounts()
-            stats.update(counts.stats(req.draft.name, req.num_draft_tokens, self.draft_fallback))
+            stats.update(counts.stats(req.draft.name, req.num_draft_tokens, self.proposers.draft_fallback))
+        stats.update(self.proposers.lookup_stats(req.lookup))
         self.services.metrics.record(req.ns, stats)
         logprobs = self.decoded.logprobs if req.params.logprobs is not None else None
         return GenerationResult(self.stream.text, self.emitted + self.decoded.tokens, stats, list(req.tokens), logprobs)
@@ -247,17 +250,11 @@ class Generation:
             return
         pending = self.pending or (emitted[-1:] if emitted else req.tokens[-1:])
         self.decode_ran = True
-        if req.draft is not None:
-            known = req.tokens + emitted
-            self.draft_fallback = fallback_reason(req.model, caches, req.draft, len(known), req.params.max_tokens)
-            if self.draft_fallback:
-                self.services.events.emit("notice", model=req.model.name, message=self.draft_fallback)
-            else:
-                self.drafter = Drafter(self.services, req.draft, req.use_cache, len(req.tokens), req.ns,
-                                       req.num_draft_tokens)
+        self.proposers = choose_proposers(self.services, req, caches, len(req.tokens) + len(emitted))
+        self.drafter = self.proposers.drafter
         row = Row(req.params, pending, eos_ids=req.model.eos_token_ids, first_step=len(emitted),
-                  context=req.tokens + emitted, proposer=self.drafter, on_token=on_token, sync_at=boundary_due,
-                  into=self.decoded)
+                  context=req.tokens + emitted, proposer=self.proposers.proposer, on_token=on_token,
+                  sync_at=boundary_due, into=self.decoded)
         self.times = row.times
         run_rows([row], OneRow(self.prompt.forward, caches))
         self._show(self.stream.finish())

@@ -41,11 +41,21 @@ class DecodeResult:
 
 
 class Proposer(Protocol):
+    """Where drafts come from: a draft model (speculative/draft.py), the row's own context
+    (speculative/lookup.py)."""
+
+    def wants(self, step: int) -> bool:
+        """Whether it may propose at this step; decided before the step's token is known (the loop
+        decodes plainly, pipelined, at steps where it does not)."""
+
     def propose(self, context: Sequence[int], limit: int, params: SamplingParams, step: int) -> list[int]:
         """Up to `limit` tokens likely to follow `context` (every token decided so far)."""
 
     def judged(self, proposed: int, accepted: int) -> None:
         """How many of the last proposals were compared with the target's samples, and kept."""
+
+    def stepped(self, step: int, tokens: int, seconds: float, proposed: int) -> None:
+        """A step of the row yielded `tokens` in `seconds`, verifying `proposed` drafts."""
 
 
 class Forward(Protocol):
@@ -91,8 +101,12 @@ class Row:
     def left(self) -> int:
         return self.budget - len(self.out.tokens)
 
+    def wants(self) -> bool:
+        """Whether its proposer may propose at this step."""
+        return self.proposer is not None and self.left > 1 and self.proposer.wants(self.step)
+
     def drafts(self) -> list:
-        if self.proposer is None or self.left <= 1:
+        if not self.wants():
             return []
         return list(self.proposer.propose(self.context, self.left - 1, self.params, self.step))[: self.left - 1]
 
@@ -147,7 +161,7 @@ def run(rows: list[Row], forward: Forward, *, on_step: Callable[[], None] | None
             _forced(active, forward, chunk)
             _drop_finished(active, forward, on_finish)
         while active:
-            if forward.pipelines and len(active) == 1 and active[0].proposer is None:
+            if forward.pipelines and len(active) == 1 and not active[0].wants():
                 _pipelined(active[0], forward)
             else:
                 _verify(active, forward)
@@ -179,12 +193,13 @@ def _drop_finished(active: list, forward: Forward, on_finish) -> None:
 def _verify(active: list, forward: Forward) -> None:
     """One step of every row: its pending tokens and drafts forwarded at once, samples kept up to the
     first that differs from its draft, rejected positions cut back."""
+    t0 = time.perf_counter()
     drafts = [r.drafts() for r in active]
     feeds = [r.pending + d for r, d in zip(active, drafts)]
     logits = forward(feeds, [len(d) for d in drafts])
     chosen = [r.sample(logits[b], len(d) + 1, r.step) for b, (r, d) in enumerate(zip(active, drafts))]
     mx.eval([a for c in chosen for a in _arrays(c)])
-    now = time.perf_counter()
+    now, steps = time.perf_counter(), []
     for pos, (row, d, (ys, picked)) in enumerate(zip(active, drafts, chosen)):
         samples = ys.tolist()
         agreed = 0
@@ -198,7 +213,7 @@ def _verify(active: list, forward: Forward) -> None:
                 break
         if d:
             row.proposer.judged(judged, len(emit) - 1)
-        before, fed = len(row.out.tokens), len(feeds[pos])
+        before, fed, timed = len(row.out.tokens), len(feeds[pos]), len(row.pending) == 1
         forward.keep(pos, len(row.pending) + len(emit) - 1, fed)  # cut back before on_token sees a token
         kept = row.emit(emit, picked, now)
         held = min(kept, len(emit) - 1)  # the caches hold the pending tokens and emit[:-1], at most what was kept
@@ -207,34 +222,48 @@ def _verify(active: list, forward: Forward) -> None:
         row.out.forwarded = before + held
         row.context += emit[:kept]
         row.pending = emit[kept - 1 : kept] if not row.done else []
+        steps.append((row, row.step, kept, len(d), timed))
         row.step += kept
+    # Proposers judge by the step as a whole: rows verify together, so drafts pay only where the batch
+    # yields more tokens a second with them than without.
+    seconds = time.perf_counter() - t0
+    tokens, proposed = sum(s[2] for s in steps), sum(s[3] for s in steps)
+    for row, step, _, _, timed in steps:
+        if row.proposer is not None and timed:  # (a prompt's rest forwarded with the first token is no step)
+            row.proposer.stepped(step, tokens, seconds, proposed)
 
 
 def _pipelined(row: Row, forward: Forward) -> None:
-    """Plain decoding of one row until it stops: step i+1 is queued before token i is read, from the
-    second token on, except at the last step and where a boundary is captured."""
-    step = row.step
+    """Plain decoding of one row until it stops or its proposer wants to propose again: step i+1 is
+    queued before token i is read, from the second token on, except at the last step and where a
+    boundary is captured."""
+    step, t, timed = row.step, time.perf_counter(), len(row.pending) == 1  # (a prompt's rest is not a step)
     chosen = row.sample(forward([row.pending])[0], 1, step)
     mx.eval(_arrays(chosen))
     while True:
         y, picked = chosen
+        proposes = row.proposer is not None and row.proposer.wants(step + 1)  # then the next step is verified
         ahead = None
-        if row.out.tokens and row.left > 1 and not row.boundary(step):
+        if row.out.tokens and row.left > 1 and not row.boundary(step) and not proposes:
             ahead = row.sample(forward(y[:, None])[0], 1, step + 1)
             mx.async_eval(_arrays(ahead))
             row.out.forwarded += 1
         token = y.item()
         row.context.append(token)
         row.step = step
-        row.emit([token], picked, time.perf_counter())
-        if row.done:
+        now = time.perf_counter()
+        row.emit([token], picked, now)
+        if row.proposer is not None and timed:
+            row.proposer.stepped(step, 1, now - t, 0)
+        if row.done or proposes:
             row.pending = [] if ahead is not None else [token]
+            row.step = step + 1
             return
         if ahead is None:
             ahead = row.sample(forward(y[:, None])[0], 1, step + 1)
             mx.async_eval(_arrays(ahead))
             row.out.forwarded += 1
-        chosen, step = ahead, step + 1
+        chosen, step, t, timed = ahead, step + 1, now, True
         row.step, row.pending = step, []
 
 

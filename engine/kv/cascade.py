@@ -41,7 +41,8 @@ class RowsCache:
 
     A row's tail holds its own positions: first what it brought along (`seed`: the rest of what its
     loan held past the group's prefix), then the rest of its prompt, then what it decodes. All rows
-    write at the same tail position each forward; what is not a row's (padding) is masked.
+    write at the same tail position each forward; what is not a row's (padding before a shorter row's
+    tokens, `pad`; its rejected drafts, `cut`) is masked.
     """
 
     def __init__(self, prefixes: list, group_of: list[int]):
@@ -81,6 +82,21 @@ class RowsCache:
         for b, (s, r) in enumerate(zip(lengths, rests)):
             self.holes[b] = [iv for iv in ((0, S - s), (S, S + R - r)) if iv[1] > iv[0]]
             self.origin[b] = self.prefix_len[b] + s - (R - r) - S
+
+    def pad(self, lengths: list[int]) -> None:
+        """Before a forward of max(lengths) positions where row b brings lengths[b] tokens: its first
+        positions are padding (left-aligned, as `seed` does), so every row's tokens end together."""
+        L = max(lengths)
+        for b, n in enumerate(lengths):
+            if n < L:
+                self.holes[b].append((self.T, self.T + L - n))
+                self.origin[b] -= L - n
+
+    def cut(self, row: int, n: int) -> None:
+        """After a forward: row `row`'s last n positions are no longer its own (rejected drafts)."""
+        if n > 0:
+            self.holes[row].append((self.T - n, self.T))
+            self.origin[row] -= n
 
     def _grow(self, n: int, like: tuple) -> None:
         self.tails = grown(self.tails, self.T, n, like, len(self.group_of))

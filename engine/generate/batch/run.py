@@ -26,13 +26,14 @@ seed from a list), through the (seed, step) sampler of `generate`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import mlx.core as mx
 
 from ..sampling import GenerationError
 from ..loop import Row as LoopRow
+from ..speculative.proposers import Choice, choose_proposers
 from ..prefill import prefill
 from ...host.memory import DECODE_CHECK_EVERY
 from ...kv.checkpoint import Checkpoint
@@ -106,6 +107,7 @@ class Row:
     lookup_s: float = 0.0
     prefill_s: float = 0.0
     result: GenerationResult | None = None
+    drafts: Choice = field(default_factory=Choice)  # drafts from its context, in a shared-prefix batch
 
     @property
     def tokens(self) -> list:
@@ -116,13 +118,14 @@ class BatchRun:
     """One `generate_batch` call; `run()` once."""
 
     def __init__(self, services: Services, model: LoadedModel, prompts: list, params: list, *, use_cache: bool,
+                 lookup: bool | None = None,
                  batch_size: int = DEFAULT_BATCH_SIZE, on_progress: Callable[[str, int, int], None] | None = None,
                  on_row: Callable[[int, GenerationResult], None] | None = None):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise GenerationError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         self.services, self.model, self.cache, self.ns = services, model, services.cache, model.namespace
         self.use_cache = use_cache and model.cache_notice is None  # an unknown cache class: uncached, never wrong
-        self.rows = [Row(i, Generation(services, Request(model, t, p, use_cache=self.use_cache)))
+        self.rows = [Row(i, Generation(services, Request(model, t, p, use_cache=self.use_cache, lookup=lookup)))
                      for i, (t, p) in enumerate(zip(prompts, params))]
         self.batch_size, self.on_progress, self.on_row = batch_size, on_progress, on_row
         self.branches: list[Branch] = []
@@ -319,8 +322,13 @@ class BatchRun:
             g.stream.add(token)
             return g.stream.stopped
 
+        if self.mode == "shared-prefix":
+            row.drafts = choose_proposers(self.services, g.req, (), len(row.tokens))
+        else:
+            row.drafts = Choice(lookup_fallback="rows merged in mlx-lm's batch caches cannot cut rejected drafts "
+                                                "back one by one: decoding without drafts from the context")
         loop_row = LoopRow(g.req.params, row.tokens[-1:], eos_ids=self.model.eos_token_ids, context=row.tokens,
-                           on_token=on_token, into=g.decoded)
+                           on_token=on_token, into=g.decoded, proposer=row.drafts.proposer)
         g.times = loop_row.times
         return loop_row
 
@@ -341,7 +349,8 @@ class BatchRun:
             peak_memory=int(mx.get_peak_memory()) if hasattr(mx, "get_peak_memory") else None,
         )
         stats.update(batch_index=row.index, batch_rows=len(self.rows), batch_shared_tokens=row.shared,
-                     batch_mode=self.mode)
+                     batch_mode=self.mode, **(g.proposers if self.mode == "serial" else row.drafts).lookup_stats(
+                         g.req.lookup))
         self.services.metrics.record(self.ns, stats)
         logprobs = g.decoded.logprobs if g.req.params.logprobs is not None else None
         row.result = GenerationResult(g.stream.text, list(g.decoded.tokens), stats, list(row.tokens), logprobs)

@@ -137,27 +137,37 @@ class SharedPrefixRows:
 
 
 class SharedRows:
-    """The loop's forward over a wave's `RowsCache` layers (one token per row and step)."""
+    """The loop's forward over a wave's `RowsCache` layers: rows bring different numbers of tokens
+    (drafts), left-padded; what a row does not keep is masked out of its tail (`RowsCache.cut`)."""
 
     pipelines = False
 
     def __init__(self, model, layers: list, rows: int):
         self.model, self.layers = model, layers
         self.order = list(range(rows))  # the wave's row of each position
+        self.kept: list = []  # per row: how many of its fed tokens it keeps so far
 
     def __call__(self, feeds, drafts=()) -> mx.array:
         if isinstance(feeds, mx.array):  # aligned columns (the layers were seeded with each row's length)
             return forward_rows(self.model, feeds, self.layers)
-        if any(drafts) or len({len(f) for f in feeds}) != 1:
-            raise ValueError("shared-prefix rows forward one token each per step")
-        return forward_rows(self.model, mx.array(feeds), self.layers)
+        lengths = [len(f) for f in feeds]
+        L = max(lengths)
+        if min(lengths) < L:
+            for c in self.layers:
+                c.pad(lengths)
+        self.kept = lengths
+        return forward_rows(self.model, mx.array([[0] * (L - len(f)) + f for f in feeds]), self.layers)
 
     def keep(self, pos: int, n: int, fed: int) -> None:
-        assert n == fed, "shared-prefix rows cannot cut back"
+        if n < self.kept[pos]:
+            for c in self.layers:
+                c.cut(pos, self.kept[pos] - n)
+            self.kept[pos] = n
 
     def drop(self, positions: list[int]) -> None:
         going = [i for i in range(len(self.order)) if i not in set(positions)]
         self.order = [self.order[i] for i in going]
+        self.kept = [self.kept[i] for i in going] if self.kept else []
         if going:
             for c in self.layers:
                 c.keep(going)

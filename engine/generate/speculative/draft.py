@@ -97,17 +97,21 @@ def _converts(m: LoadedModel, start: int, end: int) -> bool:
     return bool(m.kv_bits is not None and m.kv_start and start < m.kv_start <= end)
 
 
-def fallback_reason(target: LoadedModel, caches: list, draft: LoadedModel, known: int, max_tokens: int) -> str | None:
-    """Why rejected tokens could not be rolled back exactly (then: plain decoding), or None."""
-    draft_caches = draft.new_caches()
-    for m, cs in ((target, caches), (draft, draft_caches)):
-        if unsupported(cs):
-            return (f"speculative decoding needs cache kinds it can roll back; model {m.name!r} has "
-                    f"{'+'.join(unsupported(cs))}: decoding without the draft (same tokens)")
-        if _converts(m, 0, known + max_tokens + MAX_DRAFT_TOKENS):
-            return (f"model {m.name!r} converts its KV to {m.kv_bits} bits at token {m.kv_start} during this "
-                    "generation, which a rollback cannot undo: decoding without the draft (same tokens)")
+def rollback_reason(m: LoadedModel, caches: list, known: int, max_tokens: int, drafts: str) -> str | None:
+    """Why `m`'s rejected draft tokens could not be rolled back exactly (then: plain decoding), or None."""
+    if unsupported(caches):
+        return (f"speculative decoding needs cache kinds it can roll back; model {m.name!r} has "
+                f"{'+'.join(unsupported(caches))}: decoding without {drafts} (same tokens)")
+    if _converts(m, 0, known + max_tokens + MAX_DRAFT_TOKENS):
+        return (f"model {m.name!r} converts its KV to {m.kv_bits} bits at token {m.kv_start} during this "
+                f"generation, which a rollback cannot undo: decoding without {drafts} (same tokens)")
     return None
+
+
+def fallback_reason(target: LoadedModel, caches: list, draft: LoadedModel, known: int, max_tokens: int) -> str | None:
+    """Why rejected tokens could not be rolled back exactly in either model (then: plain decoding), or None."""
+    return (rollback_reason(target, caches, known, max_tokens, "the draft")
+            or rollback_reason(draft, draft.new_caches(), known, max_tokens, "the draft"))
 
 
 @dataclass
@@ -146,7 +150,7 @@ class Drafter:
         self.loan = None
         self.counts = DraftCounts()
         self.k = num_draft_tokens
-        self.rounds = 0
+        self.first_step: int | None = None
 
     @property
     def ns(self) -> str:
@@ -195,10 +199,9 @@ class Drafter:
     def propose(self, truth: Sequence[int], limit: int, params: SamplingParams, step: int) -> list:
         """Up to K draft tokens after `truth` (the loop's proposer, loop.py); the i-th drawn with the
         sampler of step + i (as the target's). The first round proposes nothing: the first token
-        comes as fast as without a draft (the draft's lookup and prefill come after it)."""
-        self.rounds += 1
+        comes as fast as without a draft (`wants`: the draft's lookup and prefill come after it)."""
         k = min(self.k, limit)
-        if self.rounds == 1 or k < 1:
+        if k < 1:
             return []
         if not self.started:
             self.start(truth)
@@ -214,6 +217,15 @@ class Drafter:
             out.append(token)
             inputs = [token]
         return out
+
+    def wants(self, step: int) -> bool:
+        """From the generation's second step on: its first token comes as fast as without a draft."""
+        if self.first_step is None:
+            self.first_step = step
+        return step > self.first_step
+
+    def stepped(self, step: int, tokens: int, seconds: float, proposed: int) -> None:
+        pass  # a draft model proposes at every step: K is the user's
 
     def judged(self, proposed: int, accepted: int) -> None:
         self.counts.proposed += proposed
