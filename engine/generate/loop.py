@@ -239,6 +239,8 @@ def _pipelined(row: Row, forward: Forward) -> None:
     boundary is captured."""
     step, t, timed = row.step, time.perf_counter(), len(row.pending) == 1  # (a prompt's rest is not a step)
     chosen = row.sample(forward([row.pending])[0], 1, step)
+    if row.out.tokens:  # after verified steps the pending token is this run's last one: now held too
+        row.out.forwarded = len(row.out.tokens)
     mx.eval(_arrays(chosen))
     while True:
         y, picked = chosen

@@ -258,7 +258,8 @@ def run_batch(magics, args, cell: str, in_kernel: bool):
     try:
         results = eng.generate_batch(prompts, **sampling_options(args, seed=seeds), model=model, system=args.system,
                                      raw=args.raw, use_cache=not args.no_cache, on_progress=progress,
-                                     on_row=progress.row_done)
+                                     on_row=progress.row_done,
+                                     lookup=bool(args.lookup) if args.lookup or args.no_lookup else None)
     except KeyboardInterrupt:
         print("[mlxcache] interrupted; the cache is intact (finished rows are published)", file=sys.stderr)
         raise

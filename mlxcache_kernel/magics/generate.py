@@ -79,6 +79,10 @@ class GenerateMagics(EngineMagics):
     @argument("--no-draft", action="store_true", help="decode without the model's default draft (%%model load --draft)")
     @argument("--draft-tokens", type=int, default=None, metavar="K",
               help="tokens the draft proposes per step (default 4; with --draft)")
+    @argument("--lookup", action="store_true",
+              help="drafts from the prompt and the text so far, verified by the model (same tokens), at every step "
+                   "(default: where they pay)")
+    @argument("--no-lookup", action="store_true", help="no drafts from the context")
     @argument("--no-cache", action="store_true", help="neither look up nor publish prompt caches")
     @argument("--literal", action="store_true", help="no {name} interpolation")
     @argument("--batch", default=None, metavar="VAR",
@@ -114,6 +118,8 @@ class GenerateMagics(EngineMagics):
             raise UsageError("--draft-tokens needs --draft NAME")
         if args.no_draft and args.draft is not None:
             raise UsageError("--draft and --no-draft contradict each other: use one")
+        if args.lookup and args.no_lookup:
+            raise UsageError("--lookup and --no-lookup contradict each other: use one")
         if args.batch is not None or args.samples is not None:
             from .batch import run_batch
 
@@ -131,6 +137,8 @@ class GenerateMagics(EngineMagics):
         eng.models.get(model_name)  # unknown model -> one line, before any output
         kwargs = dict(sampling_options(args), session=args.session, model=model_name, system=args.system,
                       raw=args.raw, use_cache=not args.no_cache)
+        if args.lookup or args.no_lookup:  # (neither: where they pay)
+            kwargs["lookup"] = bool(args.lookup)
         if args.draft is not None or args.no_draft or args.draft_tokens is not None:  # None: the default draft
             kwargs.update(draft=False if args.no_draft else args.draft, num_draft_tokens=args.draft_tokens)
         if args.image:

@@ -38,6 +38,7 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%%generate --draft small", "speculative decoding: model 'small' proposes, the model verifies; same text"),
         ("%%generate --draft small --draft-tokens 6", "6 proposed tokens per verification (default 4)"),
         ("%%generate --no-draft", "without the model's default draft (%model load --draft)"),
+        ("%%generate --lookup / --no-lookup", "drafts from the prompt itself, verified (same text): always / never (default: where they pay)"),
     ],
     "score": [
         ("%%score options", "the cell is the context; rank the strings of list `options` by log-likelihood"),

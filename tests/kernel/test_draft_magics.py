@@ -54,3 +54,24 @@ def test_a_default_draft_from_model_load_and_no_draft(ip, capsys):
     assert "--draft and --no-draft contradict" in usage_error(ip, capsys, f"{GEN} --draft twin --no-draft\nhi")
     assert "only apply to %model load" in usage_error(ip, capsys, "%model info big --draft twin")
     assert "unknown draft model 'nope'" in usage_error(ip, capsys, f"%model load {ip.tiny_model_dir} --draft nope")
+
+
+def test_lookup_and_no_lookup(ip, capsys):
+    from mlxcache_kernel.magics.footer import lookup_phrase
+
+    expected = run(ip, capsys, f"{GEN} --no-cache --no-lookup --out p\nTell me about ships. Ships, ships.")[0]
+    assert expected.success and ip.user_ns["p"].stats["lookup_drafts"] is False
+    res, _, err = run(ip, capsys, f"{GEN} --no-cache --lookup --out r\nTell me about ships. Ships, ships.")
+    assert res.success, err
+    r = ip.user_ns["r"]
+    assert r.tokens == expected.result.tokens and r.stats["lookup_drafts"] is True
+    ip.user_ns["qs"] = ["a b a b", "c d c d"]
+    res, _, err = run(ip, capsys, f"{GEN} --lookup --batch qs\n{{item}}")
+    assert res.success, err
+    assert "--lookup and --no-lookup contradict" in usage_error(ip, capsys, f"{GEN} --lookup --no-lookup\nhi")
+    stats = {"lookup_drafts": True, "lookup_drafts_proposed": 48, "lookup_drafts_accepted": 40,
+             "lookup_drafts_acceptance": 0.8333, "lookup_drafts_speedup": 2.1}
+    assert lookup_phrase(stats) == "lookup: 40 of 48 drafted tokens accepted (83%), 2.10x"
+    assert lookup_phrase({"lookup_drafts": True, "lookup_drafts_proposed": 0}) is None
+    assert lookup_phrase({"lookup_drafts_fallback": "model 'm' converts its KV ...: decoding without"}) == \
+        "lookup not used (model 'm' converts its KV ...)"

@@ -81,7 +81,13 @@ def test_text_that_copies_nothing_is_decoded_plainly(models, tmp_path, monkeypat
         monkeypatch.setattr(loop, name, lambda *a, _o=original, _n=name: (kinds.append(_n), _o(*a))[1])
     with Engine(cache_dir=tmp_path / "c", ssd=False) as eng:
         eng.load_model(models("llama", 4.0), name="m")
-        r = eng.generate(PROMPT, max_tokens=60, use_cache=False)
+        r = eng.generate(PROMPT, max_tokens=60)  # its final state (after switching both ways) published
+        kinds_of_first = list(kinds)
+        more = r.prompt_tokens + r.tokens
+        rerun = eng.generate_tokens(more, SamplingParams(max_tokens=8), lookup=False)
+        cold = eng.generate_tokens(more, SamplingParams(max_tokens=8), lookup=False, use_cache=False)
+    assert rerun.tokens == cold.tokens and rerun.stats["cached_tokens"] == len(more) - 1
+    kinds[:] = kinds_of_first
     assert r.stats["lookup_drafts"] and r.stats["lookup_drafts_accepted"] == 0
     assert r.stats["lookup_drafts_proposed"] == 0 and len(r.tokens) == 60
     assert kinds[: lookup_mod.MISSES + 1] == ["_verify"] * lookup_mod.MISSES + ["_pipelined"]
