@@ -1,4 +1,4 @@
-"""Many kernels, one cache directory: real processes (tests/shared_dir_worker.py)
+"""Many kernels, one cache directory: real processes (tests/support/shared_dir_worker.py)
 sharing a directory through its catalogue, with real kill -9s and real disk errors."""
 
 from __future__ import annotations

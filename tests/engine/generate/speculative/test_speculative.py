@@ -1,4 +1,4 @@
-"""Speculative decoding over the cache (speculative.py): the tokens equal plain decoding's, greedy and
+"""Speculative decoding over the cache (engine/generate/speculative/draft.py): the tokens equal plain decoding's, greedy and
 seeded, cold, from RAM and from SSD in a new process; the draft's own KV comes from the cache too;
 caches that cannot roll back fall back to plain decoding with a notice; bad drafts are clear errors.
 
