@@ -5,7 +5,7 @@ Exact by construction: the token at step i is the target's sample at step i, dra
 A draft token is accepted iff it equals that sample, so the draft only decides how many target
 samples one forward yields, never which (greedy and seeded output equal plain decoding's).
 
-Rejected tokens are cut back from both models' caches (spec_rewind.py): plain and quantized KV
+Rejected tokens are cut back from both models' caches (rewind.py): plain and quantized KV
 trimmed; a sliding window that may wrap, recurrent state, chunked attention or a list of them
 restored from before the forward and the accepted tokens forwarded again. What cannot roll back
 exactly (an unknown cache kind, a delayed KV quantization converting during the generation):
@@ -244,7 +244,7 @@ def decode_speculative(
     into: DecodeResult | None = None,
     sync_at: Callable[[int], bool] | None = None,
 ) -> DecodeResult:
-    """decode()'s contract (decoding.py), with drafts. Each round the draft proposes
+    """decode()'s contract (generate/decode.py), with drafts. Each round the draft proposes
     up to K tokens, the target forwards its pending tokens and the proposals at once, samples each
     position with its step's sampler, and keeps the samples up to the first disagreement. Caches are
     cut back (`Rewind`) before `on_token` sees a token; a round ends at a step where `sync_at` is
