@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import io
 import re
 import tokenize
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.repo_paths import ROOT
+from repo_paths import ROOT
 
 SCANNED = ["engine", "mlxcache_kernel", "widgets", "tests", "benchmarks", "scripts", "docs", "examples"]
 TOP_FILES = ["README.md", "Makefile", "pyproject.toml", "setup.py"]
@@ -35,7 +36,7 @@ FOREIGN_NAMES = {
     "ipython_kernel_config.py",  # an IPython profile's settings file
     "one.ipynb", "two.ipynb",   # notebooks tests/kernel/test_panel_browser.py makes in its own lab folder
 }
-PLACEHOLDERS = {"NAME", "NOTEBOOK", "PATH", "FILE", "DIR"}  # `examples/NAME.ipynb`: any such file
+PLACEHOLDERS = {"NAME", "NOTEBOOK", "PATH", "FILE", "DIR", "OUT", "PAGE"}  # `examples/NAME.ipynb`: any such file
 
 _PATH = re.compile(r"(?<![\w./~<>*{$-])((?:[\w.-]+/)*[\w-]+(?:\.[\w-]+)*\.(?:" + SUFFIXES + r")|(?:" + "|".join(
     re.escape(d) for d in TOP_DIRS) + r")/(?:[\w.-]+/)*[\w.-]*)(?![\w/<>*{(-])")
@@ -58,8 +59,15 @@ def _texts(path: Path) -> list[tuple[int, str]]:
             if tok.type == tokenize.COMMENT:
                 out.append((tok.start[0], tok.string))
         return out
-    if path.suffix == ".md":
-        return list(enumerate(text.splitlines(), 1))
+    if path.suffix == ".md":  # the generated layout repeats the docstrings, which are checked where they are
+        lines = list(enumerate(text.splitlines(), 1))
+        inside = False
+        kept = []
+        for i, line in lines:
+            inside = (inside or line.startswith("<!-- layout:")) and not line.startswith("<!-- /layout")
+            if not inside:
+                kept.append((i, line))
+        return kept
     if path.suffix == ".ipynb":
         import json
         cells = json.loads(text)["cells"]
@@ -153,3 +161,56 @@ def test_the_scanner_tells_a_missing_file(text, ok):
     hits = stale_names([(7, text)], where)
     assert (hits == []) == ok, hits
     assert all(hit.startswith("engine/generate/any_module.py:7: ") for hit in hits)
+
+
+def _docs_tables():
+    spec = importlib.util.spec_from_file_location("docs_tables", ROOT / "scripts" / "docs_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_layout_table_is_generated_from_the_docstrings():
+    tables = _docs_tables()
+    assert tables.generated("architecture.md") == tables.layout_table(), (
+        "docs/architecture.md's layout is stale: run python scripts/docs_tables.py")
+
+
+def test_every_module_is_in_the_layout():
+    """Each module of the layout's folders has a row under its folder's: none left out, none made up."""
+    text = _docs_tables().generated("architecture.md")
+    folder, listed = None, set()
+    for row in text.splitlines()[2:]:
+        name = row.split("`")[1]
+        if row.startswith("| **"):
+            folder = name.rstrip("/")
+        else:
+            listed.add(f"{folder}/{name}")
+    on_disk = {p.relative_to(ROOT).as_posix() for top in ("engine", "mlxcache_kernel", "widgets", "tests/support")
+               for p in (ROOT / top).rglob("*.py") if p.name != "__init__.py" and "labextension" not in p.parts}
+    assert listed == on_disk
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_links_between_pages_land_on_a_heading():
+    """`[text](PAGE.md#anchor)` in README.md and docs/: the page exists (the path test) and has that heading."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    bad = []
+    for page in pages:
+        for target, anchor in re.findall(r"\]\(([\w./-]*\.md)?#([\w-]+)\)", page.read_text()):
+            linked = (page.parent / target) if target else page
+            headings = re.findall(r"^#+ (.+)$", linked.read_text(), flags=re.M)
+            if anchor not in {_anchor(h) for h in headings}:
+                bad.append(f"{page.relative_to(ROOT)}: {target}#{anchor}")
+    assert not bad, bad
+
+
+def test_readme_is_short():
+    """A person reads the README in five minutes; the guide is in docs/."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) < 200, len(lines)
