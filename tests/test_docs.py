@@ -224,3 +224,13 @@ def test_readme_is_short():
     """A person reads the README in five minutes; the guide is in docs/."""
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) < 200, len(lines)
+
+
+def test_the_make_targets_the_docs_name_exist_and_set_up_first():
+    """Every `make TARGET` README.md and docs/ name is a target of the Makefile, and the ones a person runs
+    on a fresh clone (demo, test, test-fast, lab, bench) do all set-up first: they depend on `setup`."""
+    makefile = (ROOT / "Makefile").read_text()
+    targets = dict(re.findall(r"^([\w-]+):(.*)$", makefile, flags=re.M))
+    named = {t for page in PAGES for t in re.findall(r"(?:`|^)make ([a-z][\w-]*)", page.read_text(), flags=re.M)}
+    assert {"demo", "test"} <= named and named <= set(targets), named - set(targets)
+    assert all("setup" in targets[t].split() for t in named - {"setup", "clean"}), targets
