@@ -258,8 +258,8 @@ class EngineConfig:
     ssd: bool = option(True, "bool", "SSD tier", "keep an SSD tier (0: RAM only)")
     ssd_filesystems: str | None = option(None, "text", "SSD filesystems", "filesystem types the SSD tier may use "
                                          "besides the local ones it knows (ext4, xfs, btrfs, zfs, f2fs, bcachefs, "
-                                         "tmpfs, overlay; apfs, hfs), comma-separated, as mountinfo or statfs name "
-                                         "them (virtiofs, fuse.mergerfs, ...): knowingly, SQLite's WAL may not be "
+                                         "tmpfs, overlay; apfs, hfs), comma-separated, as `mount` names them "
+                                         "(virtiofs, fuse.mergerfs, ...): knowingly, SQLite's WAL may not be "
                                          "coherent there")
     write_behind: bool = option(True, "bool", "write-behind", "persist checkpoints in the background as they are "
                                 "published")

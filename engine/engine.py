@@ -30,7 +30,7 @@ from .kv.caches import always_cuttable
 from .generate.resume import InflightRecords
 from .media.prompt import new_counters as new_vision_counters, prompt_for as media_prompt
 from .cache.retention import make_policy
-from .host.memory import PressureGuard
+from .host.memory import PressureGuard, ram_budget
 from .metrics import AccessTrace, GenerationMetrics
 from .models.registry import IdentityMemo, ModelRegistry
 from .named.checkpoints import NamedCheckpoints
@@ -77,7 +77,7 @@ class Engine:
         self.events = EventBus()
         self.sessions = Sessions()
         self.ssd_disabled_reason: str | None = None  # why a requested SSD tier is off
-        budget = config.ram_budget_bytes  # None: the memory guard adapts
+        budget = ram_budget(config.ram_budget_bytes)  # None: the memory guard adapts
         kw = dict(ssd_budget_bytes=config.ssd_budget_bytes, write_behind=config.write_behind,
                   idle_demote_s=config.idle_demote_s, emit=self.events.emit, retention=make_policy(config.retention),
                   prefetch_budget_bytes=config.prefetch_budget_bytes,

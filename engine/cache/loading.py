@@ -76,8 +76,7 @@ class Loading:
         guard = self._pressure()
         if guard is None:
             return None
-        guard.last = guard.reader()
-        return guard.last
+        return guard.read()
 
     def _room(self, reading: bool = True) -> int:
         """Bytes RAM can take without evicting anything (or passing the low-water mark)."""

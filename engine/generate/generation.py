@@ -21,7 +21,9 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from ..cache.tiered import TieredPromptCache
-from .decode import DecodeResult, TextStream, decode, prefill
+from .prefill import prefill
+from .text import TextStream
+from .loop import DecodeResult, OneRow, Row, run as run_rows
 from ..events import EventBus
 from .resume import InflightRecords, request_id
 from ..kv.caches import always_cuttable
@@ -31,7 +33,7 @@ from ..host.memory import DECODE_CHECK_EVERY, PressureGuard
 from ..metrics import AccessTrace, GenerationMetrics, generation_stats
 from ..models.registry import LoadedModel
 from .sampling import SamplingParams
-from .speculative.draft import DraftCounts, Drafter, decode_speculative, fallback_reason
+from .speculative.draft import DraftCounts, Drafter, fallback_reason
 
 ONE_PASS_TOKENS = 64  # a rest of the prompt up to this long is forwarded with the first decode step
 
@@ -81,12 +83,32 @@ class Request:
         return self.model.namespace
 
 
+class TextPrompt:
+    """A prompt of text tokens, as the generation sees any prompt (media/prompt.py's MediaPrompt is the
+    other kind: image, video and audio features merged into the embedding, their positions)."""
+
+    joins_first_step = True  # a short rest may go in one forward with the first decode step
+
+    def __init__(self, model: LoadedModel, tokens: list):
+        self.forward, self.tokens = model.forward, tokens
+
+    def prefill(self, caches: list, start: int, end: int, *, chunk: int, progress=None) -> None:
+        prefill(self.forward, caches, self.tokens[start:end], chunk=chunk, progress=progress)
+
+    def cut(self, n: int) -> int:
+        return n  # any length of text is a state
+
+    def stats(self, cached: int, source: str | None) -> dict:
+        return {}
+
+
 class Generation:
     """The state of one generation; `run()` once."""
 
     def __init__(self, services: Services, req: Request):
         self.services, self.req = services, req
         self.cache = services.cache
+        self.prompt = req.media if req.media is not None else TextPrompt(req.model, req.tokens)
         self.rid = request_id(req.ns, req.tokens, req.params.as_dict())
         self.emitted: list[int] = []  # tokens a resumed run had already emitted
         self.decoded = DecodeResult()  # what this run decodes (after `emitted`)
@@ -122,7 +144,7 @@ class Generation:
         # A run whose decode crosses kv_start keeps its prompt state in full precision apart (a
         # rerun of the cell needs it: the final state is quantized and serves only lengths >= start)
         self.converts_in_decode = bool(req.model.kv_start) and cached < len(req.tokens) < req.model.kv_start
-        one_pass = (0 < len(head) <= ONE_PASS_TOKENS and req.media is None and always_cuttable(caches)
+        one_pass = (0 < len(head) <= ONE_PASS_TOKENS and self.prompt.joins_first_step and always_cuttable(caches)
                     and not self.converts_in_decode)
         self.pending = head if one_pass else None
         suffix = [] if (self.emitted or one_pass) else head[:-1]
@@ -132,11 +154,8 @@ class Generation:
                 if suffix:
                     progress = req.on_progress
                     report = (lambda done, total: progress("prefill", done, total)) if progress else None
-                    if req.media is not None:  # image features merged in; no image split across chunks
-                        req.media.prefill(caches, cached, len(req.tokens) - 1, chunk=self.services.prefill_chunk,
-                                          progress=report)
-                    else:
-                        prefill(req.model.forward, caches, suffix, chunk=self.services.prefill_chunk, progress=report)
+                    self.prompt.prefill(caches, cached, len(req.tokens) - 1, chunk=self.services.prefill_chunk,
+                                        progress=report)
                 prefill_s = time.perf_counter() - t1
                 self.services.memory.check("prefill")
                 if req.use_cache and not self.emitted:
@@ -168,8 +187,7 @@ class Generation:
             peak_memory=int(mx.get_peak_memory()) if hasattr(mx, "get_peak_memory") else None,
         )
         stats["resumed_from"] = len(self.emitted) or None
-        if req.media is not None:
-            stats.update(req.media.stats(cached, loan.source if loan else None))
+        stats.update(self.prompt.stats(cached, loan.source if loan else None))
         if req.draft is not None:
             counts = self.drafter.counts if self.drafter else DraftCounts()
             stats.update(counts.stats(req.draft.name, req.num_draft_tokens, self.draft_fallback))
@@ -215,7 +233,6 @@ class Generation:
             return decided[step]
 
         def on_token(token: int, step: int) -> bool:
-            self.times.append(time.perf_counter())
             if step and step % DECODE_CHECK_EVERY == 0:
                 self.services.memory.check("decode")
             self._show(self.stream.add(token))
@@ -230,21 +247,19 @@ class Generation:
             return
         pending = self.pending or (emitted[-1:] if emitted else req.tokens[-1:])
         self.decode_ran = True
-        model = req.media.forward if req.media is not None else req.model.forward
-        run, extra = decode, {}
         if req.draft is not None:
             known = req.tokens + emitted
             self.draft_fallback = fallback_reason(req.model, caches, req.draft, len(known), req.params.max_tokens)
             if self.draft_fallback:
                 self.services.events.emit("notice", model=req.model.name, message=self.draft_fallback)
             else:
-                self.drafter = Drafter(self.services, req.draft, req.use_cache, len(req.tokens), req.ns)
-                run, extra = decode_speculative, dict(drafter=self.drafter, num_draft_tokens=req.num_draft_tokens,
-                                                      context=known)
-        run(model, caches, pending, req.params, eos_ids=req.model.eos_token_ids,
-            first_step=len(emitted), on_token=on_token, into=self.decoded, sync_at=boundary_due, **extra)
-        if len(self.times) < len(self.decoded.tokens):  # the eos token is not passed to on_token
-            self.times.append(time.perf_counter())
+                self.drafter = Drafter(self.services, req.draft, req.use_cache, len(req.tokens), req.ns,
+                                       req.num_draft_tokens)
+        row = Row(req.params, pending, eos_ids=req.model.eos_token_ids, first_step=len(emitted),
+                  context=req.tokens + emitted, proposer=self.drafter, on_token=on_token, sync_at=boundary_due,
+                  into=self.decoded)
+        self.times = row.times
+        run_rows([row], OneRow(self.prompt.forward, caches))
         self._show(self.stream.finish())
 
     def _publish_draft(self) -> None:
@@ -327,8 +342,7 @@ class Generation:
         if not always_cuttable(caches):
             return
         n = min(min(c.offset for c in caches), len(known))
-        if self.req.media is not None:
-            n = self.req.media.cut(n)  # never a state that ends inside an image
+        n = self.prompt.cut(n)  # never a state that ends inside an image
         if n < 1:
             return
         for c in caches:

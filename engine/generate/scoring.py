@@ -17,17 +17,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import mlx.core as mx
-import numpy as np
 
-from .decode import prefill
+from .prefill import prefill
 from ..kv.caches import new_caches, shares_prefix
 from ..kv.cascade import Unroutable, joined_prefix, routing
-from ..kv.cascade_quantized import forward_rows, rows_cache
+from ..kv.cascade_quantized import rows_cache
 from ..kv.checkpoint import Checkpoint
-from .logprobs import log_softmax
+from .batch.shared import SharedRows
+from .loop import OneRow, Row, run as run_rows
 from ..chat.prompts import render_turn
-from .sampling import GenerationError
+from .sampling import GenerationError, SamplingParams
 
 
 @dataclass
@@ -145,32 +144,27 @@ def score_rows(services, model, ctx: list, conts: list, *, use_cache: bool) -> t
 
 def _batched(model, cp: Checkpoint, inputs: list, conts: list, chunk: int) -> list:
     """Every continuation in one left-padded forward over the context (in chunks of `chunk`
-    columns; each chunk's log-probabilities read where they are needed, then dropped)."""
+    columns), through the token loop's forced rows."""
     rows = rows_cache(model)  # a quantized prefix (past kv_start) is lent quantized: its rows start converted
     layers = [rows([joined_prefix(c.lent_segments())], [0] * len(inputs)) for c in cp.lend(len(cp.tokens))]
-    longest = max(map(len, inputs))
     for c in layers:
         c.seed([None] * len(inputs), [len(x) for x in inputs])
-    padded = mx.array([[0] * (longest - len(x)) + x for x in inputs])
-    targets = mx.array([[0] * (longest - len(c)) + c for c in conts])
-    got, best = [], []
-    for at in range(0, longest, chunk):
-        lp = log_softmax(forward_rows(model.model, padded[:, at : at + chunk], layers))  # (split at kv_start)
-        got.append(mx.take_along_axis(lp, targets[:, at : at + chunk, None], axis=-1)[..., 0])
-        best.append(mx.argmax(lp, axis=-1))
-        mx.eval(got[-1], best[-1])
-    got, best = np.concatenate([np.array(g) for g in got], 1), np.concatenate([np.array(b) for b in best], 1)
-    return [(got[i, longest - len(c):].tolist(), bool(np.array_equal(best[i, longest - len(c):], c)))
-            for i, c in enumerate(conts)]
+    forced = [_forced_row(x, c) for x, c in zip(inputs, conts)]
+    run_rows(forced, SharedRows(model.model, layers, len(forced)), chunk=chunk)
+    return [_read(r) for r in forced]
 
 
 def _one(model, caches: list, inputs: list, cont: list) -> tuple:
-    return _read(log_softmax(model.forward(mx.array(inputs)[None], cache=caches))[0], cont)
+    row = _forced_row(inputs, cont)
+    run_rows([row], OneRow(model.forward, caches))
+    return _read(row)
 
 
-def _read(lp: mx.array, cont: list) -> tuple:
-    """(token log-probabilities, greedy) of `cont` from its positions' log-probabilities."""
-    got = mx.take_along_axis(lp, mx.array(cont)[:, None], axis=-1)[:, 0]
-    best = mx.argmax(lp, axis=-1)
-    mx.eval(got, best)
-    return np.array(got).tolist(), bool(np.array_equal(np.array(best), np.array(cont)))
+def _forced_row(inputs: list, cont: list) -> Row:
+    """A row of the token loop that feeds the context's last token and the continuation, keeping them all."""
+    return Row(SamplingParams(max_tokens=len(cont)), inputs[:1], eos_ids=set(), forced=cont)
+
+
+def _read(row: Row) -> tuple:
+    """(token log-probabilities, greedy) of a forced row."""
+    return [t.logprob for t in row.out.logprobs], bool(row.out.greedy)

@@ -11,14 +11,17 @@ not committed is not dropped (its write is queued, and the writer stops
 yielding to generation while the pressure lasts).
 
 Checked at each lookup, after prefill, and every `DECODE_CHECK_EVERY` decode
-steps; a reading costs two small /proc reads.
+steps; a reading is psutil's: this process's resident set size now and the
+memory the machine has available (Linux: MemAvailable; macOS: free and
+inactive pages), a few small reads of the OS.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Callable
+
+import psutil
 
 from .system import physical_memory
 
@@ -31,6 +34,18 @@ def default_ram_budget() -> int:
     return int(mem * 0.25) if mem else 4 << 30
 
 
+def ram_budget(configured: int | None) -> int | None:
+    """The RAM tier's budget: the configured one; unset, None (the pressure guard adapts) where
+    the OS says how much memory there is, else a fixed default_ram_budget()."""
+    if configured is not None:
+        return configured
+    try:
+        read_memory()
+    except (psutil.Error, OSError):
+        return default_ram_budget()
+    return None
+
+
 @dataclass(frozen=True)
 class MemoryReading:
     working: int  # bytes this process holds
@@ -41,31 +56,13 @@ class MemoryReading:
         return self.working + self.available
 
 
-def _proc_kib(path: str, field: str) -> int | None:
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def read_memory() -> MemoryReading:
     import mlx.core as mx
 
-    rss = _proc_kib("/proc/self/status", "VmRSS")
-    if rss is None:  # no /proc (macOS): the peak is what the OS reports
-        import resource
-
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if os.uname().sysname == "Darwin" else 1024)
+    rss = psutil.Process().memory_info().rss
     mlx_bytes = int(mx.get_active_memory()) + int(mx.get_cache_memory()) if hasattr(mx, "get_active_memory") else 0
     working = max(rss, mlx_bytes)
-    available = _proc_kib("/proc/meminfo", "MemAvailable")
-    if available is None:
-        available = max((physical_memory() or 0) - working, 0)
-    return MemoryReading(working, available)
+    return MemoryReading(working, psutil.virtual_memory().available)
 
 
 class PressureGuard:
@@ -79,9 +76,19 @@ class PressureGuard:
         self.counters = {"pressure_checks": 0, "pressure_reclaims": 0, "pressure_freed_bytes": 0}
         self.active = False  # over the high-water mark at the last check (the writer stops yielding)
 
+    def read(self) -> MemoryReading | None:
+        """A new reading, kept as `last`; None where the OS does not say (then ram_budget is fixed)."""
+        try:
+            self.last = self.reader()
+        except (psutil.Error, OSError):
+            self.last = None
+        return self.last
+
     def check(self, where: str) -> int:
         """Reclaim down to the low-water mark if over the high-water mark; the bytes freed."""
-        r = self.last = self.reader()
+        r = self.read()
+        if r is None:
+            return 0
         self.counters["pressure_checks"] += 1
         self.active = r.working > self.high * r.may_use
         if not self.active:

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import threading
 from pathlib import Path
+
+import psutil
 
 from ..cache.faults import fault
 
@@ -32,7 +33,6 @@ NETWORK_FILESYSTEMS = frozenset({  # (only to word the refusal)
     "vmhgfs", "fuse.sshfs", "fuse.glusterfs", "fuse.cephfs", "fuse.s3fs", "fuse.rclone", "fuse.gcsfuse",
     "fuse.juicefs", "fuse.davfs2",
 })
-MOUNTINFO = "/proc/self/mountinfo"
 _tag = os.urandom(6).hex()
 
 
@@ -125,46 +125,54 @@ def unlink_quietly(path) -> None:
         pass
 
 
-def filesystem_type(path, mountinfo: str | None = None) -> str | None:
-    """The type of the filesystem holding `path` ("ext4", "nfs4", ...) from Linux's
-    mountinfo (MOUNTINFO unless given); None where unknown."""
+def mount_of(path, partitions=None):
+    """The mount holding `path`: of `partitions` (psutil.disk_partitions(all=True) unless
+    given, in its shape: device, mountpoint, fstype, opts), the one whose mount point is the
+    longest that contains the resolved path; of equal ones the last listed (mounted over the
+    others). None where none does or the mount table cannot be read."""
     p = _existing(path)
     try:
-        with open(mountinfo or MOUNTINFO) as f:
-            lines = f.read().splitlines()
-    except OSError:
+        table = psutil.disk_partitions(all=True) if partitions is None else partitions
+    except (psutil.Error, OSError):
         return None
-    best, kind = -1, None
-    for line in lines:  # "36 35 98:0 /root /mnt/point rw ... - fstype source options"
-        fields, _, rest = line.partition(" - ")
-        parts = fields.split()
-        if len(parts) < 5 or not rest:
-            continue
-        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[4])  # "\040" is a space
-        if (p == point or p.startswith(point.rstrip("/") + "/")) and len(point) >= best:
-            best, kind = len(point), rest.split()[0]
-    return kind
+    found = None
+    for part in table:
+        point = part.mountpoint
+        if (p == point or p.startswith(point.rstrip("/") + "/")) and (
+                found is None or len(point) >= len(found.mountpoint)):
+            found = part
+    return found
 
 
-def unsupported_filesystem(path, allowed=(), mountinfo: str | None = None) -> str | None:
-    """Why the SSD tier must not use the filesystem holding `path` (the type, and what it
-    is), or None where it may: a local filesystem (LOCAL_FILESYSTEMS, on macOS
-    LOCAL_FILESYSTEMS_DARWIN on a local volume), or one whose type is in `allowed` (the user
-    opted in by name; "unknown" where the type cannot be read). Other systems: not checked."""
-    if sys.platform == "darwin":
-        found = _darwin_statfs(_existing(path))
-        kind, local = (found[0], found[1]) if found is not None else ("unknown", False)
-        if kind in allowed or (kind in LOCAL_FILESYSTEMS_DARWIN and local):
-            return None
-        what = "a volume that is not local" if kind in LOCAL_FILESYSTEMS_DARWIN else _what(kind)
-    elif sys.platform.startswith("linux"):
-        kind = filesystem_type(path, mountinfo) or "unknown"
-        if kind in allowed or kind in LOCAL_FILESYSTEMS:
-            return None
-        what = _what(kind)
-    else:
+def filesystem_type(path) -> str | None:
+    """The type of the filesystem holding `path` ("ext4", "nfs4", "apfs", ...); None where unknown."""
+    mount = mount_of(path)
+    return mount.fstype if mount is not None else None
+
+
+def unsupported_filesystem(path, allowed=()) -> str | None:
+    """Why the SSD tier must not use the filesystem holding `path` (see refusal), or None
+    where it may. Systems other than Linux and macOS: not checked."""
+    darwin = sys.platform == "darwin"
+    if not (darwin or sys.platform.startswith("linux")):
         return None
-    return f"{kind} ({what})"
+    return refusal(mount_of(path), allowed, darwin=darwin)
+
+
+def refusal(mount, allowed=(), *, darwin: bool = False) -> str | None:
+    """Why the SSD tier must not use `mount` (one of psutil.disk_partitions; None: not found),
+    the type and what it is, or None where it may: a local filesystem (LOCAL_FILESYSTEMS; on
+    macOS LOCAL_FILESYSTEMS_DARWIN on a volume marked local), or one whose type is in
+    `allowed` (the user opted in by name; "unknown" where the type cannot be read)."""
+    kind = mount.fstype if mount is not None else "unknown"
+    if kind in allowed:
+        return None
+    if darwin and kind in LOCAL_FILESYSTEMS_DARWIN:
+        # psutil lists MNT_LOCAL among a macOS mount's options as "local"
+        return None if "local" in mount.opts.split(",") else f"{kind} (a volume that is not local)"
+    if not darwin and kind in LOCAL_FILESYSTEMS:
+        return None
+    return f"{kind} ({_what(kind)})"
 
 
 def _what(kind: str) -> str:
@@ -182,29 +190,9 @@ def _existing(path) -> str:
     return os.path.realpath(p)
 
 
-def _darwin_statfs(path: str) -> tuple[str, bool] | None:
-    """statfs(2) on macOS: (f_fstypename, whether MNT_LOCAL is set)."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        try:  # the 64-bit struct on Intel Macs; on Apple silicon it is the only one
-            statfs = libc["statfs$INODE64"]
-        except AttributeError:
-            statfs = libc.statfs
-        buf = ctypes.create_string_buffer(2400)  # struct statfs (64-bit): f_flags at 64, f_fstypename at 72
-        if statfs(path.encode(), buf) != 0:
-            return None
-        flags = int.from_bytes(buf.raw[64:68], "little")
-        name = buf.raw[72:88].split(b"\0", 1)[0].decode("ascii")
-        return (name, bool(flags & 0x1000)) if name.isalnum() else None  # MNT_LOCAL; garbage: unknown
-    except (OSError, AttributeError, ValueError):
-        return None
-
-
 def physical_memory() -> int | None:
     """Bytes of physical memory, or None where the OS does not say."""
     try:
-        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
+        return int(psutil.virtual_memory().total)
+    except (psutil.Error, OSError):
         return None

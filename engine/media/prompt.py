@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import blake3
 import mlx.core as mx
@@ -107,7 +107,10 @@ class MediaItem:
 
 @dataclass
 class MediaPrompt:
-    """One prompt with images: real token ids for the model, key ids for the cache."""
+    """One prompt with images: real token ids for the model, key ids for the cache. A generation sees it
+    as it sees a text prompt (generate/generation.py's TextPrompt): forward, prefill, cut, stats."""
+
+    joins_first_step: ClassVar[bool] = False  # image tokens need their features merged in: prefilled apart
 
     family: Any  # vlm.Family
     ids: list

@@ -10,9 +10,9 @@ minute stalls nobody's heartbeat.
 
 A peer is judged
 - on the same kernel boot and in the same PID namespace (Linux, /proc
-  agreeing with our pid; macOS, one boot): by its pid and start time, at
-  once (a reused pid has another start time; on macOS the start time comes
-  from sysctl KERN_PROC_PID, see ExternProcHead);
+  agreeing with our pid; macOS, one boot): by its pid and start time as
+  psutil reads them, at once (a reused pid has another start time; a
+  zombie is dead; a stopped process is alive);
 - otherwise (another container's PID namespace, another boot id): by its heartbeat,
   dead only after MISSES observations of an unchanged counter, each at
   least HEARTBEAT_S after the previous on our monotonic clock, spanning at
@@ -25,7 +25,6 @@ filesystem, which the store refuses (system.unsupported_filesystem).
 
 from __future__ import annotations
 
-import ctypes
 import os
 import socket
 import struct
@@ -36,93 +35,68 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import psutil
+
 HEARTBEAT_S = 1.0
 DEAD_AFTER_S = 30.0
 MISSES = 5
 
 
+# The start time as the procs table stores it: on Linux clock ticks since boot, on macOS
+# microseconds since the epoch (the kernel's p_starttime). Both are fixed for the life of the
+# process: no later change of the wall clock moves them.
+_START_UNITS = 1_000_000 if sys.platform == "darwin" else os.sysconf("SC_CLK_TCK")
+_GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)  # killed and not yet reaped: gone
+STOPPED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)  # alive, doing nothing until resumed
+
+
 def process_start(pid: int | str) -> int | None:
-    """When the process started: on Linux in clock ticks since boot (/proc/<pid>/stat), on
-    macOS in microseconds since the epoch (sysctl KERN_PROC_PID); None when it is gone (a
-    zombie, killed and not yet reaped, is gone) or where the OS does not say."""
-    if sys.platform == "darwin":
-        return _darwin_start(os.getpid() if pid == "self" else int(pid))
+    """When the process started (see _START_UNITS); None when it is gone or where psutil
+    does not say.
+
+    The start is psutil's own identity of a process (Process._ident: the pid and the
+    monotonic start time it checks pid reuse with). Its public create_time() is not it: that
+    is the boot time plus the start, the boot time read from the wall clock again at each
+    call (Linux) or shifted by the clock changes since psutil was imported (macOS), so two
+    processes could disagree about one peer and take it for another. The state is read just
+    after the start: a pid reused in between makes a dead process look alive until the next
+    look, never a live one dead."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return None if fields[0] in (b"Z", b"X") else int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-class Timeval(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_int64), ("tv_usec", ctypes.c_int32)]  # (padded to 16 bytes)
-
-
-class ExternProcHead(ctypes.Structure):
-    """The start of macOS's `struct kinfo_proc` (<sys/sysctl.h>): its first member `kp_proc`, a
-    `struct extern_proc` (<sys/proc.h>), whose first members on a 64-bit macOS are
-        union p_un { struct { struct proc *__p_forw, *__p_back; } p_st1;
-                     struct timeval __p_starttime; }          offset 0 (16 bytes)
-        struct vmspace *p_vmspace                             offset 16
-        struct sigacts *p_sigacts                             offset 24
-        int p_flag                                            offset 32
-        char p_stat                                           offset 36 (SZOMB = 5: a zombie)
-        pid_t p_pid                                           offset 40
-    The whole struct kinfo_proc is KINFO_PROC_SIZE (648) bytes."""
-
-    _fields_ = [("p_starttime", Timeval), ("p_vmspace", ctypes.c_void_p), ("p_sigacts", ctypes.c_void_p),
-                ("p_flag", ctypes.c_int32), ("p_stat", ctypes.c_char), ("p_pid", ctypes.c_int32)]
-
-
-KINFO_PROC_SIZE = 648
-_CTL_KERN, _KERN_PROC, _KERN_PROC_PID, _SZOMB = 1, 14, 1, 5
-
-
-def parse_kinfo_proc(raw: bytes, pid: int) -> int | None:
-    """The start time (microseconds since the epoch) in sysctl's answer for `pid`; None for an
-    empty answer (no such process), another pid's or a zombie's."""
-    if len(raw) < ctypes.sizeof(ExternProcHead):
-        return None
-    head = ExternProcHead.from_buffer_copy(raw[: ctypes.sizeof(ExternProcHead)])
-    if head.p_pid != pid or head.p_stat == bytes([_SZOMB]):
-        return None
-    return head.p_starttime.tv_sec * 1_000_000 + head.p_starttime.tv_usec
-
-
-def _darwin_start(pid: int) -> int | None:
-    """sysctl({CTL_KERN, KERN_PROC, KERN_PROC_PID, pid}) into a struct kinfo_proc."""
-    try:
-        mib = (ctypes.c_int * 4)(_CTL_KERN, _KERN_PROC, _KERN_PROC_PID, pid)
-        buf, size = ctypes.create_string_buffer(KINFO_PROC_SIZE), ctypes.c_size_t(KINFO_PROC_SIZE)
-        if ctypes.CDLL(None, use_errno=True).sysctl(mib, 4, buf, ctypes.byref(size), None, ctypes.c_size_t(0)) != 0:
+        p = psutil.Process(None if pid == "self" else int(pid))
+        if p.status() in _GONE:
             return None
-    except (OSError, AttributeError, ValueError):
+        seconds = p._ident[1]
+    except (psutil.Error, ValueError):
         return None
-    return parse_kinfo_proc(buf.raw[: size.value], pid)
+    return round(seconds * _START_UNITS) if isinstance(seconds, float) else None
+
 
 def process_state(pid: int) -> str | None:
-    """The state letter /proc shows for `pid` ("R", "S", "T" stopped, "t" stopped by a
-    tracer, ...); None when it is gone or where /proc does not say."""
+    """psutil's status of `pid` (one of STOPPED for SIGSTOP, Ctrl-Z or a debugger's stop;
+    psutil.STATUS_RUNNING, ...); None when it is gone (a zombie too) or unreadable."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (OSError, IndexError, UnicodeDecodeError):
+        state = psutil.Process(pid).status()
+    except psutil.Error:
         return None
+    return None if state in _GONE else state
 
 
 def _boot_id() -> str:
+    """This boot, the same in every process on it. Linux: the kernel's boot UUID, not
+    psutil.boot_time(): that is the wall clock less the uptime, read again at each call, so
+    a clock step between two processes' starts would give one boot two ids, and pids would
+    not be checked between them (heartbeats only: a SIGSTOPped peer looks dead after
+    DEAD_AFTER_S). macOS has no boot UUID in psutil: kern.boottime's seconds
+    (psutil.boot_time(), as stored before), which a clock step moves too."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             return f.read().strip()
     except OSError:
         pass
-    if sys.platform == "darwin":  # the boot time names this boot
+    if sys.platform == "darwin":
         try:
-            tv, size = (ctypes.c_int64 * 2)(), ctypes.c_size_t(16)  # struct timeval: the seconds come first
-            if ctypes.CDLL(None).sysctlbyname(b"kern.boottime", tv, ctypes.byref(size), None, 0) == 0:
-                return f"darwin-{tv[0]}"
-        except (OSError, AttributeError):
+            return f"darwin-{int(psutil.boot_time())}"
+        except (psutil.Error, OSError):
             pass
     return ""
 
@@ -158,16 +132,6 @@ class Identity:
     def same_pids(self, row: dict) -> bool:
         """Whether our pids mean the same processes as the row's (one boot, one PID namespace)."""
         return bool(self.boot and self.pidns) and row["boot"] == self.boot and row["pidns"] == self.pidns
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Heart:
@@ -230,7 +194,7 @@ class Peers:
         if self.me.same_pids(row):
             if row["start"] is not None and self.me.start is not None:
                 return process_start(row["pid"]) == row["start"]
-            if not pid_alive(row["pid"]):
+            if not psutil.pid_exists(row["pid"]):
                 return False
         return self.beating(row["owner"])
 

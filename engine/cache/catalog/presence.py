@@ -25,7 +25,7 @@ from typing import Callable
 
 from ...host.system import process_tag
 from .database import CatalogBusy, Database
-from .liveness import HEARTBEAT_S, Heart, Identity, Keeper, Peers, process_state
+from .liveness import HEARTBEAT_S, STOPPED, Heart, Identity, Keeper, Peers, process_state
 
 SWEEP_S = 5.0  # how often the keeper looks for dead processes
 HOLDER, HOLDER_BYTES = "catalog.holder", 512  # who took the write lock last: named while others wait for it
@@ -87,9 +87,9 @@ class Presence(Database):
             return " (by another thread of this process)"
         state = ""
         if self.identity.same_pids(rec):
-            letter = process_state(pid)
+            now = process_state(pid)
             state = (", which is stopped (SIGSTOP, Ctrl-Z or a debugger: the lock is free once it resumes "
-                     "or is killed)" if letter in ("T", "t") else ", which is gone" if letter is None else "")
+                     "or is killed)" if now in STOPPED else ", which is gone" if now is None else "")
         return f" (held by pid {pid} on {host}{state}, since {max(0.0, time.time() - since):.0f} s)"
 
     def _committed(self) -> None:

@@ -19,11 +19,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from ...kv.tokens import legacy_token_key, token_key
 from ...host.system import fsync_dir
 from ..catalog.database import CatalogBusy
-from ..catalog.liveness import pid_alive
 from ..faults import fault
 from . import blocks
 from . import format as fmt
@@ -171,7 +171,8 @@ class Upkeep:
                     live = self.catalog.live_tags() if live is None else live
                     if writer not in live:
                         stale.append(d / name)
-                elif (writer.isdigit() and not pid_alive(int(writer))) or now - os.stat(d / name).st_mtime > STALE_TEMP_S:
+                elif (writer.isdigit() and not psutil.pid_exists(int(writer))
+                      or now - os.stat(d / name).st_mtime > STALE_TEMP_S):
                     stale.append(d / name)
             except OSError:
                 pass

@@ -1,133 +1,110 @@
-"""Batch rows merged into mlx-lm's `BatchGenerator`: for models whose caches cannot share a prefix
-across rows (sliding windows, recurrent layers, models attending to keys of their own making).
+"""Batch rows merged into mlx-lm's batch caches: for models whose caches cannot share a prefix across
+rows (sliding windows, recurrent layers, models attending to keys of their own making).
 
 Each row's caches hold its prompt but the last token (its loan or a shared prefix, then its own
-prefill: engine/generate/batch/run.py `_prepare`); mlx-lm merges them into its batch caches (left padded: a copy
-of every row), `batch_size` rows at a time, the next row joining as one finishes. A finished row
+prefill: batch/run.py `_prepare`); mlx-lm's cache classes merge them (`merge`: left padded, a copy of
+every row), `batch_size` rows at a time, the next row joining (`extend`) as one finishes. The rows
+advance through the one token loop (generate/loop.py); a finished row's caches are extracted and it
 publishes its state like a single generation; an interrupted batch publishes what its rows hold.
 """
 
 from __future__ import annotations
 
-import itertools
-import time
 from collections import deque
 
-from ..logprobs import pick, read
-from ...host.memory import DECODE_CHECK_EVERY
-from ..sampling import SamplingParams, sample_logprobs
+import mlx.core as mx
+
+from ..loop import Row, run as run_rows
+
+
+class MergedCaches:
+    """The loop's forward over mlx-lm's batch caches (one token per row and step)."""
+
+    pipelines = False
+
+    def __init__(self, model):
+        self.model, self.caches, self.rows = model, [], []  # rows: the batch's rows, in the caches' order
+
+    def add(self, rows: list, caches: list) -> None:
+        from mlx_lm.generate import _extend_cache, _merge_caches  # (mlx-lm's own batching of every cache kind)
+
+        self.caches = _extend_cache(self.caches, _merge_caches(caches))
+        self.rows += rows
+
+    def __call__(self, feeds, drafts=()) -> mx.array:
+        if any(drafts) or any(len(f) != 1 for f in feeds):
+            raise ValueError("merged batch rows forward one token each")
+        return self.model(mx.array(feeds), cache=self.caches)
+
+    def keep(self, pos: int, n: int, fed: int) -> None:
+        assert n == fed, "merged batch rows cannot cut back"
+
+    def extract(self, pos: int) -> list:
+        return [c.extract(pos) for c in self.caches]
+
+    def drop(self, positions: list[int]) -> None:
+        keep = [i for i in range(len(self.rows)) if i not in set(positions)]
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.caches = []
+        else:
+            for c in self.caches:
+                c.filter(keep)
+
+    def settle(self) -> None:
+        mx.eval([c.state for c in self.caches])
 
 
 class MergedRows:
     def __init__(self, batch):
-        self.batch = batch  # the BatchRun (engine/generate/batch/run.py)
+        self.batch = batch  # the BatchRun (batch/run.py)
 
     def run(self) -> None:
-        from mlx_lm.generate import BatchGenerator
-
         b = self.batch
         size = min(b.batch_size, len(b.rows))
-        gen = BatchGenerator(b.model.model, stop_tokens=[[t] for t in sorted(b.model.eos_token_ids)],
-                             prefill_batch_size=size, completion_batch_size=size,
-                             prefill_step_size=b.services.prefill_chunk)
-        pending, active, finished = deque(b.rows), {}, []
+        forward = MergedCaches(b.model.model)
+        waiting = deque(b.rows)
         total = sum(r.gen.req.params.max_tokens for r in b.rows)
+
+        def join(active: int) -> list:
+            """Rows that join as others finish: prepared, merged into the batch (a copy), their own caches let go."""
+            joining = [waiting.popleft() for _ in range(min(size - active, len(waiting)))]
+            if not joining:
+                return []
+            loops = [b.loop_row(row) for row in joining]
+            forward.add(joining, [b._prepare(row) for row in joining])
+            for row in joining:
+                if row.loan is not None:
+                    row.loan.release()
+            return loops
+
+        def finished(loop_row: Row, pos: int) -> None:
+            row = forward.rows[pos]
+            self._publish(row, forward.extract(pos))
+            b.result(row)
+
+        def stepped() -> None:
+            b.step_done(total)
+
         try:
-            for step in itertools.count():
-                joined = []
-                while pending and len(active) < size:  # a row joins as another finishes
-                    row = pending.popleft()
-                    p = row.gen.req.params
-                    [uid] = gen.insert([row.tokens[-1:]], max_tokens=[p.max_tokens], caches=[b._prepare(row)],
-                                       all_tokens=[row.tokens[:-1]], samplers=[_sampler(p)])
-                    active[uid] = row
-                    joined.append(row)
-                if not active:
-                    break
-                responses = gen.next_generated()
-                if not responses:
-                    raise RuntimeError("mlx-lm's BatchGenerator stopped before every row finished")
-                for row in joined:  # merged into the batch caches (a copy): the row's own caches can go
-                    if row.loan is not None:
-                        row.loan.release()
-                now = time.perf_counter()
-                for r in responses:
-                    b.generated += 1
-                    if self._add_token(active[r.uid], r, now):
-                        if r.finish_reason is None:  # a stop string: out of the batch, with its state
-                            caches, known = gen.remove([r.uid], return_prompt_caches=True)[r.uid]
-                        else:
-                            caches, known = r.prompt_cache, r.all_tokens
-                        finished.append((active.pop(r.uid), caches, known))
-                while finished:  # the others' states are kept even if a callback raises
-                    row, caches, known = finished.pop(0)
-                    self._publish(row, caches, known)
-                    b.result(row)
-                if step and step % DECODE_CHECK_EVERY == 0:
-                    b.services.memory.check("decode")
-                if b.on_progress is not None:
-                    b.on_progress("decode", b.generated, total)
+            run_rows(join(0), forward, on_finish=finished, on_step=stepped, join=join)
         except BaseException:
             if b.use_cache:
-                self._keep_unfinished(gen, active, finished)
+                self._keep_unfinished(forward)
             raise
-        finally:
-            gen.close()
 
-    @staticmethod
-    def _add_token(row, r, now: float) -> bool:
-        """Record one generated token; True when the row is done."""
-        g = row.gen
-        g.times.append(now)
-        g.decoded.tokens.append(r.token)
-        k = g.req.params.logprobs
-        if k is not None:  # (mlx-lm's log-probabilities: of the raw logits, as `generate` reports them)
-            import mlx.core as mx
-
-            g.decoded.logprobs += read([r.token], pick(r.logprobs.reshape(1, -1), mx.array([r.token]), k))
-        if r.finish_reason == "stop":  # one of the model's end tokens (not shown, as in `generate`)
-            g.decoded.finish_reason = "eos"
-            return True
-        g.stream.add(r.token)
-        if g.stream.stopped or r.finish_reason == "length":
-            g.decoded.finish_reason = "stop" if g.stream.stopped else "length"
-            return True
-        return False
-
-    def _publish(self, row, caches: list, known: list) -> None:
+    def _publish(self, row, caches: list) -> None:
         g = row.gen
         g.stream.finish()
-        g.decode_ran, g.decoded.forwarded = True, len(g.decoded.tokens)  # a batch forwards every emitted token
+        g.decode_ran = True
         if self.batch.use_cache:
-            if list(known) == g.known_tokens():
-                g.publish_final(caches)
-            else:  # never publish a state under tokens it may not hold
-                self.batch.services.events.emit("publish_skipped", ns=self.batch.ns, row=row.index,
-                                                reason="token mismatch")
+            g.publish_final(caches)
 
-    def _keep_unfinished(self, gen, active: dict, finished: list) -> None:
-        """An interrupted batch publishes the rows mlx-lm finished, and what its unfinished rows
-        computed (cut back to the tokens they hold), so a rerun continues there."""
-        for row, caches, known in finished:
+    def _keep_unfinished(self, forward: MergedCaches) -> None:
+        """An interrupted batch publishes what its unfinished rows computed (cut back to the tokens
+        they hold), so a rerun continues there."""
+        for pos, row in enumerate(forward.rows):
             try:
-                self._publish(row, caches, known)
+                row.gen.publish_interrupted(row.gen.known_tokens(), forward.extract(pos))
             except Exception:
                 pass  # never mask the interrupt
-        try:
-            extracted = gen.extract_cache(list(active))
-        except Exception:
-            return
-        for uid, (caches, known) in extracted.items():
-            try:
-                active[uid].gen.publish_interrupted(list(known), caches)
-            except Exception:
-                pass  # never mask the interrupt
-
-
-def _sampler(params: SamplingParams):
-    """mlx-lm's per-row sampler: None (its greedy argmax, one call for the batch) or `generate`'s
-    (seed, step) draw, one step per call."""
-    if params.temperature == 0:
-        return None
-    steps = itertools.count()
-    return lambda logprobs: sample_logprobs(logprobs, params, next(steps))

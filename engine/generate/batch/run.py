@@ -32,7 +32,9 @@ from typing import Callable, Sequence
 import mlx.core as mx
 
 from ..sampling import GenerationError
-from ..decode import prefill
+from ..loop import Row as LoopRow
+from ..prefill import prefill
+from ...host.memory import DECODE_CHECK_EVERY
 from ...kv.checkpoint import Checkpoint
 from .merged import MergedRows
 from .shared import SharedPrefixRows
@@ -140,7 +142,7 @@ class BatchRun:
         self.notice = f"{why}: the {len(self.rows)} rows run one after another" if why else None
         self.shared_prefix = self.notice is None and plain
         self.mode = "serial" if self.notice else "shared-prefix" if self.shared_prefix else "batched"
-        self.generated = 0  # tokens the batch decoded so far (progress)
+        self.steps = 0  # decode steps the batch took (memory checks)
         self.t0 = 0.0
 
     def run(self) -> list[GenerationResult]:
@@ -307,6 +309,28 @@ class BatchRun:
                 row.loan.release()
             before += len(g.times)
             self.result(row)
+
+    def loop_row(self, row: Row) -> LoopRow:
+        """The row as the token loop advances it in a batch: its prompt's last token pending, its text
+        streamed and its stop strings checked as `generate` does."""
+        g = row.gen
+
+        def on_token(token: int, step: int) -> bool:
+            g.stream.add(token)
+            return g.stream.stopped
+
+        loop_row = LoopRow(g.req.params, row.tokens[-1:], eos_ids=self.model.eos_token_ids, context=row.tokens,
+                           on_token=on_token, into=g.decoded)
+        g.times = loop_row.times
+        return loop_row
+
+    def step_done(self, total: int) -> None:
+        """After every batch step: a memory reading now and then, progress in tokens generated."""
+        self.steps += 1
+        if self.steps % DECODE_CHECK_EVERY == 0:
+            self.services.memory.check("decode")
+        if self.on_progress is not None:
+            self.on_progress("decode", sum(len(r.gen.decoded.tokens) for r in self.rows), total)
 
     def result(self, row: Row) -> None:
         g = row.gen

@@ -19,9 +19,7 @@ from ...kv.caches import lent_segments
 from ...kv.cascade import joined_prefix
 from ...kv.cascade_quantized import forward_rows, rows_cache
 from ...kv.checkpoint import Checkpoint
-from ..logprobs import log_softmax, pick, read
-from ...host.memory import DECODE_CHECK_EVERY
-from ..sampling import sample
+from ..loop import run as run_rows
 
 
 class SharedPrefixRows:
@@ -101,66 +99,23 @@ class SharedPrefixRows:
                 progress("prefill", min(at + chunk, longest), longest)
 
     def _decode(self) -> None:
-        self.active = list(range(len(self.rows)))  # rows still decoding, in batch order
-        pending = [row.tokens[-1] for row in self.rows]
+        self.forward = SharedRows(self.model.model, self.layers, len(self.rows))
         total = sum(r.gen.req.params.max_tokens for r in self.run.rows)
-        step = 0
-        while self.active:
-            logits = forward_rows(self.model.model, mx.array(pending)[:, None], self.layers)[:, -1, :]
-            tokens, picked = self._sample(logits, self.active)
-            now = time.perf_counter()
-            done, going = [], []
-            for i, b in enumerate(self.active):
-                if picked[i] is not None:
-                    self.rows[b].gen.decoded.logprobs += read([tokens[i]], picked[i])
-                (done if self._add(self.rows[b], tokens[i], now) else going).append(i)
-            for i in done:  # published before leaving the batch: the others' states go on
-                self._publish(self.active[i], i, interrupted=False)
-                self.run.result(self.rows[self.active[i]])
-            self.run.generated += len(self.active)
-            if going and len(going) < len(self.active):
-                for c in self.layers:
-                    c.keep(going)
-            self.active, pending = [self.active[i] for i in going], [tokens[i] for i in going]
-            step += 1
-            if step % DECODE_CHECK_EVERY == 0:
-                self.run.services.memory.check("decode")
-            if self.run.on_progress is not None:
-                self.run.on_progress("decode", self.run.generated, total)
 
-    def _sample(self, logits, active: list) -> tuple:
-        """Each active row's token (its own sampler at its own step) and picked log-probabilities."""
-        ys, picked = [], []
-        for i, b in enumerate(active):
-            params = self.rows[b].gen.req.params
-            step = len(self.rows[b].gen.decoded.tokens)
-            y = sample(logits[i : i + 1], params, step)
-            ys.append(y)
-            picked.append(pick(log_softmax(logits[i : i + 1]), y, params.logprobs)
-                          if params.logprobs is not None else None)
-        mx.eval(ys + [a for p in picked if p is not None for a in p if a is not None])
-        return [int(y.item()) for y in ys], picked
+        def finished(loop_row, pos: int) -> None:  # published before leaving the batch: the others go on
+            b = self.forward.order[pos]
+            self._publish(b, pos, interrupted=False)
+            self.run.result(self.rows[b])
 
-    def _add(self, row, token: int, now: float) -> bool:
-        """Record one token as `generate` does; True when the row is done."""
-        g = row.gen
-        g.times.append(now)
-        g.decoded.tokens.append(token)
-        if token in self.model.eos_token_ids:  # an end token: not shown
-            g.decoded.finish_reason = "eos"
-            return True
-        g.stream.add(token)
-        if g.stream.stopped or len(g.decoded.tokens) >= g.req.params.max_tokens:
-            g.decoded.finish_reason = "stop" if g.stream.stopped else "length"
-            return True
-        return False
+        run_rows([self.run.loop_row(row) for row in self.rows], self.forward, on_finish=finished,
+            on_step=lambda: self.run.step_done(total))
 
     def _publish(self, b: int, pos: int, *, interrupted: bool) -> None:
         """Row b's state (at batch position pos): its group's prefix and its own positions (all of
         them, or after an interrupt those every layer holds)."""
         g = self.rows[b].gen
         g.stream.finish()
-        g.decode_ran, g.decoded.forwarded = True, max(len(g.decoded.tokens) - 1, 0)
+        g.decode_ran = True
         if not self.run.use_cache:
             return
         known, prefix = g.known_tokens(), self.prefix[b]
@@ -174,8 +129,38 @@ class SharedPrefixRows:
 
     def keep_unfinished(self) -> None:
         """After an interrupt: what each row still in the batch computed, published (no error masked)."""
-        for pos, b in enumerate(getattr(self, "active", [])):
+        for pos, b in enumerate(self.forward.order if hasattr(self, "forward") else []):
             try:
                 self._publish(b, pos, interrupted=True)
             except Exception:
                 pass
+
+
+class SharedRows:
+    """The loop's forward over a wave's `RowsCache` layers (one token per row and step)."""
+
+    pipelines = False
+
+    def __init__(self, model, layers: list, rows: int):
+        self.model, self.layers = model, layers
+        self.order = list(range(rows))  # the wave's row of each position
+
+    def __call__(self, feeds, drafts=()) -> mx.array:
+        if isinstance(feeds, mx.array):  # aligned columns (the layers were seeded with each row's length)
+            return forward_rows(self.model, feeds, self.layers)
+        if any(drafts) or len({len(f) for f in feeds}) != 1:
+            raise ValueError("shared-prefix rows forward one token each per step")
+        return forward_rows(self.model, mx.array(feeds), self.layers)
+
+    def keep(self, pos: int, n: int, fed: int) -> None:
+        assert n == fed, "shared-prefix rows cannot cut back"
+
+    def drop(self, positions: list[int]) -> None:
+        going = [i for i in range(len(self.order)) if i not in set(positions)]
+        self.order = [self.order[i] for i in going]
+        if going:
+            for c in self.layers:
+                c.keep(going)
+
+    def settle(self) -> None:
+        mx.eval([c.state for c in self.layers])

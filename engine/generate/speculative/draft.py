@@ -5,7 +5,7 @@ Exact by construction: the token at step i is the target's sample at step i, dra
 A draft token is accepted iff it equals that sample, so the draft only decides how many target
 samples one forward yields, never which (greedy and seeded output equal plain decoding's).
 
-Rejected tokens are cut back from both models' caches (rewind.py): plain and quantized KV
+Rejected tokens are cut back from both models' caches (generate/rewind.py): plain and quantized KV
 trimmed; a sliding window that may wrap, recurrent state, chunked attention or a list of them
 restored from before the forward and the accepted tokens forwarded again. What cannot roll back
 exactly (an unknown cache kind, a delayed KV quantization converting during the generation):
@@ -20,17 +20,16 @@ prefill come after it).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 import mlx.core as mx
 
-from ..decode import DecodeResult, prefill
+from ..prefill import prefill
 from ...kv.caches import unsupported
 from ...kv.checkpoint import Checkpoint
-from ..logprobs import log_softmax, pick, read
 from ...models.registry import LoadedModel, ModelError
 from ..sampling import GenerationError, SamplingParams, sample
-from .rewind import Rewind, cuttable
+from ..rewind import Rewind, cuttable
 
 DEFAULT_DRAFT_TOKENS = 4
 MAX_DRAFT_TOKENS = 32
@@ -134,7 +133,8 @@ class Drafter:
     common prefix with the tokens decided so far but the last.
     """
 
-    def __init__(self, services, model: LoadedModel, use_cache: bool, prompt_tokens: int, target_ns: str = ""):
+    def __init__(self, services, model: LoadedModel, use_cache: bool, prompt_tokens: int, target_ns: str = "",
+                 num_draft_tokens: int = DEFAULT_DRAFT_TOKENS):
         self.services, self.model, self.use_cache = services, model, use_cache and model.cache_notice is None
         self.target_ns = target_ns
         self.prompt_tokens = prompt_tokens
@@ -145,6 +145,8 @@ class Drafter:
         self.marked = 0  # len(held) at the rewind's mark
         self.loan = None
         self.counts = DraftCounts()
+        self.k = num_draft_tokens
+        self.rounds = 0
 
     @property
     def ns(self) -> str:
@@ -190,8 +192,14 @@ class Drafter:
             del self.held[n:]
         return list(truth[n:])
 
-    def propose(self, truth: Sequence[int], k: int, params: SamplingParams, step: int) -> list:
-        """k draft tokens after `truth`; the i-th drawn with the sampler of step + i (as the target's)."""
+    def propose(self, truth: Sequence[int], limit: int, params: SamplingParams, step: int) -> list:
+        """Up to K draft tokens after `truth` (the loop's proposer, loop.py); the i-th drawn with the
+        sampler of step + i (as the target's). The first round proposes nothing: the first token
+        comes as fast as without a draft (the draft's lookup and prefill come after it)."""
+        self.rounds += 1
+        k = min(self.k, limit)
+        if self.rounds == 1 or k < 1:
+            return []
         if not self.started:
             self.start(truth)
         missing = self.sync(truth)
@@ -206,6 +214,10 @@ class Drafter:
             out.append(token)
             inputs = [token]
         return out
+
+    def judged(self, proposed: int, accepted: int) -> None:
+        self.counts.proposed += proposed
+        self.counts.accepted += accepted
 
     def publish(self, truth: Sequence[int], clean: bool) -> None:
         """Publish the draft's state over the tokens decided (its own namespace, RAM then SSD).
@@ -227,87 +239,3 @@ class Drafter:
             self.loan.release()
             self.loan = None
         self.caches = []
-
-
-def decode_speculative(
-    model,
-    caches: list,
-    pending: Sequence[int],
-    params: SamplingParams,
-    *,
-    drafter: Drafter,
-    num_draft_tokens: int,
-    context: Sequence[int],  # every token decided: the prompt, tokens already emitted (pending ones too)
-    eos_ids: set,
-    first_step: int = 0,
-    on_token: Callable[[int, int], bool] | None = None,
-    into: DecodeResult | None = None,
-    sync_at: Callable[[int], bool] | None = None,
-) -> DecodeResult:
-    """decode()'s contract (generate/decode.py), with drafts. Each round the draft proposes
-    up to K tokens, the target forwards its pending tokens and the proposals at once, samples each
-    position with its step's sampler, and keeps the samples up to the first disagreement. Caches are
-    cut back (`Rewind`) before `on_token` sees a token; a round ends at a step where `sync_at` is
-    true, so the caches hold exactly the tokens before it there."""
-    result = into if into is not None else DecodeResult()
-    truth = list(context)
-    inputs = list(pending)
-    first = True  # the first round proposes nothing: the first token as soon as without a draft
-    rewind = Rewind(model, caches)
-    step = first_step
-    try:
-        while True:
-            left = params.max_tokens - first_step - len(result.tokens)
-            k = 0 if first else min(num_draft_tokens, left - 1)
-            drafts = drafter.propose(truth, k, params, step) if k > 0 else []
-            first = False
-            rewind.mark(inputs + drafts)
-            logits = model(mx.array(inputs + drafts)[None], cache=caches)[0, -(len(drafts) + 1):, :]
-            ys = mx.concatenate([sample(logits[i : i + 1], params, step + i) for i in range(len(drafts) + 1)])
-            picked = pick(log_softmax(logits), ys, params.logprobs) if params.logprobs is not None else None
-            mx.eval([ys] + [a for a in (picked or ()) if a is not None])
-            samples = ys.tolist()
-            agreed = 0
-            while agreed < len(drafts) and drafts[agreed] == samples[agreed]:
-                agreed += 1
-            emit = samples[: agreed + 1]
-            judged = len(drafts)  # proposals compared with the target's samples
-            for i, token in enumerate(emit):  # a round ends at an eos or where a boundary is captured
-                if token in eos_ids or (sync_at is not None and sync_at(step + i)):
-                    if i < agreed:  # cut before the first disagreement: the proposals after it were never judged
-                        emit, judged = emit[: i + 1], i
-                    break
-            drafter.counts.proposed += judged
-            drafter.counts.accepted += len(emit) - 1
-            before = len(result.tokens)
-            rewind.keep(len(inputs) + len(emit) - 1)  # the drafts that were emitted but the last one
-            result.forwarded = before + len(emit) - 1  # the inputs: pending tokens, or the last round's last
-            truth += emit
-            stop = None
-            for i, token in enumerate(emit):
-                result.tokens.append(token)
-                if picked is not None:
-                    result.logprobs += read([token], tuple(None if a is None else a[i : i + 1] for a in picked))
-                if token in eos_ids:
-                    stop = "eos"
-                elif on_token is not None and on_token(token, step + i):
-                    stop = "stop"
-                    cut = len(emit) - 1 - (i + 1)  # the caches hold emit[:-1]: keep emit[: i + 1]
-                    if cut > 0:
-                        rewind.keep(len(inputs) + i + 1)
-                        result.forwarded -= cut
-                if stop is None and len(result.tokens) >= params.max_tokens - first_step:
-                    stop = "length"
-                if stop:
-                    break
-            if stop:
-                result.finish_reason = stop
-                break
-            inputs = [emit[-1]]
-            step += len(emit)
-    except KeyboardInterrupt:
-        result.finish_reason = "interrupted"
-        raise
-    finally:
-        mx.eval([c.state for c in caches])
-    return result

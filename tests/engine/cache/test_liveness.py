@@ -1,66 +1,85 @@
-"""Liveness where the OS can say more than a heartbeat (issue 27): the process start time,
-from /proc on Linux and from sysctl KERN_PROC_PID on macOS. On Linux the macOS path is
-checked as far as it can be: the documented layout of `struct kinfo_proc`'s head and
-the parsing of a buffer laid out as macOS answers."""
+"""Liveness where the OS can say more than a heartbeat (issue 27): a process's start time and
+state, as psutil reads them on Linux and macOS, against real subprocesses: a stopped one is
+alive, a zombie (killed, not yet reaped) is dead, a pid that names another process now is
+not the process of the row. The start is stored as it always was (Linux: clock ticks since
+boot, /proc/<pid>/stat's 22nd field; macOS: microseconds since the epoch), so processes of
+an older build on the same directory still agree with this one."""
 
 from __future__ import annotations
 
-import ctypes
 import os
-import struct
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from mlxcache_kernel.engine.cache.catalog import liveness
-from mlxcache_kernel.engine.cache.catalog.liveness import ExternProcHead, parse_kinfo_proc
+from mlxcache_kernel.engine.cache.catalog.liveness import STOPPED, Identity, Peers
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
 
 
-def kinfo_proc(pid: int, sec: int, usec: int, stat: int = 2) -> bytes:
-    """A struct kinfo_proc as 64-bit macOS lays it out (offsets from <sys/proc.h>, by hand)."""
-    raw = bytearray(liveness.KINFO_PROC_SIZE)
-    struct.pack_into("<qi", raw, 0, sec, usec)  # p_un.__p_starttime
-    struct.pack_into("<QQ", raw, 16, 0xDEAD0000, 0xBEEF0000)  # p_vmspace, p_sigacts
-    struct.pack_into("<iB", raw, 32, 0x4004, stat)  # p_flag, p_stat (SRUN = 2)
-    struct.pack_into("<i", raw, 40, pid)  # p_pid
-    return bytes(raw)
+def row(pid: int, start: int | None, me: Identity) -> dict:
+    """A procs row of a process on our boot and in our PID namespace."""
+    return {"owner": f"peer-{pid}-{start}", "pid": pid, "start": start, "boot": me.boot, "pidns": me.pidns}
 
 
-def test_the_documented_layout():
-    assert [(f, getattr(ExternProcHead, f).offset) for f, _ in ExternProcHead._fields_] == [
-        ("p_starttime", 0), ("p_vmspace", 16), ("p_sigacts", 24), ("p_flag", 32), ("p_stat", 36), ("p_pid", 40)]
-    assert ctypes.sizeof(ExternProcHead) <= liveness.KINFO_PROC_SIZE
+def wait_until(p: subprocess.Popen, state: int) -> None:
+    """Until the child is stopped (WSTOPPED) or a zombie (WEXITED), leaving it so (WNOWAIT)."""
+    os.waitid(os.P_PID, p.pid, state | os.WNOWAIT)
 
 
-def test_parsing_sysctls_answer():
-    assert parse_kinfo_proc(kinfo_proc(4242, 1_764_000_000, 123_456), 4242) == 1_764_000_000_123_456
-    assert parse_kinfo_proc(kinfo_proc(4242, 1_764_000_000, 0, stat=5), 4242) is None  # a zombie (SZOMB)
-    assert parse_kinfo_proc(kinfo_proc(4243, 1_764_000_000, 0), 4242) is None  # another process's
-    assert parse_kinfo_proc(b"", 4242) is None  # sysctl's answer for no such process
-
-
-@pytest.mark.skipif(sys.platform == "darwin", reason="Linux: /proc")
-def test_linux_start_times_tell_processes_apart():
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        start = liveness.process_start(p.pid)
-        assert start is not None and start == liveness.process_start(p.pid)
-        assert liveness.process_start("self") == liveness.process_start(os.getpid())
-    finally:
-        p.kill()
-        p.wait()
-    assert liveness.process_start(p.pid) is None
-
-
-@pytest.mark.skipif(sys.platform != "darwin", reason="macOS: sysctl")
-def test_darwin_start_times_tell_processes_apart():
+def test_start_times_are_stored_as_before_and_tell_processes_apart():
     me = liveness.process_start("self")
     assert me is not None and me == liveness.process_start(os.getpid())
-    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    before = time.time()
+    p = subprocess.Popen(SLEEPER)
     try:
-        assert liveness.process_start(p.pid) not in (None, me)
+        start = liveness.process_start(p.pid)
+        assert start is not None and start == liveness.process_start(p.pid) and start != me
+        if sys.platform == "darwin":  # microseconds since the epoch
+            assert before - 1 <= start / 1e6 <= time.time() + 1, (before, start)
+        else:  # clock ticks since boot, as /proc says
+            with open(f"/proc/{p.pid}/stat", "rb") as f:
+                assert start == int(f.read().rsplit(b")", 1)[1].split()[19])
     finally:
         p.kill()
         p.wait()
-    assert liveness.process_start(p.pid) is None
+    assert liveness.process_start(p.pid) is None and liveness.process_state(p.pid) is None
+
+
+def test_a_stopped_process_is_alive_and_a_zombie_dead(tmp_path):
+    me = Identity.current()
+    assert me.start is not None and me.boot and me.pidns
+    peers = Peers(me, "me", tmp_path)  # (no heartbeat files: only the pid and start decide)
+    p = subprocess.Popen(SLEEPER)
+    try:
+        start = liveness.process_start(p.pid)
+        assert peers.alive(row(p.pid, start, me)) and liveness.process_state(p.pid) not in STOPPED
+        os.kill(p.pid, signal.SIGSTOP)  # Ctrl-Z, a debugger: it holds what it held, it comes back
+        wait_until(p, os.WSTOPPED)
+        assert liveness.process_state(p.pid) in STOPPED
+        assert liveness.process_start(p.pid) == start and peers.alive(row(p.pid, start, me))
+        assert not peers.alive(row(p.pid, start - 1, me)), "the pid names another process than the row's"
+        os.kill(p.pid, signal.SIGKILL)
+        wait_until(p, os.WEXITED)  # a zombie: killed, not reaped
+        assert liveness.process_start(p.pid) is None and liveness.process_state(p.pid) is None
+        assert not peers.alive(row(p.pid, start, me))
+    finally:
+        p.kill()
+        p.wait()
+    assert not peers.alive(row(p.pid, start, me))
+
+
+def test_without_a_start_time_the_pid_and_then_the_heartbeat_decide(tmp_path):
+    """A row without a start (where the OS did not say): a dead pid is dead at once, a live
+    one is judged by its heartbeat."""
+    me = Identity.current()
+    peers = Peers(me, "me", tmp_path)
+    p = subprocess.Popen(SLEEPER)
+    p.kill()
+    p.wait()
+    assert not peers.alive(row(p.pid, None, me))
+    assert peers.alive(row(os.getppid(), None, me)), "alive: not yet seen to miss a heartbeat"

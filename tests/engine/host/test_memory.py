@@ -5,7 +5,10 @@ benchmarks/bench_memory.py.)"""
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -15,7 +18,7 @@ from hypothesis import strategies as st
 
 from mlxcache_kernel.engine import Engine, GenerationError, SamplingParams
 from mlxcache_kernel.engine.cache.ssd import writer as writer_mod
-from mlxcache_kernel.engine.host.memory import MemoryReading
+from mlxcache_kernel.engine.host.memory import MemoryReading, ram_budget
 
 PARAMS = SamplingParams(max_tokens=6)
 
@@ -151,3 +154,32 @@ def test_chats_under_a_small_budget_stay_within_it(tiny_model_dir, tmp_path):
     r = eng.generate("And one more.", max_tokens=6, session="chat0")  # a demoted chat comes back from SSD
     assert r.stats["cache_source"] == "ssd" and r.stats["cached_tokens"] > 0
     eng.close()
+
+
+READING = """
+import json
+import numpy as np
+from mlxcache_kernel.engine.host.memory import read_memory
+from mlxcache_kernel.engine.host.system import physical_memory
+before = read_memory()
+held = np.ones(256 << 20, dtype=np.uint8)  # written: resident
+during = read_memory()
+del held  # a block this large is unmapped at once
+after = read_memory()
+print(json.dumps([before.working, during.working, after.working, during.available, physical_memory()]))
+"""
+
+
+def test_a_reading_follows_what_the_process_holds_now():
+    """The working set is the resident memory now (not the peak), read by psutil on Linux and
+    macOS alike, in a fresh process (no MLX memory of other tests to hide it)."""
+    r = subprocess.run([sys.executable, "-c", READING], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    before, during, after, available, physical = json.loads(r.stdout.splitlines()[-1])
+    assert during - before >= 240 << 20 and during - after >= 240 << 20, (before, during, after)
+    assert 0 < available < physical and during < physical
+
+
+def test_an_unset_budget_adapts_where_the_memory_can_be_read():
+    """(Where it cannot, a fixed budget: test_without_proc.py.)"""
+    assert ram_budget(None) is None and ram_budget(1 << 30) == 1 << 30

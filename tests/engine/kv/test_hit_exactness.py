@@ -16,7 +16,7 @@ import pytest
 from tiny_archs import FAMILIES, build_arch_model
 
 from mlxcache_kernel.engine import Engine, SamplingParams
-from mlxcache_kernel.engine.generate.decode import prefill
+from mlxcache_kernel.engine.generate.prefill import prefill
 
 
 def ids(n: int, seed: int) -> list[int]:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
-from ...kv.codecs import CODECS, kind_of
+from ..kv.codecs import CODECS, kind_of
 
 
 def _handle(v: Any) -> Any:
