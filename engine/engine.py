@@ -94,7 +94,7 @@ class Engine:
                                     emit=self.events.emit)
         self.cache.pressure = self.memory
         self.objects = ObjectCache(self.cache, self._check_open)  # exact-key tensor objects on the same tiers
-        self.vision_counters = new_vision_counters()  # images, encoder runs (media.py)
+        self.vision_counters = new_vision_counters()  # images, encoder runs (media/prompt.py)
         usable = self.ssd_disabled_reason is None
         self.models = ModelRegistry(IdentityMemo(self.cache_dir / "identities.json" if usable else None))
         self.metrics = GenerationMetrics()
@@ -139,7 +139,7 @@ class Engine:
         A vision-language model (a config with a vision tower) loads through mlx-vlm
         (`pip install 'mlxcache-kernel[vision]'`); image_attention picks how its image
         tokens attend ("bidirectional" or "causal" for Gemma 3; None: the model's default).
-        draft: a loaded model's name, the default draft of this model's generations (speculative.py).
+        draft: a loaded model's name, the default draft of this model's generations (generate/speculative/draft.py).
 
         Then its most recently used SSD checkpoints start loading into RAM in the background
         (up to the prefetch budget); "prefetch" in the result says how many."""
@@ -181,11 +181,17 @@ class Engine:
                  **sampling) -> GenerationResult:
         """sampling: SamplingParams's options (max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop=()).
         images (paths, PIL images, (H, W, 3) arrays), videos (paths, (T, C, H, W) arrays, sampled at fps, up to
+<<<<<<< HEAD
         max_frames: video.py), audios (paths, 1-D waveforms: audio.py) for a VLM come before the text in the user turn
         (a session keeps them). draft: a loaded model proposing num_draft_tokens (default 4) per verify forward
         (default: the model's default draft; False: none). lookup: drafts from the prompt and the text so far
         (speculative/lookup.py): None proposes them where they pay, True always, False never; the tokens are
         plain decoding's either way."""
+=======
+        max_frames: media/video.py), audios (paths, 1-D waveforms: media/audio.py) for a VLM come before the
+        text in the user turn (a session keeps them). draft: a loaded model proposing num_draft_tokens (default 4) per verify forward
+        (default: the model's default draft; False: none)."""
+>>>>>>> main
         self._check_open()
         self.poll(prepare=False)  # no buffers allocated for prefetches on the way to the first token
         params = SamplingParams.of(**sampling)
@@ -215,7 +221,7 @@ class Engine:
                        on_row: Callable[[int, GenerationResult], None] | None = None,
                        **sampling) -> list[GenerationResult]:
         """One GenerationResult per prompt (a string or token ids), in order: shared prefixes prefilled
-        once, rows decoded together (batch.py). sampling: SamplingParams's options, for every row; row i
+        once, rows decoded together (generate/batch/run.py). sampling: SamplingParams's options, for every row; row i
         samples with seed + i (or seed[i] from a list).
         on_progress(phase, done, total): "restore"/"prefill" in tokens, "decode" in tokens generated;
         on_row(index, result) as each row finishes."""
@@ -240,7 +246,7 @@ class Engine:
         loglikelihood: `.logprob`, `.token_logprobs`, `.greedy`). Strings are tokenized as lm-eval
         does; token ids pass through. raw=False: the context is a chat turn (the template with its
         generation prompt) and each continuation the assistant's reply. The context comes from the
-        cache (or is prefilled once) and every continuation goes in one batch over it (scoring.py)."""
+        cache (or is prefilled once) and every continuation goes in one batch over it (generate/scoring.py)."""
         self._check_open()
         self.poll(prepare=False)
         return score(self.services, self.models.get(model), context, continuations, raw=raw, system=system,
@@ -249,7 +255,7 @@ class Engine:
     def generate_tokens(
         self, tokens: Sequence[int], params: SamplingParams, *, model: str | None = None, **options
     ) -> GenerationResult:
-        """Generate from prompt token ids: resume or cache lookup, prefill, decode, publish (run.py).
+        """Generate from prompt token ids: resume or cache lookup, prefill, decode, publish (generate/generation.py).
 
         options: session, use_cache, on_text, on_progress, checkpoint_every, draft, num_draft_tokens, lookup
         (see `generate`).
@@ -358,7 +364,7 @@ class Engine:
     def _published(self, key: tuple) -> None:
         self.last_key = key
 
-    # --- states a user names (user_states.py) ---
+    # --- states a user names (named/states.py) ---
 
     def checkpoint_save(self, name: str, *, session: str | None = None, model: str | None = None) -> dict:
         """Pin the session's latest (or the last generation's) checkpoint under a name, durably."""
