@@ -181,17 +181,11 @@ class Engine:
                  **sampling) -> GenerationResult:
         """sampling: SamplingParams's options (max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop=()).
         images (paths, PIL images, (H, W, 3) arrays), videos (paths, (T, C, H, W) arrays, sampled at fps, up to
-<<<<<<< HEAD
-        max_frames: video.py), audios (paths, 1-D waveforms: audio.py) for a VLM come before the text in the user turn
-        (a session keeps them). draft: a loaded model proposing num_draft_tokens (default 4) per verify forward
-        (default: the model's default draft; False: none). lookup: drafts from the prompt and the text so far
-        (speculative/lookup.py): None proposes them where they pay, True always, False never; the tokens are
-        plain decoding's either way."""
-=======
         max_frames: media/video.py), audios (paths, 1-D waveforms: media/audio.py) for a VLM come before the
-        text in the user turn (a session keeps them). draft: a loaded model proposing num_draft_tokens (default 4) per verify forward
-        (default: the model's default draft; False: none)."""
->>>>>>> main
+        text in the user turn (a session keeps them). draft: a loaded model proposing num_draft_tokens (default 4)
+        per verify forward (default: the model's default draft; False: none). lookup: drafts from the prompt and
+        the text so far (generate/speculative/lookup.py): None proposes them where they pay, True always, False never; the
+        tokens are plain decoding's either way."""
         self._check_open()
         self.poll(prepare=False)  # no buffers allocated for prefetches on the way to the first token
         params = SamplingParams.of(**sampling)

@@ -1,4 +1,4 @@
-"""Drafts from the context (issue 46, speculative/lookup.py): whatever is proposed, the tokens are plain
+"""Drafts from the context (issue 46, engine/generate/speculative/lookup.py): whatever is proposed, the tokens are plain
 decoding's, on every cache kind, with quantized KV, in batches, after a hit, with logprobs; a repeating
 text is proposed and accepted, with fewer forwards; where drafting does not pay it stops and the loop
 decodes plainly. Tiny random models repeat themselves at a low weight spread (scale), which is what
