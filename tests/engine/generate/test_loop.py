@@ -39,12 +39,16 @@ def test_every_way_of_generating_goes_through_the_loop(tiny_model_dir, tmp_path,
     with Engine(cache_dir=tmp_path / "c", ram_budget_bytes=1 << 30) as eng:
         eng.load_model(str(tiny_model_dir), name="m")
         eng.load_model(str(window), name="w")
-        plain = eng.generate("one two three", model="m", max_tokens=6, use_cache=False)
+        plain = eng.generate("one two three", model="m", max_tokens=6, use_cache=False, lookup=False)
         assert steps[("_pipelined", "OneRow")] == 1
 
-        drafted = eng.generate("one two three", model="m", max_tokens=6, draft="m", use_cache=False)
+        drafted = eng.generate("one two three", model="m", max_tokens=6, draft="m", use_cache=False, lookup=False)
         assert drafted.tokens == plain.tokens
-        assert steps[("_verify", "OneRow")] >= 2  # the first round proposes nothing, later ones verify drafts
+        # the first token comes as without a draft (pipelined), then drafts are verified
+        assert steps[("_pipelined", "OneRow")] == 2 and steps[("_verify", "OneRow")] >= 1
+
+        looked = eng.generate("one two three", model="m", max_tokens=6, use_cache=False)  # drafts from the context
+        assert looked.tokens == plain.tokens and looked.stats["lookup_drafts"]
 
         rows = eng.generate_batch(["one two three", "four five"], model="m", max_tokens=4, use_cache=False)
         assert rows[0].stats["batch_mode"] == "shared-prefix" and steps[("_verify", "SharedRows")] >= 4
