@@ -134,7 +134,7 @@ def test_model_identity_memo_and_namespace(tiny_model_dir, tmp_path):
     assert a["namespace"] == b["namespace"]
     assert (tmp_path / "c" / "identities.json").exists()
     assert oct(os.stat(tmp_path / "c").st_mode & 0o777) == "0o700"
-    eng.unload_model("a")
+    eng.models.unload("a")
     assert eng.models.names() == ["b"]
 
 
