@@ -17,7 +17,7 @@ test: setup
 	$(FAST) $(PY) -m pytest -q -ra --durations=15
 
 test-fast: setup
-	$(FAST) $(PY) -m pytest -q -ra -m "not smollm and not browser"
+	$(FAST) $(PY) -m pytest -q -ra -m "not smollm and not browser and not slow"
 
 lab: setup
 	$(FAST) $(VENV)/bin/mlxcache-kernel lab examples/

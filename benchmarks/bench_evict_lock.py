@@ -1,7 +1,7 @@
 """The SSD cap under a big eviction (issue 27): one publish over a directory of 10,000
 catalogued checkpoints (real manifests and blocks) whose budget leaves room for the new file
 alone, so the cap evicts all of them. The cap goes in short transactions of EVICT_CHUNK files
-(ssd/capacity.py), like remove(); before, it evicted inside the one publish transaction
+(engine/cache/ssd/capacity.py), like remove(); before, it evicted inside the one publish transaction
 (5,000 evictions held the write lock 0.72 s). JSON on stdout: the write-lock hold of each
 transaction of that publish (p50/p99/max), how many, the files evicted and the seconds.
 Target: p99 <= 50 ms per transaction.

@@ -13,7 +13,7 @@
    run (target <= 2), against the floor of forwarding the same new tokens
    into an mlx-lm cache that already holds the document with room to grow
    (`floor_ttft_s`), and against mlx-lm caches over exact-length views of
-   the prefix (`copying_ttft_s`: how hits lent the prefix before borrowed.py;
+   the prefix (`copying_ttft_s`: how hits lent the prefix before engine/kv/borrowed.py;
    the first step copied it). Then the same from SSD in a new process
    (prefetch off: the lookup restores), against the restore alone in a new
    process plus the floor (target <= 1.2x).

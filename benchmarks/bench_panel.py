@@ -157,7 +157,11 @@ def main() -> None:
     finally:
         server.close()
     result["load_after"] = os.getloadavg()
-    print(json.dumps(result))
+    # the versions every figure is recorded with, as common.versions() gives them (common is not
+    # imported here: it re-execs the process for OpenBLAS, which this benchmark does not need)
+    from importlib.metadata import version
+
+    print(json.dumps({"mlx": version("mlx"), "mlx_lm": version("mlx-lm"), **result}))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ engine/ and widgets/ symlinked under its mlxcache_kernel/): it uses only
 RemoteTier(url, secret), publish, wait, probe and get_blocks, and passes a
 signing key and an allow-list only where the tier takes them (--ahead needs this
 checkout: it times the first-layer sample's call serially and beside a fetch on
-the tier's fetch thread, as link.py makes it). Prints one JSON document.
+the tier's fetch thread, as engine/cache/remote/link.py makes it). Prints one JSON document.
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ def raw_values(tier, items: list, space) -> list:
 def _overlap(tier, items: list, toks: list, rounds: int, ends: list) -> dict:
     """The first-layer sample's call (kv/first_layer.ahead, the default model) and the fetch, as a
     lookup makes them: serially (the call, then get_blocks on this thread) and overlapped (get_blocks
-    on the tier's fetch thread, started first: link.py). `*_first_read_ms`: from the lookup's decision
-    to fetch until the fetch's first read begins; `*_fetch_ms`: until the values are there."""
+    on the tier's fetch thread, started first: engine/cache/remote/link.py). `*_first_read_ms`: from the
+    lookup's decision to fetch until the fetch's first read begins; `*_fetch_ms`: until the values are there."""
     import mlx.core as mx
     from common import default_model
 

@@ -39,10 +39,23 @@ def median(xs):
     return statistics.median(xs) if xs else None
 
 
+def versions() -> dict:
+    """The versions every figure is recorded with (docs/benchmarks.md): mlx, mlx-lm and Python."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    return {"mlx": installed("mlx"), "mlx_lm": installed("mlx-lm"), "python": sys.version.split()[0]}
+
+
 def emit(result: dict) -> None:
     from mlxcache_kernel.engine.host.blas import active_blas
 
-    result = {"blas": active_blas(), "python": sys.version.split()[0], "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **result}
+    result = {"blas": active_blas(), **versions(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **result}
     print(json.dumps(result, indent=2))
 
 

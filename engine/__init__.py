@@ -3,9 +3,9 @@
 No Jupyter imports here: the engine works from a plain script too. A prompt
 travels: `engine.py` (the facade) -> `generate/generation.py` (one generation,
 whose tokens come from the loop in `generate/`) -> `cache/tiered.py` (RAM over
-SSD) -> `cache/ram.py` and `cache/ssd/` (`writer.py` -> `persist.py` on disk,
-`restore.py` back into MLX), with the KV state itself in `kv/` (`codecs.py` per
-mlx-lm cache class, `checkpoint.py`). Every exception a caller sees is in `errors.py`.
+SSD) -> `cache/ram.py` and `cache/ssd/` (`cache/ssd/writer.py` -> `cache/ssd/persist.py` on
+disk, `cache/ssd/restore.py` back into MLX), with the KV state itself in `kv/`
+(`kv/codecs.py` per mlx-lm cache class, `kv/checkpoint.py`). Every exception a caller sees is in `errors.py`.
 """
 
 import importlib

@@ -4,7 +4,7 @@
 the environment and its keywords (a keyword wins); the kernel's ``MLXCache``
 settings (``%config MLXCache.<setting>``, mlxcache_kernel/settings.py) are
 derived from its fields, each defaulting to its environment variable; the
-README's table is `option_table()`. Precedence: a keyword (or a kernel
+table in docs/configuration.md is `option_table()`. Precedence: a keyword (or a kernel
 setting) > the environment > the default.
 
 Each field's metadata (`Option`) says how its value reads as text (the form
@@ -379,7 +379,7 @@ def options() -> dict[str, Option]:
 
 
 def option_table(kernel_only: dict[str, Option] | None = None) -> str:
-    """The Markdown table of every option (the README's): keyword, variable, kernel setting, default, meaning."""
+    """The Markdown table of every option (docs/configuration.md): keyword, variable, setting, default, meaning."""
     rows = ["| `Engine(...)` keyword | environment variable | kernel setting | default | meaning |",
             "|---|---|---|---|---|"]
     every = [(f"`{name}`", opt) for name, opt in options().items()]

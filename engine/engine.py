@@ -163,7 +163,7 @@ class Engine:
         A vision-language model (a config with a vision tower) loads through mlx-vlm
         (`pip install 'mlxcache-kernel[vision]'`); image_attention picks how its image
         tokens attend ("bidirectional" or "causal" for Gemma 3; None: the model's default).
-        draft: a loaded model's name, the default draft of this model's generations (speculative.py).
+        draft: a loaded model's name, the default draft of this model's generations (generate/speculative/draft.py).
 
         Then its most recently used SSD checkpoints start loading into RAM in the background
         (up to the prefetch budget); "prefetch" in the result says how many."""
@@ -198,9 +198,9 @@ class Engine:
         """sampling: SamplingParams's options (max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop=(),
         logprobs=None), or params=SamplingParams(...).
         images (paths, PIL images, (H, W, 3) arrays), videos (paths, (T, C, H, W) arrays, sampled at fps, up to
-        max_frames: video.py), audios (paths, 1-D waveforms: audio.py) for a VLM come before the text in the user turn
-        (a session keeps them). draft: a loaded model proposing num_draft_tokens (default 4) per verify forward
-        (default: the model's default draft; False: none)."""
+        max_frames: media/video.py), audios (paths, 1-D waveforms: media/audio.py) for a VLM come before the
+        text in the user turn (a session keeps them). draft: a loaded model proposing num_draft_tokens
+        (default 4) per verify forward (default: the model's default draft; False: none)."""
         self._check_open()
         self.poll(prepare=False)  # no buffers allocated for prefetches on the way to the first token
         params = SamplingParams.from_call(params, sampling)
@@ -230,7 +230,7 @@ class Engine:
                        on_row: Callable[[int, GenerationResult], None] | None = None,
                        **sampling) -> list[GenerationResult]:
         """One GenerationResult per prompt (a string or token ids), in order: shared prefixes prefilled
-        once, rows decoded together (batch.py). sampling: SamplingParams's options, for every row; row i
+        once, rows decoded together (generate/batch/run.py). sampling: SamplingParams's options, for every row; row i
         samples with seed + i (or seed[i] from a list).
         on_progress(phase, done, total): "restore"/"prefill" in tokens, "decode" in tokens generated;
         on_row(index, result) as each row finishes."""
@@ -253,7 +253,7 @@ class Engine:
         loglikelihood: `.logprob`, `.token_logprobs`, `.greedy`). Strings are tokenized as lm-eval
         does; token ids pass through. raw=False: the context is a chat turn (the template with its
         generation prompt) and each continuation the assistant's reply. The context comes from the
-        cache (or is prefilled once) and every continuation goes in one batch over it (scoring.py)."""
+        cache (or is prefilled once) and every continuation goes in one batch over it (generate/scoring.py)."""
         self._check_open()
         self.poll(prepare=False)
         return score(self._services, self.models.get(model), context, continuations, raw=raw, system=system,
@@ -261,7 +261,7 @@ class Engine:
 
     def generate_tokens(self, tokens: Sequence[int], *, model: str | None = None,
                         params: SamplingParams | None = None, **options) -> GenerationResult:
-        """Generate from prompt token ids: resume or cache lookup, prefill, decode, publish (generation.py).
+        """Generate from prompt token ids: resume or cache lookup, prefill, decode, publish (generate/generation.py).
 
         options: the sampling options of `generate` (or params=SamplingParams(...)), and session,
         use_cache, on_text, on_progress, checkpoint_every, draft, num_draft_tokens (see `generate`).

@@ -38,7 +38,7 @@ SCHEMA = {
     "engine_prefill_s": "seconds spent prefilling",
     "engine_prefill_s_saved": "prefill seconds the cache saved, at each model's measured prefill rate",
     "engine_decode_tokens": "tokens generated",
-    # memory the kernel really has (memory.py)
+    # memory the kernel really has (host/memory.py)
     "pressure_checks": "memory readings taken (at lookups, after prefill, during decode, between cells)",
     "pressure_reclaims": "times the working set passed the high-water mark and entries were let go",
     "pressure_freed_bytes": "RAM bytes let go under memory pressure",
@@ -124,7 +124,7 @@ SCHEMA = {
     "object_restore_failures": "object reads that failed (a miss; a bad file is quarantined)",
     "object_restore_bytes": "bytes of the objects read from SSD or the remote tier",
     "object_restore_seconds": "seconds spent reading and verifying objects from SSD",
-    # images and videos in prompts of vision-language models (media.py)
+    # images and videos in prompts of vision-language models (media/prompt.py)
     "vision_images": "images in the prompts of generations",
     "vision_encoder_runs": "times the vision encoder ran (an image or video neither in a cached prefix nor cached as an object)",
     "vision_encoder_s": "seconds the vision encoder ran",

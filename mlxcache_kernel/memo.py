@@ -15,7 +15,7 @@ A call's key is the function's module and qualified name, its source, the
 version and its arguments bound to its parameters (defaults applied, so
 ``f(1)`` and ``f(x=1)`` are one call): arrays by kind, dtype, shape and bytes;
 numbers, strings, bytes, None, bools and tuples/lists/dicts of them by value
-(engine/cache/values.py). Anything else is a TypeError that names the
+(engine/cache/objects/values.py). Anything else is a TypeError that names the
 argument and says to pass ``key=``. Not in the key: globals and helpers the
 function reads, and library versions (bump ``version`` for those).
 

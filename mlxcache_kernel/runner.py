@@ -4,7 +4,7 @@
 nbclient against the installed kernelspec (installing it first if this
 environment has none) and prints each cell's source and outputs. A code
 cell tagged ``restart-kernel`` restarts the kernel before it runs, the way
-a person would from the Kernel menu, so ``restart_resume.ipynb`` shows a
+a person would from the Kernel menu, so ``examples/restart_resume.ipynb`` shows a
 real restart. ``--allow-errors`` runs on past a failing cell (each error is
 printed where it happened), like ``jupyter nbconvert --allow-errors``.
 """

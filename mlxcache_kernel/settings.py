@@ -4,7 +4,7 @@ Every option has an environment variable (read when the settings object is
 created) and a trait on the ``MLXCache`` configurable, so a profile's
 ``ipython_kernel_config.py`` (or ``%config MLXCache.ram_budget = "2GiB"``
 before the first generation) can set it too. The traits are derived from
-`EngineConfig`'s fields: the table of every option is in the README
+`EngineConfig`'s fields: the table of every option is in docs/configuration.md
 (`option_table()`), and ``%config MLXCache`` lists them with their help.
 
 Credentials never sit in a trait, so neither ``%config MLXCache`` nor a saved

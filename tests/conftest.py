@@ -1,7 +1,7 @@
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support"))  # helpers: tiny_model.py, ...
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support"))  # helpers: support/tiny_model.py, ...
 
 import pytest
 

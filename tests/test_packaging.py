@@ -10,6 +10,7 @@ the source tree) and fail here. Needs the panel built (scripts/build_panel.sh, r
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -95,3 +96,49 @@ def test_the_wheel_ships_the_panel(wheel):
     assert "Framework :: Jupyter :: JupyterLab :: Extensions :: Prebuilt" in meta
     package = json.loads(zipfile.ZipFile(wheel).read(f"{lab}package.json"))
     assert package["name"] == "mlxcache-panel" and package["jupyterlab"]["_build"]["load"].startswith("static/")
+
+
+def _installed_closure(requirements: list[str]) -> set[str]:
+    """The distributions these requirements bring, with no extra (as installed here, recursively)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    todo, seen = [Requirement(r) for r in requirements], set()
+    while todo:
+        req = todo.pop()
+        name = canonicalize_name(req.name)
+        if name in seen or (req.marker is not None and not req.marker.evaluate({"extra": ""})):
+            continue
+        seen.add(name)
+        try:
+            todo += [Requirement(r) for r in distribution(req.name).requires or []]
+        except PackageNotFoundError:
+            continue
+    return seen
+
+
+def test_the_command_line_needs_no_extra(wheel):
+    """`mlxcache-kernel run NOTEBOOK` (what `make demo` runs) and `install` import only what a plain
+    `pip install` of the wheel brings: every third-party module they import is in the closure of the
+    wheel's requirements without an extra (nbclient once was only in the test extra)."""
+    from importlib.metadata import packages_distributions
+
+    from packaging.utils import canonicalize_name
+
+    metadata = zipfile.ZipFile(wheel).read(next(n for n in zipfile.ZipFile(wheel).namelist()
+                                                if n.endswith(".dist-info/METADATA"))).decode()
+    requires = [line.split(":", 1)[1].strip() for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    closure = _installed_closure(requires)
+    imported = set()
+    for module in ("cli.py", "runner.py", "kernelspec.py"):
+        for node in ast.walk(ast.parse((ROOT / "mlxcache_kernel" / module).read_text())):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+    third_party = {m for m in imported if m not in sys.stdlib_module_names and m != "mlxcache_kernel"}
+    owners = packages_distributions()
+    missing = {m for m in third_party if not {canonicalize_name(d) for d in owners.get(m, [m])} & closure}
+    assert {"nbclient", "jupyter_client"} <= third_party and not missing, missing

@@ -3,7 +3,7 @@
 Read from outside the engine, and only read: the catalogue through a read-only
 connection (cache/catalog/reading.py), the named-checkpoint records, each
 process's report (reports.py), the quarantine folder. Who is alive is judged as
-the engine judges it (liveness.py: pid and start time on this boot, else the
+the engine judges it (cache/catalog/liveness.py: pid and start time on this boot, else the
 heartbeat). A directory that is missing, another user's, unreadable, or whose
 catalogue is damaged or busy is a state with a message (`state` is not "ok"),
 never an exception; a busy read carries `retry_s`.
@@ -46,7 +46,7 @@ class DirectoryOverview:
 
     def snapshot(self, group: str | None = None, **page) -> dict:
         """The whole view; `group` (a namespace or OBJECTS) and `page` (sort, descending,
-        query, pinned, limit, offset) choose the page of files (catalog/reading.py)."""
+        query, pinned, limit, offset) choose the page of files (cache/catalog/reading.py)."""
         check_page(page.get("sort", "last_used"), page.get("pinned", "all"))
         if group is not None and group != OBJECTS and not NAMESPACE_RE.fullmatch(group):
             raise ValueError(f"invalid model namespace {group!r}")

@@ -1,5 +1,5 @@
 """Named checkpoints' pins in the shared catalogue: no process's cap, clear or supersession deletes a
-pinned file. The named records (named_checkpoints.py) are the truth; the catalogue's pins follow them,
+pinned file. The named records (named/checkpoints.py) are the truth; the catalogue's pins follow them,
 at once, or with the catalogue busy once it is free (its keeper)."""
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ class TieredPromptCache:
                  prefetch_budget_bytes: int | None = None, ssd_filesystems: tuple = ()):
         self.emit = emit or (lambda *a, **k: None)
         self.counters: dict = {}  # every part's counters, for stats
-        self.pressure = None  # the engine's PressureGuard (memory.py), checked at each lookup
+        self.pressure = None  # the engine's PressureGuard (host/memory.py), checked at each lookup
         self.gate = GenerationGate()  # a generation runs: the writer and the reader yield
         self.remote: RemoteLink | None = None  # set by the engine when a remote URL is configured
         self.ram = RamTier(ram_budget_bytes, self.emit, retention, counters=self.counters)

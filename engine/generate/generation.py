@@ -1,7 +1,7 @@
 """One generation, start to finish: resume or look up, prefill, decode, publish.
 
 1. An identical request that was interrupted (same namespace, prompt and
-   sampling) resumes at its newest in-flight boundary (`inflight.py`);
+   sampling) resumes at its newest in-flight boundary (`resume.py`);
    otherwise the tiered cache lends the longest usable prefix.
 2. The rest of the prompt but its last token is prefilled in chunks.
 3. Decoding streams text; every `checkpoint_every` tokens the state at a
@@ -74,8 +74,8 @@ class Request:
     on_text: Callable[[str], None] | None = None
     on_progress: Callable[[str, int, int], None] | None = None
     checkpoint_every: int | None = None
-    media: Any = None  # a MediaPrompt (media.py) when the prompt holds images for a VLM
-    draft: LoadedModel | None = None  # speculative decoding with this draft model (speculative.py)
+    media: Any = None  # a MediaPrompt (media/prompt.py) when the prompt holds images for a VLM
+    draft: LoadedModel | None = None  # speculative decoding with this draft model (speculative/draft.py)
     num_draft_tokens: int = 0
 
     @property

@@ -1,12 +1,12 @@
 """Audio in the prompt: reading a recording as the model's processor does.
-media.py puts recordings in the prompt beside images and videos (the same
+prompt.py puts recordings in the prompt beside images and videos (the same
 encoder-output objects and prefix keys).
 
 - **Reading**: a file goes through mlx-vlm's own `load_audio` (miniaudio),
   resampled to the feature extractor's rate, so the waveform is the one
   mlx-vlm's generate would use; a 1-D float array in [-1, 1] is taken as that
   waveform at that rate.
-- **Identity**: media.py hashes the feature extractor's output (the raw
+- **Identity**: prompt.py hashes the feature extractor's output (the raw
   float32 log-mel features) with the extractor's settings, the audio tower's
   weights and `MEDIA_REVISION`; `Recording.parts` adds the rate and length.
 - **Features** (`prepare`): an exact-key object under the waveform's content

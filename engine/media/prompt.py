@@ -21,7 +21,7 @@ features take the place of pixels, under the same rules.
   the image (no encoder run, no prefill of its tokens); another image, or the
   same images in another order, diverge at the first image that differs; a
   text-only prefix before the first image is shared with any prompt. The
-  image attention policy is in the model's namespace (vlm.py).
+  image attention policy is in the model's namespace (models/vlm.py).
 - **Positions** the model derives from images (Qwen's rope delta) are a
   function of the prompt's token ids and image grids, both pinned by that
   key: they are computed for the whole prompt and passed to every forward,

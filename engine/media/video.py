@@ -1,5 +1,5 @@
 """Videos in the prompt: reading a clip, sampling its frames as the model's
-processor does, and what identifies it. media.py puts clips in the prompt
+processor does, and what identifies it. prompt.py puts clips in the prompt
 beside images (the same encoder-output objects and prefix keys).
 
 - **Sampling**: a file goes through mlx-vlm's own `load_video` (OpenCV) with
@@ -11,7 +11,7 @@ beside images (the same encoder-output objects and prefix keys).
   that many evenly spaced frames (frame_factor-rounded, as `load_video` does).
 - **Identity** (`Clip.parts`): the sampled rate and source frame indices (the
   clip's timestamps) beside the preprocessed pixels, grid, processor
-  configuration and encoder weights that media.py hashes: the same frames at
+  configuration and encoder weights that prompt.py hashes: the same frames at
   another fps are another clip.
 """
 

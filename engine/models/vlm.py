@@ -7,7 +7,7 @@ ids in, logits out, mlx-lm cache classes), so everything after the prompt is
 the text path. Its `.vision` is a `Family` adapter that knows the model's
 images: how to cut the processor's pixel batch per image, run the encoder,
 merge features into the embeddings and forward a chunk with the model's own
-positions and image attention (media.py drives it).
+positions and image attention (media/prompt.py drives it).
 
 Families:
 - `QwenVL` (qwen2_vl, qwen2_5_vl): multimodal rotary positions (t, h, w);
@@ -98,9 +98,9 @@ def processor_identity(path: Path, processor) -> str:
 
 
 class TextModel:
-    """The language model as generation.py sees it: `model(ids, cache=caches)` -> logits.
+    """The language model as generate/generation.py sees it: `model(ids, cache=caches)` -> logits.
 
-    `delta` shifts positions (Qwen's rope delta after an image); media.py binds
+    `delta` shifts positions (Qwen's rope delta after an image); media/prompt.py binds
     it per request (`forward`). The caches are mlx-lm's classes (the cache
     codecs know them) mirrored from what the mlx-vlm model would make.
     """
@@ -317,11 +317,11 @@ def load_vlm(path: Path, config: dict, image_attention: str | None):
     tokenizer = load_tokenizer(path, eos_token_ids=[eos] if isinstance(eos, int) else eos)
     family.encoder_id = weights_identity(*family.encoder_modules())
     family.processor_id = processor_identity(path, processor)
-    fe = getattr(processor, "feature_extractor", None)  # its settings: in each recording's identity (media.py)
+    fe = getattr(processor, "feature_extractor", None)  # its settings: in each recording's identity (media/prompt.py)
     family.audio_processor_id = digest(type(fe).__name__, json.dumps(
         {k: v for k, v in vars(fe).items() if isinstance(v, (int, float, str, bool, list, tuple, type(None)))}
         if fe is not None else {}, sort_keys=True, default=str))
-    vp = getattr(processor, "video_processor", None)  # in each video's identity (media.py)
+    vp = getattr(processor, "video_processor", None)  # in each video's identity (media/prompt.py)
     family.video_processor_id = digest(type(vp).__name__, json.dumps(
         vp.to_dict() if hasattr(vp, "to_dict") else {}, sort_keys=True, default=str))
     extras = {"vision": {"runtime": f"mlx-vlm {mlx_vlm.__version__}", "processor": family.processor_id,

@@ -1,5 +1,5 @@
 """One definition of every option (engine/config.py): the Engine's keywords, the environment and the
-kernel's MLXCache settings are derived from it, and the README's table is generated from it."""
+kernel's MLXCache settings are derived from it, and docs/configuration.md's table is generated from it."""
 
 from __future__ import annotations
 
@@ -77,8 +77,8 @@ def test_the_kernel_settings_give_the_same_config(monkeypatch, tmp_path):
     assert (c.cache_dir, c.memory_high_water, c.retention, c.prefill_chunk) == (str(tmp_path), 0.9, "cost", 64)
 
 
-def test_the_readme_table_is_generated_from_the_definition():
-    text = (ROOT / "README.md").read_text()
+def test_the_configuration_page_table_is_generated_from_the_definition():
+    text = (ROOT / "docs" / "configuration.md").read_text()
     table = text.split("<!-- options:", 1)[1].split("\n", 1)[1].split("<!-- /options -->", 1)[0].strip()
-    assert table == option_table(KERNEL_OPTIONS), "README's options table is stale; paste:\n" + option_table(
-        KERNEL_OPTIONS)
+    assert table == option_table(KERNEL_OPTIONS), (
+        "docs/configuration.md's options table is stale: run python scripts/docs_tables.py")

@@ -1,4 +1,4 @@
-"""Run in a stock ipykernel by test_widgets.py (``%run -i``): a dashboard on an
+"""Run in a stock ipykernel by tests/widgets/test_widgets.py (``%run -i``): a dashboard on an
 Engine over the tiny model, every widget trait change recorded with its
 thread, then 50 events emitted from a background thread.
 

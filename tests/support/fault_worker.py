@@ -172,7 +172,7 @@ OPS = {
     "restore": lambda s: read(s, "B"),
     "clear-rewrite": lambda s: (s.clear(), write(s, "C")),  # the same blocks again, in the same process
     "temps": temps,
-    "deferred": deferred,  # (its fsyncs are the keeper's: test_faults.py runs them apart)
+    "deferred": deferred,  # (its fsyncs are the keeper's: engine/cache/test_faults.py runs them apart)
 }
 
 

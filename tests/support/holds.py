@@ -9,10 +9,10 @@ for the file (`wait_ready`), then sends it. One-shot: an interrupt removes it.
 
 Why nothing deadlocks: a hold waits only for time to pass and for the writer
 thread, never for the thread it blocks. In-flight intervals are urgent writes,
-which the writer commits while a generation runs (ssd/writer.py's yield rule:
+which the writer commits while a generation runs (engine/cache/ssd/writer.py's yield rule:
 only non-urgent writes wait for the generation, and one in progress goes on at
 full speed when an urgent one waits behind it); their records are written on
-the writer thread (inflight.py); and a hold runs where the owner thread holds
+the writer thread (engine/generate/resume.py); and a hold runs where the owner thread holds
 no catalogue transaction.
 """
 

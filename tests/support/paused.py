@@ -1,5 +1,5 @@
 """Workers paused at a named point, and a clock a test moves: the tools of the contention
-and fencing tests (test_contention.py, test_fencing.py).
+and fencing tests (engine/cache/test_contention.py, engine/cache/test_fencing.py).
 
 `Paused` runs fault_worker.py with MLXCACHE_FAULT=POINT:wait=FLAG: it stops there, alive
 and beating (its heartbeat thread runs on). `stop()` then freezes the whole process

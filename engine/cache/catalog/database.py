@@ -1,5 +1,5 @@
 """The catalogue's SQLite database: connections, transactions, the schema, and
-what a busy or a corrupt database means. (Its rows: catalog.py.)
+what a busy or a corrupt database means. (Its rows: tables.py.)
 
 - One connection per thread, WAL mode: readers never wait for a writer, and
   SQLite serialises writers, across threads and processes alike.

@@ -1,6 +1,6 @@
 """Who is alive among the processes sharing a cache directory.
 
-Every open catalogue registers a row (catalog.py, table `procs`) with its
+Every open catalogue registers a row (tables.py, table `procs`) with its
 owner id, its process tag (carried by its temp files, system.process_tag),
 pid, host name, kernel boot id, PID namespace and process start time; and
 it beats a heartbeat: a counter in `<root>/.heartbeats/<owner>`, bumped

@@ -7,7 +7,7 @@ keeper thread that does the catalogue writes a cell's thread must not wait for.
 - `later(fn)`: deferred work (a pin, a lease's end, a resume record's
   deletion, the start's reconciliation) run by the keeper until the lock
   comes. The keeper also records this process's pending writes, its uses
-  of files (`apply_touches`, in catalog.py) and, every SWEEP_S, copies the
+  of files (`apply_touches`, in tables.py) and, every SWEEP_S, copies the
   WAL into the database (no COMMIT does it) and runs the owner's
   maintenance (the store's: sweep the dead, free what they held).
 - `processes()`: the live processes on the directory, judged by liveness.py.
@@ -106,7 +106,7 @@ class Presence(Database):
         self._later.append(fn)
 
     def apply_touches(self, db: sqlite3.Connection) -> bool:
-        """Hook (catalog.py): record pending uses of files inside `db`'s transaction; True if any."""
+        """Hook (tables.py): record pending uses of files inside `db`'s transaction; True if any."""
         return False
 
     def _keep(self) -> None:
@@ -135,7 +135,7 @@ class Presence(Database):
             self.maintain()
 
     def touched(self) -> bool:
-        """Hook (catalog.py): whether uses of files wait to be recorded."""
+        """Hook (tables.py): whether uses of files wait to be recorded."""
         return False
 
     def _procs(self) -> list[dict]:

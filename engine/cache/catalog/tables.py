@@ -21,10 +21,10 @@ agree on. Its tables:
     totals   bytes of files and blocks, kept by triggers (no scans for the cap; likewise
              files.pinned counts the pins on each file)
 
-Rules every caller keeps (store.py, upkeep.py; objects and media will too):
+Rules every caller keeps (cache/ssd/store.py, cache/ssd/upkeep.py, the objects' store):
 - A row goes first, its file after: a deletion drops rows (and records
   freed blocks in `freeing`) in one short transaction, then unlinks after
-  COMMIT, each block under the fence (`own_freeing`, removal.py), then
+  COMMIT, each block under the fence (`own_freeing`, cache/ssd/removal.py), then
   `unfree`s. A commit checks its blocks and renames its new, uniquely
   named file last inside the transaction that records it.
 - A block leaves only when no file references it and no live process
@@ -35,7 +35,7 @@ Rules every caller keeps (store.py, upkeep.py; objects and media will too):
 
 The calls, by table (`db`: inside the caller's `transaction(label)`; the
 rest open their own; CatalogBusy when the write lock does not come in time,
-catalog_db.py):
+database.py):
 
     files    files(), file(ns, key[, db]), add_file(db, row), drop_file(db, ns, key),
              changes(), least_recent(db, after), deletable(db, ns, key), touch(ns, key)
@@ -46,7 +46,7 @@ catalog_db.py):
     inflight inflight_put / _get / _delete / _all
     procs    processes(), live_tags(), sweep(); later(fn) (presence.py)
 
-Threads: any; one connection each (catalog_db.py). Paths are stored relative
+Threads: any; one connection each (database.py). Paths are stored relative
 to the directory (it may move, or be mounted elsewhere in a container).
 Files stay the truth for bytes: a lost or corrupt database is rebuilt from
 the files (the store).
@@ -276,7 +276,7 @@ class Catalog(Presence):
 
     def own_freeing(self, db: sqlite3.Connection, names: Iterable[str]) -> set:
         """Those of `names` still marked `freeing` by us and recorded by no row: the fence before
-        an unlink or a move (removal.py). A mark a sweep took over is not ours any more."""
+        an unlink or a move (cache/ssd/removal.py). A mark a sweep took over is not ours any more."""
         return {n for n in names if db.execute("SELECT 1 FROM freeing f WHERE name=? AND owner=? AND NOT EXISTS "
                                                "(SELECT 1 FROM blocks WHERE name=f.name)", (n, self.owner)).fetchone()}
 

@@ -41,7 +41,7 @@ layout holds the value's tree. Putting a key again replaces its value (RAM
 and SSD) before the new one is queued, so a stale copy is never served.
 With a remote tier (and remote_publish="all"), committed objects are
 published there and a lookup that misses RAM and SSD reads it from there,
-verified, then writes it through to SSD (object_remote.py).
+verified, then writes it through to SSD (remote.py).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Exact tensor objects on the remote tier (Redis / Valkey), beside prefixes.
 
-    <prefix>:<key id>:obj:<keyed root of the object's namespace>   a sealed object record (records.py)
+    <prefix>:<key id>:obj:<keyed root of the object's namespace>   a sealed object record (cache/remote/records.py)
     <prefix>:<key id>:blk:<keyed id>                                 its manifest, then its chunks
 
 An object's SSD file holds each array's bytes in 4 MiB chunks, each with
-its BLAKE3 (objects.py). Publication (the writer thread, after the local
+its BLAKE3 (cache.py). Publication (the writer thread, after the local
 commit) uploads every chunk as a remote value named by that digest, then a
 small JSON manifest (the object revision, key digest, label, the value's
 tree, and per chunk its name and size; itself a value named by its BLAKE3),

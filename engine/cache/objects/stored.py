@@ -15,7 +15,7 @@ from ...kv.tokens import token_key
 from .values import leaf_nbytes, leaf_specs, stored_leaf, unflatten
 
 REVISION = 1  # of the stored object layout; another revision's files are misses
-CHUNK_BYTES = 4 << 20  # read and verified two at a time; bench_objects.py chose it
+CHUNK_BYTES = 4 << 20  # read and verified two at a time; benchmarks/bench_objects.py chose it
 NO_TOKENS = _NO_TOKENS = ()
 FILE_KEY = token_key(_NO_TOKENS)  # the key of every object file (an empty token sequence)
 _CHUNK_RE = re.compile(r"attachments\.(\d{6})\.(\d{5})")

@@ -1,4 +1,4 @@
-"""Object values and keys, without the cache: what `ObjectCache` (objects.py) stores and finds.
+"""Object values and keys, without the cache: what `ObjectCache` (cache.py) stores and finds.
 
 A **value** is an `mx.array`, a numpy array, or a dict / list / tuple of them,
 nested; numbers, strings, None, bools and numpy scalars may sit beside the

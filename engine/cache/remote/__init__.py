@@ -19,7 +19,7 @@ the local copies taken from them (origins.py).
     config.py      URLs, redaction              credentials.py  secrets, passwords, files, opt-out
     keys.py        keyed prefix keys, key ids   records.py      sealed records, the one parser
     breaker.py     circuit breaker              meter.py        bandwidth, fetch vs recompute
-    client.py      redis-py, deadlines          publisher.py    the background thread
+    client.py      redis-py, deadlines          publish_queue.py the background thread
     writers.py     Ed25519 keys, allow-list     origins.py      which local entries came from whom
     publish.py     uploads, best-effort writes  tier.py         RemoteTier: bounded reads
     reads.py       block values, one check each, read ahead

@@ -8,7 +8,7 @@ an exact checkpoint (recurrent state, a wrapped ring) whose tokens are a
 prefix of the prompt (remote/records.py). It is fetched only when it is
 longer than what the local tiers serve and the measured remote bandwidth
 beats prefilling those tokens; then every value is read with its size
-bounded, verified by BLAKE3, and rebuilt in MLX buffers (remote_state.py),
+bounded, verified by BLAKE3, and rebuilt in MLX buffers (rebuild.py),
 and the checkpoint is adopted in RAM and written through to the local SSD
 tier by the caller.
 
@@ -224,7 +224,7 @@ class RemoteLink:
             return
         if not self.tier.may_publish or self.publish_mode == "none" or (self.publish_mode == "named" and not self.is_named(h.namespace, h.tokens)):
             return
-        if is_object_namespace(h.namespace):  # an exact tensor object (Engine.objects): object_remote.py
+        if is_object_namespace(h.namespace):  # an exact tensor object (Engine.objects): cache/objects/remote.py
             if object_remote.publish(self.tier, info, OBJECT_REVISION):
                 self.counters["remote_published"] += 1
             return

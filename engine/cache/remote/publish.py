@@ -153,7 +153,7 @@ class Publication:
 
     def publish_object(self, namespace: str, values: Sequence[Value], manifest: Value) -> bool:
         """Queue publication of an exact tensor object: its chunks, then its manifest (which names
-        them), then its record under the namespace's root key (object_remote.py)."""
+        them), then its record under the namespace's root key (cache/objects/remote.py)."""
         if not self.may_publish:
             return True
         values = _checked(list(values) + [manifest])

@@ -43,7 +43,7 @@ Three kinds hang from a prefix key (the chain key of full blocks 0..i):
 
 A third kind hangs from a namespace's root key instead: an object record
 (kind "o", JSON) names the manifest of an exact tensor object
-(Engine.objects; the namespace holds its key digest; object_remote.py).
+(Engine.objects; the namespace holds its key digest; cache/objects/remote.py).
 A fourth, a tombstone (kind "t", JSON, at its own key), is what remove()
 leaves: records at its prefix key issued no later than it are misses.
 
@@ -155,7 +155,7 @@ class ExactSet:
 @dataclass(frozen=True)
 class ObjectRecord:
     """An exact tensor object (kind "o", under its namespace's root key): its manifest value names
-    its chunks (engine/cache/object_remote.py)."""
+    its chunks (engine/cache/objects/remote.py)."""
 
     manifest: str  # BLAKE3 hex of the manifest value
     size: int  # the manifest's bytes

@@ -292,7 +292,7 @@ class RemoteTier(BlockReads, Publication):
         records.clear()
 
     def find_object(self, namespace: str, *, deadline: float | None = None) -> ObjectRecord | None:
-        """The record of the exact tensor object in `namespace` (object_remote.py), under each secret
+        """The record of the exact tensor object in `namespace` (cache/objects/remote.py), under each secret
         in turn; None when there is none or it does not verify."""
         self.count(probes=1)
         now = time.time()

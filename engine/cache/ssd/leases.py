@@ -21,7 +21,7 @@ from .removal import changing
 class Reads:
     def open_read(self, entry: IndexEntry, *, touch: bool = True) -> PendingRead:
         """Start reading `entry` (owner thread): the catalogue lease, the descriptor, the
-        header and its identity checks. See pending.py for the rest of the read."""
+        header and its identity checks. See pending_read.py for the rest of the read."""
         return PendingRead(self, entry, touch=touch)
 
     def read(self, entry: IndexEntry, allocate: Callable, build: Callable[[Header], Any]):

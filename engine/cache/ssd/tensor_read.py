@@ -21,7 +21,7 @@ from .header import CorruptCheckpoint, Header, TensorEntry, hasher
 # copying it into the tensors cost about the same, so two threads keep both
 # cores busy. Block files asked of the disk ahead of them (POSIX_FADV_WILLNEED)
 # keep reads in flight when the page cache is cold. Both measured in
-# benchmarks/bench_restore.py (docs/benchmarks.md).
+# benchmarks/bench_storage.py (docs/benchmarks.md).
 READERS = 2
 AHEAD = 16
 _POOL: ThreadPoolExecutor | None = None

@@ -6,14 +6,14 @@ the rows decode together.
 2. Where rows branch beyond what the cache held (the branching points of their
    token trie), the prefix they share is prefilled once and published; the rows
    branch from it (views: nothing is copied).
-3. Rows of plain-KV models decode over their shared prefixes (batch_shared.py): each
+3. Rows of plain-KV models decode over their shared prefixes (shared.py): each
    prefix is held and attended to once for all its rows (no copy per row, no padding
    of a row to another's prefix); the rows' own positions sit in one tail, their
    prompts' rests prefilled together. With quantized KV (kv_bits, from kv_start on) each
    row converts at exactly kv_start at its own step (kv/cascade_quantized.py).
 4. Other models' rows (sliding windows, recurrent layers, a model attending to keys of
    its own making) prefill their rests on their own and merge into mlx-lm's
-   `BatchGenerator` (batch_merged.py: left padded, a copy of every row's KV).
+   `BatchGenerator` (merged.py: left padded, a copy of every row's KV).
 5. A finished row publishes its state like a single generation.
 
 Decoding B rows together has B's numerics, so a batch is exact against the same batch
@@ -127,7 +127,7 @@ class BatchRun:
         self.batch_size, self.on_progress, self.on_row = batch_size, on_progress, on_row
         self.branches: list[Branch] = []
         self.loans: list = []  # held until the run ends: nothing hands their buffers to another borrower meanwhile
-        # rows of plain-KV models attend to a shared prefix once (batch_shared.py), with quantized KV
+        # rows of plain-KV models attend to a shared prefix once (shared.py), with quantized KV
         # too (kv/cascade_quantized.py); others merge in mlx-lm's batch, which cannot quantize
         self.quantized = model.kv_bits is not None
         vision = getattr(model, "vision", None) is not None

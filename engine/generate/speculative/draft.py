@@ -5,7 +5,7 @@ Exact by construction: the token at step i is the target's sample at step i, dra
 A draft token is accepted iff it equals that sample, so the draft only decides how many target
 samples one forward yields, never which (greedy and seeded output equal plain decoding's).
 
-Rejected tokens are cut back from both models' caches (spec_rewind.py): plain and quantized KV
+Rejected tokens are cut back from both models' caches (generate/rewind.py): plain and quantized KV
 trimmed; a sliding window that may wrap, recurrent state, chunked attention or a list of them
 restored from before the forward and the accepted tokens forwarded again. What cannot roll back
 exactly (an unknown cache kind, a delayed KV quantization converting during the generation):

@@ -1,4 +1,4 @@
-"""The shared directory under contention, with real processes (fault_worker.py paused at
+"""The shared directory under contention, with real processes (support/fault_worker.py paused at
 a named point, killed with SIGKILL): a live writer's claims never expire whatever the
 clock says; a manifest replaced under a reader's lease keeps the reader's blocks; a
 directory used from two PID namespaces works by heartbeats, and a dead process there is

@@ -1,6 +1,6 @@
 """Crash tests in the spirit of SQLite's: a named fault point at every filesystem and
 catalogue step of write, commit, replace, gc, clear, quarantine and restore
-(engine/cache/faults.py). Each point runs in a real subprocess (fault_worker.py, the
+(engine/cache/faults.py). Each point runs in a real subprocess (support/fault_worker.py, the
 storage layer without MLX) that is killed there (SIGKILL) or gets ENOSPC or EIO there
 (a COMMIT that fails: SQLITE_FULL after SQLite's own rollback, or SQLITE_IOERR with the
 transaction open). A checker, another process's view, then asserts: the catalogue the

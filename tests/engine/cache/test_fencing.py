@@ -1,5 +1,5 @@
 """A process taken for dead never destroys what others wrote (issue 27): real worker
-processes (fault_worker.py) paused at a named point and frozen whole (SIGSTOP: no
+processes (support/fault_worker.py) paused at a named point and frozen whole (SIGSTOP: no
 heartbeat, as Ctrl-Z, a debugger or `docker pause`), judged by heartbeats (another boot
 id), swept as dead by a peer whose injected clock runs ahead; the peer goes on (writes
 the same blocks again, gc); the worker then resumes where it stopped. Every checkpoint

@@ -1,7 +1,7 @@
 """The mutation check (scripts/mutations.py, docs/faults.md) as a test: each defence of the
 shared cache directory, removed from a copy of the package, makes at least one test fail.
-Marked `mutations` (about 1.5 minutes: the fencing, quarantine and contention tests run
-once per mutation); deselect with `-m "not mutations"`."""
+Marked `mutations` and `slow` (1.5-3 minutes: the fencing, quarantine and contention tests run
+once per mutation); `make test-fast` leaves it out, `make test` runs it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from repo_paths import ROOT
 
 
 @pytest.mark.mutations
+@pytest.mark.slow
 def test_every_mutation_is_killed():
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "mutations.py")], capture_output=True, text=True,
                        timeout=1200)

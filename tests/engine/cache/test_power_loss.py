@@ -19,7 +19,7 @@ What a power cut may do that a kill cannot, and is allowed here (the engine's de
 The blocks side is not relaxed: every block the raw catalogue references has its row and
 its file (blocks are durable before their rows, and unlinked only after a durable COMMIT).
 
-Two models of what reached the disk (power_loss.py): "durable" (only what was fsynced: file
+Two models of what reached the disk (support/power_loss.py): "durable" (only what was fsynced: file
 bytes at their fsync, names at their directory's fsync) and "eager" (every name operation up
 to the cut, file bytes only as fsynced: ext4's data=writeback). The mutation tests remove one
 fsync of the engine in the worker and require a failure (durable model).

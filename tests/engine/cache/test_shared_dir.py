@@ -1,4 +1,4 @@
-"""Many kernels, one cache directory: real processes (tests/shared_dir_worker.py)
+"""Many kernels, one cache directory: real processes (tests/support/shared_dir_worker.py)
 sharing a directory through its catalogue, with real kill -9s and real disk errors."""
 
 from __future__ import annotations
@@ -268,6 +268,7 @@ def logged(logs: list) -> list[dict]:
     return out
 
 
+@pytest.mark.slow  # a minute of kills and checks: make test runs it, make test-fast does not
 def test_stress_four_processes_with_kill9(tiny_model_dir, tmp_path):
     """Random operations in 4 processes on one directory, one killed every few seconds, for
     STRESS_S and until they did enough: counts, not time, however busy the machine."""

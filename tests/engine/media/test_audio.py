@@ -1,5 +1,5 @@
 """Audio in the prompt of a tiny random-weight Gemma 4 (mlx-vlm's own classes:
-a conformer audio tower, per-layer input embeddings; tiny_vlm.py): recordings
+a conformer audio tower, per-layer input embeddings; support/tiny_vlm.py): recordings
 read as mlx-vlm reads them, encoder outputs as cached objects, prefix identity,
 restart from SSD, errors.
 """

@@ -1,5 +1,5 @@
 """Videos in the prompt of a tiny random-weight Qwen2-VL (mlx-vlm's own classes,
-tiny_vlm.py): frames sampled as mlx-vlm samples them, encoder outputs as cached
+support/tiny_vlm.py): frames sampled as mlx-vlm samples them, encoder outputs as cached
 objects, prefix identity through the last media span, restart from SSD, errors.
 """
 

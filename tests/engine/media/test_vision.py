@@ -4,7 +4,7 @@ outputs as cached objects, media prefix identity, positions, restart from SSD.
 Tiny random-weight Qwen2-VL (multimodal rotary positions, a token count that
 follows the image size) and Gemma 3 (fixed tokens per image, bidirectional
 image attention, a sliding-window layer) from mlx-vlm's own classes
-(tiny_vlm.py), built once per session.
+(support/tiny_vlm.py), built once per session.
 """
 
 from __future__ import annotations

@@ -546,7 +546,7 @@ def test_a_planted_bad_block_is_replaced_by_the_next_publisher(server):
 def test_a_member_cannot_swap_a_blocks_bytes(server, bad):
     """A holder of the secret can seal other bytes under a block's key: the AEAD opens, and only the
     BLAKE3 of the plaintext against the block's (signed) name tells. That check is made once, in
-    get_blocks: rebuild.py copies what it returns without hashing it again."""
+    get_blocks: engine/cache/remote/rebuild.py copies what it returns without hashing it again."""
     c = server.client()
     with published(server, f"ns-swap-{bad}", 12, seed=60 + bad) as (tier, space, values, blocks, toks):
         key = space.block(blocks[bad].name)
@@ -561,7 +561,7 @@ def test_a_member_cannot_swap_a_blocks_bytes(server, bad):
 
 
 def test_a_value_in_pieces_opens_only_whole_authentic_and_named():
-    """The last value of a fetch is decrypted and hashed piece by piece as it arrives (reads.py);
+    """The last value of a fetch is decrypted and hashed piece by piece as it arrives (engine/cache/remote/reads.py);
     what comes out is the value itself or nothing, whatever the pieces were."""
     space = KeySpace(TeamKeys(SECRET))
     value = os.urandom(1 << 20)

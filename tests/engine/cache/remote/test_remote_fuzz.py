@@ -219,6 +219,7 @@ def test_unseal_any_json_body_behind_a_valid_mac(kind, doc):
     check_unseal(kind, sealed(kind, json.dumps(doc).encode()))
 
 
+@pytest.mark.slow  # the bulk of the 100,000 cases: make test runs them, make test-fast does not
 @settings(max_examples=EXAMPLES["seeded_bodies"], **FUZZ)
 @given(kind=st.sampled_from([CHAIN, EXACT]), seed=seeds)
 def test_unseal_seeded_nasty_bodies(kind, seed):
@@ -226,6 +227,7 @@ def test_unseal_seeded_nasty_bodies(kind, seed):
     check_unseal(kind, sealed(kind, damaged(rng, json.dumps(nasty(rng)).encode())))
 
 
+@pytest.mark.slow  # the bulk of the 100,000 cases: make test runs them, make test-fast does not
 @settings(max_examples=EXAMPLES["mutated_records"], **FUZZ)
 @given(kind=st.sampled_from([CHAIN, EXACT]), seed=seeds)
 def test_unseal_mutated_real_records(kind, seed):
@@ -240,6 +242,7 @@ def test_parse_any_json_layout(layout):
     check_layout(layout)
 
 
+@pytest.mark.slow  # the bulk of the 100,000 cases: make test runs them, make test-fast does not
 @settings(max_examples=EXAMPLES["mutated_layouts"], **FUZZ)
 @given(seed=seeds)
 def test_parse_mutated_real_layouts(seed):

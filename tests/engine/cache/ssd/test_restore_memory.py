@@ -1,5 +1,5 @@
 """Restores allocate once per tensor shape, never zero or copy what they read,
-and leave a process that exits at once exiting cleanly (ssd/restore.py)."""
+and leave a process that exits at once exiting cleanly (engine/cache/ssd/restore.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Speculative decoding over the cache (speculative.py): the tokens equal plain decoding's, greedy and
-seeded, cold, from RAM and from SSD in a new process; the draft's own KV comes from the cache too;
+"""Speculative decoding over the cache (engine/generate/speculative/draft.py): the tokens equal plain
+decoding's, greedy and seeded, cold, from RAM and from SSD in a new process; the draft's own KV comes from the cache too;
 caches that cannot roll back fall back to plain decoding with a notice; bad drafts are clear errors.
 
 Tiny random llama models: the draft is the target itself (every proposal accepted) or another seed

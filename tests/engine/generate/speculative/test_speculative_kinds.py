@@ -1,6 +1,6 @@
 """Speculative decoding on every cache kind the engine caches (issue 31): sliding windows that wrap
 during verification, recurrent state, chunked attention and lists of them are restored from before
-the verify forward and the accepted tokens forwarded again (spec_rewind.py), so the tokens equal
+the verify forward and the accepted tokens forwarded again (engine/generate/rewind.py), so the tokens equal
 plain decoding's, greedy and seeded, cold and from the cache, with a draft that rejects often.
 
 The regression: mlx-lm's speculative decoding checks trimmability once, at the start; a sliding
