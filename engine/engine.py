@@ -11,7 +11,7 @@ A user reaches its parts as objects with methods of their own:
     eng.events        what happens, as plain records: subscribe, recent (events.py)
 
 The facade's own methods coordinate several parts (load_model, encode_prompt, generate,
-generate_tokens, generate_batch, score, poll, flush, stats, close); the names DESIGN.md promises
+generate_tokens, generate_batch, score, poll, flush, stats, close); the names the design promises
 scripts (checkpoint_save, cache_clear, ...) are one-line delegations in one block at the end.
 
 All MLX work happens on the thread that calls the engine (the owner). The
@@ -335,8 +335,8 @@ class Engine:
         self._closed = True
         return report
 
-    # --- the names DESIGN.md promises scripts, notebooks and outside checks: one line each, the parts
-    # hold the logic (tests/engine/test_engine.py lists them) ---
+    # --- the names the design promises scripts, notebooks and outside checks: one line each, the parts
+    # hold the logic (tests/engine/test_facade.py lists them) ---
 
     def checkpoint_save(self, name: str, *, session: str | None = None, model: str | None = None) -> dict:
         """eng.checkpoints.save: pin the session's latest (or the last generation's) state under a name."""

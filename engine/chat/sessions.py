@@ -1,8 +1,10 @@
-"""Chat sessions: conversation history per session id.
+"""Chat sessions (`eng.sessions`): conversation history per session id.
 
 The cache keeps its own session index (session id -> latest checkpoint);
 this module keeps what the user said and what the model answered, so each
-turn renders the whole conversation with the chat template.
+turn renders the whole conversation with the chat template. `Sessions.switch`
+brings a session's latest state back into RAM; `close` forgets the session and
+the index's references to it (the cached states stay).
 """
 
 from __future__ import annotations

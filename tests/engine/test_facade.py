@@ -1,6 +1,6 @@
 """The Engine facade: the parts a user reaches are objects with methods of their own (eng.models,
 eng.sessions, eng.checkpoints, eng.kv, eng.admin, eng.objects, eng.events); the facade's own methods
-coordinate several parts; the names DESIGN.md promises stay as one-line delegations; sampling
+coordinate several parts; the names the design promises stay as one-line delegations; sampling
 options are taken one way."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from mlxcache_kernel.engine import Engine, SamplingParams
 
-# DESIGN.md's public surface: scripts, notebooks and outside checks call these on Engine.
+# The design's public surface: scripts, notebooks and outside checks call these on Engine.
 COMPATIBILITY = {"checkpoint_save": "checkpoints.save", "checkpoint_restore": "checkpoints.restore",
                  "checkpoint_list": "checkpoints.list", "cache_clear": "admin.clear", "cache_gc": "admin.gc",
                  "cache_verify": "admin.verify"}
