@@ -59,7 +59,7 @@ from .host.system import make_private_dir
 
 _UNSET = object()  # a keyword not given: the environment's value, else the default
 REMOTE_CLOSE_S = 5.0  # close() waits this long for remote publications, then says what was not published
-REQUEST_OPTIONS = frozenset(f.name for f in fields(Request)) - {"model", "tokens", "params"}  # generate_tokens's
+REQUEST_OPTIONS = frozenset(f.name for f in fields(Request)) - {"model", "tokens", "params"}  # besides sampling
 
 
 class Engine:

@@ -127,7 +127,7 @@ def _previews(out: str) -> list[int]:
 
 def test_cache_ls_newest_first_bounded_and_filtered(ip, capsys, monkeypatch):
     rows = _rows(30)
-    monkeypatch.setattr(engine(ip), "cache_entries", lambda poll=True: list(rows))  # oldest first on purpose
+    monkeypatch.setattr(engine(ip).admin, "entries", lambda poll=True: list(rows))  # oldest first on purpose
     res, out, _ = run(ip, capsys, "%cache ls")
     assert res.success and _previews(out) == list(range(29, 9, -1))
     assert "... and 10 older entries (%cache ls --all lists every one)" in out
