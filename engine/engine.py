@@ -137,7 +137,7 @@ class Engine:
 
     @property
     def closed(self) -> bool:
-        """True once close() ran: every call but close() then raises."""
+        """True once close() ran: a closed engine refuses to generate or to touch objects (RuntimeError)."""
         return self._closed
 
     @property
