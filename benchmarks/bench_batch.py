@@ -91,7 +91,7 @@ def run_rows(model: str, doc: str, n: int, max_tokens: int, mlx_lm_baseline: boo
                 rs, wall, peak = timed(lambda: eng.generate_batch(prompts, max_tokens=max_tokens))
             else:
                 params = SamplingParams(max_tokens=max_tokens)
-                rs, wall, peak = timed(lambda: [eng.generate_tokens(p, params) for p in prompts])
+                rs, wall, peak = timed(lambda: [eng.generate_tokens(p, params=params) for p in prompts])
             tokens[name] = [r.tokens for r in rs]
             shared = min(r.stats["cached_tokens"] for r in rs)
             tails = int(per_token * sum(len(p) - shared + max_tokens for p in prompts))

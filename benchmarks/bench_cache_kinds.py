@@ -38,16 +38,16 @@ def bench_arch(arch: str, n_tokens: int, repeats: int, root: Path) -> dict:
         ttft_steps, ttfts, steps = [], [], []
         for i in range(repeats):
             prompt = [int(x) for x in np.random.default_rng(i).integers(3, 259, n_tokens)]
-            cold = eng.generate_tokens(prompt, params)
+            cold = eng.generate_tokens(prompt, params=params)
             eng.flush()  # the hit alone: not beside the writer (issue "blocks" measures that case)
-            hit = eng.generate_tokens(prompt, params)
+            hit = eng.generate_tokens(prompt, params=params)
             assert hit.stats["cache_source"] == "ram" and hit.tokens == cold.tokens, (arch, hit.stats)
             step = 1 / cold.stats["decode_tokens_per_s"]
             steps.append(step)
             ttfts.append(hit.stats["ttft_s"])
             ttft_steps.append(hit.stats["ttft_s"] / step)
         eng.flush()
-        rows = [r for r in eng.cache_entries() if r["tokens"] >= n_tokens - 1]
+        rows = [r for r in eng.admin.entries() if r["tokens"] >= n_tokens - 1]
         ram = [r for r in rows if r["ram_bytes"]]
         files = [r for r in rows if r["file_bytes"]]
         kinds = sorted({layer.kind for e in eng.cache.entries() for layer in e.checkpoint.layers})

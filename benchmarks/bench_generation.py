@@ -65,7 +65,7 @@ def mlx_lm_decode(model, tokenizer, prompt: list[int], n: int) -> float:
 
 
 def engine_decode(eng: Engine, prompt: list[int], n: int) -> float:
-    r = eng.generate_tokens(prompt, SamplingParams(max_tokens=n), use_cache=False)
+    r = eng.generate_tokens(prompt, max_tokens=n, use_cache=False)
     return r.stats["decode_tokens_per_s"]
 
 
@@ -93,8 +93,8 @@ def bench_hit_vs_cold(eng, m, length: int, decode_n: int, pairs: int) -> dict:
     for i in range(pairs):
         prompt = prompt_tokens(m.tokenizer, length, salt=f"[{length}.{i}] ")
         params = SamplingParams(max_tokens=decode_n)
-        cold = eng.generate_tokens(prompt, params)  # publishes the prompt boundary
-        hit = eng.generate_tokens(prompt, params)
+        cold = eng.generate_tokens(prompt, params=params)  # publishes the prompt boundary
+        hit = eng.generate_tokens(prompt, params=params)
         assert hit.stats["cache_source"] == "ram", hit.stats
         assert hit.tokens == cold.tokens, "a hit must continue exactly like the cold run"
         rows.append((cold.stats, hit.stats))
@@ -158,12 +158,12 @@ def bench_second_question(m, n: int, decode_n: int, ssd_dir: str) -> dict:
     with Engine(cache_dir=ssd_dir) as eng:
         eng.load_model(m.path, name="bench")
         mm = eng.models.get()
-        first = eng.generate_tokens(questions[0], params)
+        first = eng.generate_tokens(questions[0], params=params)
         [e1] = [e for e in eng.cache.entries() if e.tokens[: len(questions[0])] == tuple(questions[0])]
         hits, floors, copies = [], [], []
         for q in questions[1 : 1 + RAM_HITS]:  # interleaved: each hit beside its references, same load
             eng.flush()
-            hits.append(eng.generate_tokens(q, params).stats)
+            hits.append(eng.generate_tokens(q, params=params).stats)
             cached = hits[-1]["cached_tokens"]
             assert hits[-1]["cache_source"] == "ram" and cached >= n, hits[-1]
             doc_kv = [l.arrays for l in e1.checkpoint.prefix(cached).layers]  # what the hit borrowed
@@ -214,7 +214,7 @@ def _child_main(kind: str, ssd_dir: str, *args) -> None:
     with Engine(cache_dir=ssd_dir, prefetch_budget_bytes=0) as eng:
         eng.load_model(default_model(), name="bench")
         if kind == "question":
-            r = eng.generate_tokens(json.loads(args[0]), SamplingParams(max_tokens=int(args[1])))
+            r = eng.generate_tokens(json.loads(args[0]), max_tokens=int(args[1]))
             print(json.dumps({"ttft_s": r.stats["ttft_s"], "source": r.stats["cache_source"]}))
             return
         from mlxcache_kernel.engine.cache.ssd.restore import restore

@@ -74,14 +74,14 @@ def bench_document(model_dir, n: int, repeats: int, decode_n: int) -> dict:
         m = eng.models.get()
         doc = m.tokenizer.decode(prompt_tokens(m.tokenizer, n))
         params = SamplingParams(max_tokens=decode_n)
-        first = eng.generate_tokens(_question(m.tokenizer, doc, 0), params)  # publishes the document
+        first = eng.generate_tokens(_question(m.tokenizer, doc, 0), params=params)  # publishes the document
         [doc_entry] = [e for e in eng.cache.entries()]
         rows = []
         for i in range(1, 1 + repeats):  # interleaved: hit, cold, floor, copy under the same load
             q = _question(m.tokenizer, doc, i)
-            hit = eng.generate_tokens(q, params)
+            hit = eng.generate_tokens(q, params=params)
             assert hit.stats["cache_source"] == "ram" and hit.stats["cached_tokens"] >= n, hit.stats
-            cold = eng.generate_tokens(q, params, use_cache=False)
+            cold = eng.generate_tokens(q, params=params, use_cache=False)
             assert cold.tokens == hit.tokens, "a hit continues as the cold run does"
             cached = hit.stats["cached_tokens"]
             floor = _floor_ttft(m.model, _doc_caches(doc_entry.checkpoint, cached, len(q) - cached), q[cached:])
@@ -120,10 +120,10 @@ def bench_suffix_memory(model_dir, n: int, suffix: int) -> dict:
         out = {}
         for kind in ("cold", "hit"):
             if kind == "hit":
-                eng.generate_tokens(doc + [5], SamplingParams(max_tokens=1))  # the document cached
+                eng.generate_tokens(doc + [5], max_tokens=1)  # the document cached
             mx.clear_cache()
             before = int(mx.get_active_memory())
-            r = eng.generate_tokens(doc + rest, params, use_cache=kind == "hit")
+            r = eng.generate_tokens(doc + rest, params=params, use_cache=kind == "hit")
             if kind == "hit":
                 assert r.stats["cached_tokens"] >= n, r.stats
             out[f"{kind}_peak_above_resident_bytes"] = r.stats["peak_memory_bytes"] - before

@@ -14,7 +14,7 @@ import tempfile
 
 from common import default_model, emit, median, prompt_tokens
 
-from mlxcache_kernel.engine import Engine, SamplingParams
+from mlxcache_kernel.engine import Engine
 from mlxcache_kernel.engine.kv import quantize_start
 
 MODES = {"quantized_attention": 10**9, "dequantized_long_forwards": quantize_start.MIN_DEQUANTIZED_QUERIES}
@@ -34,7 +34,7 @@ def main() -> None:
         for _ in range(args.repeats):
             for mode, threshold in MODES.items():
                 quantize_start.MIN_DEQUANTIZED_QUERIES = threshold
-                r = eng.generate_tokens(prompt, SamplingParams(max_tokens=args.decode_tokens), use_cache=False)
+                r = eng.generate_tokens(prompt, max_tokens=args.decode_tokens, use_cache=False)
                 runs[mode].append({"ttft_s": r.stats["ttft_s"], "decode_tps": r.stats["decode_tokens_per_s"],
                                    "tokens": r.tokens, "loadavg": os.getloadavg()[0]})
     emit({"benchmark": "kv_prefill", "prompt_tokens": args.tokens, "kv_start": args.kv_start,

@@ -47,14 +47,14 @@ def main() -> None:
         runs = {name: [] for name in SCHEMES}
         for p in prompts:  # interleaved, so machine noise spreads over every scheme
             for name in SCHEMES:
-                r = eng.generate_tokens(p, params, model=name, use_cache=False)
+                r = eng.generate_tokens(p, params=params, model=name, use_cache=False)
                 runs[name].append(r)
         long_prompt = prompt_tokens(tok, 1024)
         for name in SCHEMES:
-            r = eng.generate_tokens(long_prompt, SamplingParams(max_tokens=2), model=name)
+            r = eng.generate_tokens(long_prompt, max_tokens=2, model=name)
             entry = max(eng.cache.entries(eng.models.get(name).namespace), key=lambda e: len(e.tokens))
             out["schemes"][name] = {
-                "kv_scheme": eng.model_info(name)["kv_scheme"],
+                "kv_scheme": eng.models.info(name)["kv_scheme"],
                 "ram_bytes_per_token": entry.nbytes / len(entry.tokens),
                 "kv_bytes_per_token": entry.checkpoint.kv_bytes / len(entry.tokens),
                 "decode_tokens_per_s": median([x.stats["decode_tokens_per_s"] for x in runs[name]]),

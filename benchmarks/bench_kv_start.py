@@ -49,16 +49,16 @@ def bench(model_dir, n: int, kv_start: int | None, repeats: int, decode_n: int) 
         m = eng.models.get()
         doc = m.tokenizer.decode(prompt_tokens(m.tokenizer, n))
         params = SamplingParams(max_tokens=decode_n)
-        eng.generate_tokens(_question(m.tokenizer, doc, 0), params)
+        eng.generate_tokens(_question(m.tokenizer, doc, 0), params=params)
         eng.flush()
         st = eng.stats()
         doc_cp = max(eng.cache.entries(), key=lambda e: len(e.tokens)).checkpoint
         rows = []
         for i in range(1, 1 + repeats):
             q = _question(m.tokenizer, doc, i)
-            hit = eng.generate_tokens(q, params)
+            hit = eng.generate_tokens(q, params=params)
             assert hit.stats["cache_source"] == "ram" and hit.stats["cached_tokens"] >= n - 1, hit.stats
-            cold = eng.generate_tokens(q, params, use_cache=False)
+            cold = eng.generate_tokens(q, params=params, use_cache=False)
             rows.append({"hit_ttft_s": hit.stats["ttft_s"], "hit_decode_tps": hit.stats["decode_tokens_per_s"],
                          "cold_decode_tps": cold.stats["decode_tokens_per_s"],
                          "mlx_lm_decode_tps": _mlx_lm_decode_tps(m.model, q, decode_n, kv_start),

@@ -53,10 +53,10 @@ def decode_with_and_without_checkpoints(eng, prompt, params, repeats):
     vary by +-10% on a shared machine): decode tok/s of each, and the peak RSS growth of the latter."""
     plain, every, growth = [], [], 0
     for i in range(repeats):
-        plain.append(eng.generate_tokens(prompt + [20 + i], params).stats["decode_tokens_per_s"])
+        plain.append(eng.generate_tokens(prompt + [20 + i], params=params).stats["decode_tokens_per_s"])
         eng.flush()
         with PeakRSS() as rss:
-            every.append(eng.generate_tokens(prompt + [30 + i], params, checkpoint_every=1)
+            every.append(eng.generate_tokens(prompt + [30 + i], params=params, checkpoint_every=1)
                          .stats["decode_tokens_per_s"])
         eng.flush()
         growth = max(growth, rss.peak - rss.base)
@@ -76,7 +76,7 @@ def checkpoint_every_token(d: str, repeats: int = 5) -> dict:
         eng.load_model(default_model(), name="m")
         prompt = smollm_prompt(eng.models.get().tokenizer, 1536)
         params = SamplingParams(max_tokens=64)
-        eng.generate_tokens(prompt, SamplingParams(max_tokens=2))
+        eng.generate_tokens(prompt, max_tokens=2)
         eng.flush()
         kv = max(e.checkpoint.kv_bytes for e in eng.cache.entries())
         plain, every, growth = decode_with_and_without_checkpoints(eng, prompt, params, repeats)

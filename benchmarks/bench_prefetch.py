@@ -34,7 +34,7 @@ def timed(eng: Engine, prompt: list, params: SamplingParams = PARAMS) -> dict:
     """One generation: engine TTFT, wall-clock TTFT from the call, where the prompt came from."""
     first = []
     t0 = time.perf_counter()
-    r = eng.generate_tokens(prompt, params, on_text=lambda s: first or first.append(time.perf_counter()))
+    r = eng.generate_tokens(prompt, params=params, on_text=lambda s: first or first.append(time.perf_counter()))
     return {"ttft_s": r.stats["ttft_s"], "ttft_wall_s": (first[0] if first else time.perf_counter()) - t0,
             "source": r.stats["cache_source"], "cached": r.stats["cached_tokens"], "tokens": r.tokens}
 

@@ -21,7 +21,7 @@ import tempfile
 
 from common import default_model, emit, prompt_tokens
 
-from mlxcache_kernel.engine import Engine, SamplingParams
+from mlxcache_kernel.engine import Engine
 
 
 def _report(eng: Engine, **extra) -> dict:
@@ -42,7 +42,7 @@ def short_prompts(path: str) -> dict:
         eng.load_model(path)
         tok = eng.models.get().tokenizer
         for i in range(12):
-            eng.generate_tokens(prompt_tokens(tok, 48, salt=f"[{i}] "), SamplingParams(max_tokens=16))
+            eng.generate_tokens(prompt_tokens(tok, 48, salt=f"[{i}] "), max_tokens=16)
         return _report(eng)
 
 
@@ -63,7 +63,7 @@ def branches(path: str, doc_tokens: int, n: int) -> dict:
         for i in range(n):
             ids = tok.apply_chat_template([{"role": "user", "content": f"{doc}\n\nQuestion {i}: what stands out in "
                                             f"paragraph {i * 3}?"}], add_generation_prompt=True)
-            ttft.append(eng.generate_tokens(list(ids), SamplingParams(max_tokens=12)).stats["ttft_s"])
+            ttft.append(eng.generate_tokens(list(ids), max_tokens=12).stats["ttft_s"])
         return _report(eng, doc_tokens=doc_tokens, ttft_s=ttft)
 
 

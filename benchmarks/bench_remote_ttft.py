@@ -66,13 +66,11 @@ def _publish(cache_dir: str, url: str, n: int, cold_max: int) -> dict:
     """The first machine: its state for an n-token prompt, committed and published."""
     from bench_storage import make_checkpoint, real_kv
 
-    from mlxcache_kernel.engine import SamplingParams
-
     eng = _engine(cache_dir, url)
     tok = eng.models.get("m").tokenizer
     if n <= cold_max:  # a real run: its TTFT is the cold reference
         ids = prompt_tokens(tok, n)
-        r = eng.generate_tokens(ids, SamplingParams(max_tokens=1), model="m")
+        r = eng.generate_tokens(ids, max_tokens=1, model="m")
         cold, rate = r.stats["ttft_s"], r.stats["prefill_tokens_per_s"]
     else:  # tiled real KV for the first n-1 tokens (what a rerun of the prompt reuses)
         ids = list(range(1, n)) + [7]  # make_checkpoint's state holds tokens 1..n-1
@@ -188,11 +186,9 @@ def _fetch_cost(url: str, ns: str, ids: list[int], rounds: int = 5) -> dict:
 
 def _child(cache_dir: str, url: str, ids_file: str) -> None:
     """One rerun in a fresh process: prints its TTFT, source and the remote bytes moved."""
-    from mlxcache_kernel.engine import SamplingParams
-
     ids = json.loads(Path(ids_file).read_text())
     eng = _engine(cache_dir, url or None)
-    r = eng.generate_tokens(ids, SamplingParams(max_tokens=1), model="m")
+    r = eng.generate_tokens(ids, max_tokens=1, model="m")
     s = eng.stats()
     print(json.dumps({"ttft_s": r.stats["ttft_s"], "source": r.stats["cache_source"],
                       "cached": r.stats["cached_tokens"], "remote_bytes_read": s["remote_bytes_read"],

@@ -72,8 +72,8 @@ def bench_decode(eng, target_dir, draft_dir, ks, repeats: int, n: int) -> list:
     for k in ks:
         runs = []
         for _ in range(repeats):  # interleaved under the same load; use_cache=False: decode speed only
-            plain = eng.generate_tokens(prompt, params, model="target", use_cache=False)
-            spec = eng.generate_tokens(prompt, params, model="target", use_cache=False, draft="draft",
+            plain = eng.generate_tokens(prompt, params=params, model="target", use_cache=False)
+            spec = eng.generate_tokens(prompt, params=params, model="target", use_cache=False, draft="draft",
                                        num_draft_tokens=k)
             lm_plain = _lm_run(lm_t, lm_tok, prompt, n)
             lm_spec = _lm_run(lm_t, lm_tok, prompt, n, lm_d, k)
@@ -117,9 +117,9 @@ def bench_ttft(eng, doc_n: int, repeats: int) -> dict:
         for _ in range(repeats):
             eng.flush(timeout=60)  # no write of the previous round lands after the clear
             eng.cache_clear(ssd=True)
-            first = eng.generate_tokens(ask(0), params, model="target", **kw)
-            again = eng.generate_tokens(ask(0), params, model="target", **kw)
-            other = eng.generate_tokens(ask(1), params, model="target", **kw)
+            first = eng.generate_tokens(ask(0), params=params, model="target", **kw)
+            again = eng.generate_tokens(ask(0), params=params, model="target", **kw)
+            other = eng.generate_tokens(ask(1), params=params, model="target", **kw)
             assert again.stats["cached_tokens"] == len(again.prompt_tokens) - 1, again.stats
             assert other.stats["cached_tokens"] >= doc_n - 1, other.stats
             if kw:

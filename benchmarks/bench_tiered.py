@@ -19,7 +19,7 @@ from common import default_model, emit, median, prompt_tokens
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxcache_kernel.engine import Checkpoint, Engine, SamplingParams
+from mlxcache_kernel.engine import Checkpoint, Engine
 
 
 def bench_restart(model_dir: str, length: int) -> dict:
@@ -27,10 +27,10 @@ def bench_restart(model_dir: str, length: int) -> dict:
         with Engine(cache_dir=d) as eng:
             eng.load_model(model_dir)
             prompt = prompt_tokens(eng.models.get().tokenizer, length, salt=f"<{length}> ")
-            cold = eng.generate_tokens(prompt, SamplingParams(max_tokens=8))
+            cold = eng.generate_tokens(prompt, max_tokens=8)
         with Engine(cache_dir=d, prefetch_budget_bytes=0) as eng:  # the restart: an empty RAM tier, no prefetch
             eng.load_model(model_dir)
-            hit = eng.generate_tokens(prompt, SamplingParams(max_tokens=8))
+            hit = eng.generate_tokens(prompt, max_tokens=8)
             restored = eng.stats()["ssd_restore_bytes"]
         assert hit.stats["cache_source"] == "ssd" and hit.tokens == cold.tokens, hit.stats
         return {
@@ -70,7 +70,7 @@ def bench_decode_with_writes(model_dir: str, repeats: int, backlog: int = 6, bac
                 cache.clear(ssd=True)  # empties RAM too: put the backlog back, unwritten
                 for e in entries:
                     cache.put(e.checkpoint, e.ns, evict=False)
-            r = eng.generate_tokens(probe, SamplingParams(max_tokens=32), use_cache=False)
+            r = eng.generate_tokens(probe, max_tokens=32, use_cache=False)
             pending_after = cache.writer.pending()[0]
             cache.writer.wait()
             cache.poll()

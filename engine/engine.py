@@ -1,5 +1,19 @@
 """The Engine facade: models, the tiered prompt cache, sessions and generation.
 
+A user reaches its parts as objects with methods of their own:
+
+    eng.models        the resident models: get, use, info, unload, names(), default (models/registry.py)
+    eng.sessions      chat sessions: new, get, reset, switch, close, list (chat/sessions.py)
+    eng.checkpoints   named checkpoints: save, restore, remove, list (named/states.py)
+    eng.kv            a state's KV tensors: info, export (named/states.py)
+    eng.admin         the whole cache: entries, clear, gc, verify, wait_for_writes (admin/cache_admin.py)
+    eng.objects       exact-key tensor objects: get, put, delete, clear (cache/objects/cache.py)
+    eng.events        what happens, as plain records: subscribe, recent (events.py)
+
+The facade's own methods coordinate several parts (load_model, encode_prompt, generate,
+generate_tokens, generate_batch, score, poll, flush, stats, close); the names the design promises
+scripts (checkpoint_save, cache_clear, ...) are one-line delegations in one block at the end.
+
 All MLX work happens on the thread that calls the engine (the owner). The
 SSD writer runs beside it on numpy views and reports back through `poll()`,
 which every public call drains first.
@@ -11,12 +25,13 @@ import os
 import sqlite3
 import time
 import warnings
+from dataclasses import fields
 from pathlib import Path
 from typing import Callable, Sequence
 
 from .host import blas
 from .generate.batch.run import DEFAULT_BATCH_SIZE, BatchRun, batch_seeds, row_tokens
-from .admin import entries as cache_admin
+from .admin.cache_admin import CacheAdmin
 from .cache.objects.cache import ObjectCache
 from .cache.catalog.database import CatalogBusy
 from .cache.remote import RemoteConfigError, resolve as resolve_remote
@@ -39,11 +54,13 @@ from .generate.scoring import ScoreResult, score
 from .generate.generation import Generation, GenerationResult, Request, Services
 from .chat.sessions import Sessions
 from .generate.speculative.draft import load_with_draft, resolve_draft
-from .named.states import UserStates
+from .generate.speculative.proposers import check_lookup
+from .named.states import Checkpoints, KVInspection, StateFinder
 from .host.system import make_private_dir
 
 _UNSET = object()  # a keyword not given: the environment's value, else the default
 REMOTE_CLOSE_S = 5.0  # close() waits this long for remote publications, then says what was not published
+REQUEST_OPTIONS = frozenset(f.name for f in fields(Request)) - {"model", "tokens", "params"}  # besides sampling
 
 
 class Engine:
@@ -75,8 +92,7 @@ class Engine:
                                 env={})  # refused before anything starts; the environment was read above
         self.cache_dir = Path(config.cache_dir or default_cache_dir()).expanduser()
         self.events = EventBus()
-        self.sessions = Sessions()
-        self.ssd_disabled_reason: str | None = None  # why a requested SSD tier is off
+        self._ssd_disabled_reason: str | None = None  # why a requested SSD tier is off
         budget = ram_budget(config.ram_budget_bytes)  # None: the memory guard adapts
         kw = dict(ssd_budget_bytes=config.ssd_budget_bytes, write_behind=config.write_behind,
                   idle_demote_s=config.idle_demote_s, emit=self.events.emit, retention=make_policy(config.retention),
@@ -87,28 +103,31 @@ class Engine:
             self.cache = TieredPromptCache(ram_budget_bytes=budget, ssd_dir=self.cache_dir / "checkpoints"
                                            if config.ssd else None, **kw)
         except (OSError, sqlite3.Error, CatalogBusy) as e:  # read-only, full, another user's, network, locked
-            self.ssd_disabled_reason = f"cache directory {self.cache_dir} is not usable ({e}): running RAM-only"
-            warnings.warn(f"mlxcache: {self.ssd_disabled_reason}", stacklevel=2)
+            self._ssd_disabled_reason = f"cache directory {self.cache_dir} is not usable ({e}): running RAM-only"
+            warnings.warn(f"mlxcache: {self._ssd_disabled_reason}", stacklevel=2)
             self.cache = TieredPromptCache(ram_budget_bytes=budget, ssd_dir=None, **kw)
         self.memory = PressureGuard(self.cache.reclaim, high=config.memory_high_water, low=config.memory_low_water,
                                     emit=self.events.emit)
         self.cache.pressure = self.memory
         self.objects = ObjectCache(self.cache, self._check_open)  # exact-key tensor objects on the same tiers
         self.vision_counters = new_vision_counters()  # images, encoder runs (media/prompt.py)
-        usable = self.ssd_disabled_reason is None
-        self.models = ModelRegistry(IdentityMemo(self.cache_dir / "identities.json" if usable else None))
+        usable = self._ssd_disabled_reason is None
+        self.models = ModelRegistry(IdentityMemo(self.cache_dir / "identities.json" if usable else None),
+                                    emit=self.events.emit)
         self.metrics = GenerationMetrics()
-        self.trace = AccessTrace(config.trace_path)
         self.last_result: GenerationResult | None = None
         self.last_key: tuple | None = None  # (namespace, tokens) of the last generation's checkpoint
-        self.names = NamedCheckpoints(self.cache_dir / "names" if usable else None)
-        self.inflight = InflightRecords(self.cache.catalog, legacy_dir=self.cache_dir / "inflight")
-        self.states = UserStates(cache=self.cache, names=self.names, sessions=self.sessions, models=self.models,
-                                 events=self.events, poll=self.poll, last_key=lambda: self.last_key)
-        self.services = Services(self.cache, self.inflight, self.memory, self.metrics, self.events, self.trace,
-                                 config.prefill_chunk, on_published=self._published)
-        self.cache.durability.pins.source = lambda: {r["name"]: (r["namespace"], tuple(r["tokens"])) for r in self.names.list()}
-        self.cache.durability.pins.sync()
+        self.sessions = Sessions(cache=self.cache, models=self.models, events=self.events, poll=self.poll)
+        names = NamedCheckpoints(self.cache_dir / "names" if usable else None)  # the records of named checkpoints
+        find = StateFinder(self.cache, names, self.sessions, last_key=lambda: self.last_key)
+        self.checkpoints = Checkpoints(cache=self.cache, names=names, sessions=self.sessions, models=self.models,
+                                       events=self.events, poll=self.poll, find=find)
+        self.kv = KVInspection(find)
+        inflight = InflightRecords(self.cache.catalog, legacy_dir=self.cache_dir / "inflight")
+        self.admin = CacheAdmin(cache=self.cache, names=names, models=self.models, objects=self.objects,
+                                inflight=inflight, events=self.events, poll=self.poll, flush=self.flush)
+        self._services = Services(self.cache, inflight, self.memory, self.metrics, self.events,
+                                  AccessTrace(config.trace_path), config.prefill_chunk, on_published=self._published)
         if remote is not None:  # a shared tier below SSD (Redis / Valkey)
             model_of = self.models.by_namespace
             attach_remote(self.cache, remote, publish=config.remote_publish, prefill_rate=self.metrics.prefill_rate.get,
@@ -118,12 +137,18 @@ class Engine:
         self._closed = False
 
     @property
+    def closed(self) -> bool:
+        """True once close() ran: a closed engine refuses to generate or to touch objects (RuntimeError)."""
+        return self._closed
+
+    @property
     def prefill_chunk(self) -> int:
-        return self.services.prefill_chunk
+        """Tokens per prefill forward (a tuning knob: see docs/benchmarks.md); settable."""
+        return self._services.prefill_chunk
 
     @prefill_chunk.setter
     def prefill_chunk(self, tokens: int) -> None:
-        self.services.prefill_chunk = int(tokens)
+        self._services.prefill_chunk = int(tokens)
 
     # --- models ---
 
@@ -150,15 +175,7 @@ class Engine:
         if loaded.cache_notice:
             self.events.emit("notice", model=name, message=loaded.cache_notice)
         prefetch = self.cache.prefetch(loaded.namespace) if loaded.cache_notice is None else None
-        return {**self.model_info(name), "prefetch": prefetch}
-
-    def unload_model(self, name: str) -> None:
-        self.models.unload(name)
-        self.events.emit("model_unloaded", name=name)
-
-    def model_info(self, name: str | None = None) -> dict:
-        m = self.models.get(name)
-        return {"name": m.name, "namespace": m.namespace, "identity": dict(m.identity), **m.info}
+        return {**self.models.info(name), "prefetch": prefetch}
 
     # --- prompts ---
 
@@ -178,17 +195,18 @@ class Engine:
                  checkpoint_every: int | None = None, images: Sequence | None = None, videos: Sequence | None = None,
                  fps: float | None = None, max_frames: int | None = None, audios: Sequence | None = None,
                  draft: str | bool | None = None, num_draft_tokens: int | None = None, lookup: bool | None = None,
-                 **sampling) -> GenerationResult:
-        """sampling: SamplingParams's options (max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop=()).
+                 params: SamplingParams | None = None, **sampling) -> GenerationResult:
+        """sampling: SamplingParams's options (max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop=(),
+        logprobs=None), or params=SamplingParams(...).
         images (paths, PIL images, (H, W, 3) arrays), videos (paths, (T, C, H, W) arrays, sampled at fps, up to
         max_frames: media/video.py), audios (paths, 1-D waveforms: media/audio.py) for a VLM come before the
-        text in the user turn (a session keeps them). draft: a loaded model proposing num_draft_tokens (default 4)
-        per verify forward (default: the model's default draft; False: none). lookup: drafts from the prompt and
-        the text so far (generate/speculative/lookup.py): None proposes them where they pay, True always, False never; the
-        tokens are plain decoding's either way."""
+        text in the user turn (a session keeps them). draft: a loaded model proposing num_draft_tokens
+        (default 4) per verify forward (default: the model's default draft; False: none). lookup: drafts from
+        the prompt and the text so far (generate/speculative/lookup.py): None proposes them where they pay,
+        True always, False never; the tokens are plain decoding's either way."""
         self._check_open()
         self.poll(prepare=False)  # no buffers allocated for prefetches on the way to the first token
-        params = SamplingParams.of(**sampling)
+        params = SamplingParams.from_call(params, sampling)
         m = self.models.get(model)
         params.validate(m.config.get("vocab_size"))
         media = media_prompt(self, m, prompt, images, system=system, raw=raw, session=session, use_cache=use_cache,
@@ -200,7 +218,7 @@ class Engine:
         else:
             tokens = self.encode_prompt(prompt, model=m.name, system=system, raw=raw, session=session)
         result = self.generate_tokens(
-            tokens, params, model=m.name, session=session, use_cache=use_cache, on_text=on_text,
+            tokens, params=params, model=m.name, session=session, use_cache=use_cache, on_text=on_text,
             on_progress=on_progress, checkpoint_every=checkpoint_every, media=media,
             draft=draft, num_draft_tokens=num_draft_tokens, lookup=lookup)
         if session is not None:
@@ -227,9 +245,8 @@ class Engine:
         params = [SamplingParams.of(**sampling, seed=s).validate(vocab) for s in batch_seeds(seed, len(rows))]
         if not rows:
             return []
-        if lookup is not None and not isinstance(lookup, bool):
-            raise GenerationError(f"lookup must be True, False or None (where it pays), got {lookup!r}")
-        results = BatchRun(self.services, m, rows, params, use_cache=use_cache, batch_size=batch_size, lookup=lookup,
+        results = BatchRun(self._services, m, rows, params, use_cache=use_cache, batch_size=batch_size,
+                           lookup=check_lookup(lookup),
                            on_progress=on_progress, on_row=on_row).run()
         self.last_result = results[-1]
         return results
@@ -243,25 +260,23 @@ class Engine:
         cache (or is prefilled once) and every continuation goes in one batch over it (generate/scoring.py)."""
         self._check_open()
         self.poll(prepare=False)
-        return score(self.services, self.models.get(model), context, continuations, raw=raw, system=system,
+        return score(self._services, self.models.get(model), context, continuations, raw=raw, system=system,
                      use_cache=use_cache)
 
-    def generate_tokens(
-        self, tokens: Sequence[int], params: SamplingParams, *, model: str | None = None, **options
-    ) -> GenerationResult:
+    def generate_tokens(self, tokens: Sequence[int], *, model: str | None = None,
+                        params: SamplingParams | None = None, **options) -> GenerationResult:
         """Generate from prompt token ids: resume or cache lookup, prefill, decode, publish (generate/generation.py).
 
-        options: session, use_cache, on_text, on_progress, checkpoint_every, draft, num_draft_tokens, lookup
-        (see `generate`).
+        options: the sampling options of `generate` (or params=SamplingParams(...)), and session,
+        use_cache, on_text, on_progress, checkpoint_every, draft, num_draft_tokens, lookup (see `generate`).
         """
         self._check_open()
         m = self.models.get(model)
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise GenerationError("empty prompt: no tokens to generate from")
-        params.validate(m.config.get("vocab_size"))
-        if options.get("lookup") is not None and not isinstance(options["lookup"], bool):
-            raise GenerationError(f"lookup must be True, False or None (where it pays), got {options['lookup']!r}")
+        params = SamplingParams.from_call(params, options, REQUEST_OPTIONS).validate(m.config.get("vocab_size"))
+        check_lookup(options.get("lookup"))
         options["draft"], options["num_draft_tokens"] = resolve_draft(self.models, m, options.get("draft"),
                                                                       options.pop("num_draft_tokens", None))
         req = Request(m, tokens, params, **options)
@@ -273,7 +288,7 @@ class Engine:
             raise GenerationError("logprobs are not kept by in-flight checkpoints: use checkpoint_every or logprobs")
         if every is not None and not self.cache.has_ssd:
             raise GenerationError("checkpoint_every needs the SSD tier (the engine was started with ssd=False)")
-        self.last_result = Generation(self.services, req).run()
+        self.last_result = Generation(self._services, req).run()
         self.cache.loading.prepare_reads()  # prefetching goes on after the generation (it yielded meanwhile)
         stats = self.last_result.stats
         self.events.emit("generation", **{k: v for k, v in stats.items() if not isinstance(v, (list, dict))})
@@ -296,10 +311,6 @@ class Engine:
         report["remote_failed"] = flush_remote(self.cache.remote, left)
         return report
 
-    def wait_for_writes(self, timeout: float | None = None) -> dict:
-        """Wait for writes already queued, from any thread (touches no MLX, queues nothing)."""
-        return self.cache.durability.wait_for_writes(timeout)
-
     def stats(self) -> dict:
         """Plain numbers; never touches MLX arrays."""
         return {
@@ -308,39 +319,13 @@ class Engine:
             "default_model": self.models.default,
             "sessions": len(self.sessions.list()),
             "cache_dir": str(self.cache_dir),
-            "ssd_disabled_reason": self.ssd_disabled_reason,
+            "ssd_disabled_reason": self._ssd_disabled_reason,
             **self.metrics.as_stats(),
             **self.memory.stats(),
             **self.cache.stats(),
             **self.objects.stats(),
             **self.vision_counters,
         }
-
-    def cache_entries(self, poll: bool = True) -> list[dict]:
-        """Every RAM and SSD entry as plain data (no MLX arrays are read): prompt prefixes
-        (kind "prefix") and objects (kind "object", see ObjectCache.row). poll=True first
-        applies finished writes (owner thread); poll=False is a view without side effects."""
-        if poll:
-            self.poll()
-        return cache_admin.entries(self.cache, self.names, self.models, self.objects)
-
-    def cache_clear(self, ssd: bool = False) -> dict:
-        """Drop RAM entries (and SSD files with ssd=True); named checkpoints stay on SSD.
-        Clearing RAM alone first persists what is not on SSD yet, so it only frees memory."""
-        if not ssd:
-            self.flush(timeout=30)
-        return cache_admin.clear(self.cache, self.inflight, self.events, ssd=ssd)
-
-    def cache_gc(self, dry_run: bool = False, quarantine: bool = False) -> dict:
-        """Remove what nothing can use: stale temp files and resume records without their
-        checkpoint; report them (dry_run: only report). Quarantined files are evidence of
-        corruption, kept until the user asks (quarantine=True). Names whose state is gone are
-        listed, not removed."""
-        return cache_admin.gc(self.cache, self.names, self.inflight, dry_run=dry_run, quarantine=quarantine)
-
-    def cache_verify(self) -> list[dict]:
-        """Re-hash every SSD file; bad ones are quarantined and listed."""
-        return self.cache.verify()
 
     def close(self) -> dict | None:
         if self._closed:
@@ -355,40 +340,35 @@ class Engine:
         self._closed = True
         return report
 
-    def _published(self, key: tuple) -> None:
-        self.last_key = key
-
-    # --- states a user names (named/states.py) ---
+    # --- the names the design promises scripts, notebooks and outside checks: one line each, the parts
+    # hold the logic (tests/engine/test_facade.py lists them) ---
 
     def checkpoint_save(self, name: str, *, session: str | None = None, model: str | None = None) -> dict:
-        """Pin the session's latest (or the last generation's) checkpoint under a name, durably."""
-        return self.states.checkpoint_save(name, session=session, model=model)
+        """eng.checkpoints.save: pin the session's latest (or the last generation's) state under a name."""
+        return self.checkpoints.save(name, session=session, model=model)
 
     def checkpoint_restore(self, name: str) -> dict:
-        """Make a named checkpoint resident again (in the background from SSD) and its chat history."""
-        return self.states.checkpoint_restore(name)
-
-    def checkpoint_remove(self, name: str) -> dict:
-        return self.states.checkpoint_remove(name)
+        """eng.checkpoints.restore: a named state resident again (from SSD in the background), its chat too."""
+        return self.checkpoints.restore(name)
 
     def checkpoint_list(self) -> list[dict]:
-        return self.states.checkpoint_list()
+        """eng.checkpoints.list: every name, its model, tokens, tier and preview."""
+        return self.checkpoints.list()
 
-    def session_switch(self, session_id: str, *, model: str | None = None) -> dict:
-        """Bring a chat session's latest state back into RAM (in the background from SSD)."""
-        return self.states.session_switch(session_id, model=model)
+    def cache_clear(self, ssd: bool = False) -> dict:
+        """eng.admin.clear: drop RAM entries (and SSD files with ssd=True); named checkpoints stay."""
+        return self.admin.clear(ssd=ssd)
 
-    def close_session(self, session_id: str) -> None:
-        """Forget a chat session and its cache references; the cached state stays."""
-        self.states.close_session(session_id)
+    def cache_gc(self, dry_run: bool = False, quarantine: bool = False) -> dict:
+        """eng.admin.gc: remove what nothing can use (stale temp files, orphan resume records)."""
+        return self.admin.gc(dry_run=dry_run, quarantine=quarantine)
 
-    def kv_info(self, *, session=None, checkpoint=None, last=False, layer=None) -> list[dict]:
-        """Per-layer, per-array shapes, dtype, bytes, offset, hash prefix and value statistics."""
-        return self.states.kv_info(session=session, checkpoint=checkpoint, last=last, layer=layer)
+    def cache_verify(self) -> list[dict]:
+        """eng.admin.verify: re-hash every SSD file; bad ones are quarantined and listed."""
+        return self.admin.verify()
 
-    def kv_export(self, *, session=None, checkpoint=None, last=False, layer=None) -> dict:
-        """The KV tensors as numpy copies ('layer{i}.keys' ...); bfloat16 becomes float32."""
-        return self.states.kv_export(session=session, checkpoint=checkpoint, last=last, layer=layer)
+    def _published(self, key: tuple) -> None:
+        self.last_key = key
 
     def _may_be_exact(self, ns: str) -> bool:
         """Whether a namespace's states may be exact only at their length (remote exact records; kv_start)."""

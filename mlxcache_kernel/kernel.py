@@ -128,7 +128,7 @@ class MLXCacheKernel(IPythonKernel):
 
     def _wait_for_writer(self, timeout: float) -> dict:
         """Thread-safe fallback: wait for already queued writes, queue nothing new."""
-        return {"failed": [], **self.mlxcache.engine.wait_for_writes(timeout)}
+        return {"failed": [], **self.mlxcache.engine.admin.wait_for_writes(timeout)}
 
     def _say(self, msg: str) -> None:
         """A visible line: the kernel log (stderr) and a stderr stream message on IOPub."""

@@ -167,7 +167,7 @@ def current_engine():
 
         return get_engine(ip)
     global _default
-    if _default is None or _default._closed:
+    if _default is None or _default.closed:
         import atexit
 
         from mlxcache_kernel.engine import Engine

@@ -12,7 +12,7 @@ owner thread (during a generation) also updates the light part of the view
 at once (`tick()`: bars, counters, log, from `engine.stats()` only), so a
 long cell shows live numbers. Both are throttled.
 
-Views are built from `engine.stats()`, `engine.cache_entries()` and event
+Views are built from `engine.stats()`, `engine.admin.entries()` and event
 dicts only: plain Python, never MLX arrays. This module owns the widget and
 its threading; `dashboard_state.py` what it knows (counters, log, snapshot),
 `dashboard_render.py` the HTML.
@@ -225,10 +225,10 @@ class ResidencyDashboard(W.VBox):
             self._call_later(wait, self._timer_fired)
 
     def refresh(self) -> None:
-        """Rebuild the whole view now from engine.stats() and engine.cache_entries().
+        """Rebuild the whole view now from engine.stats() and engine.admin.entries().
 
         Owner thread, at a safe point (between cells; not from inside an
-        engine callback: cache_entries() applies finished background work).
+        engine callback: admin.entries() applies finished background work).
         From another thread it only queues a refresh."""
         if self._closed:
             return
@@ -245,7 +245,7 @@ class ResidencyDashboard(W.VBox):
         except Exception as exc:  # a closed engine, say
             self.title.value = f"<b>mlxcache residency</b> — <i>{esc(exc)}</i>"
             return
-        self.state.update(stats, eng.cache_entries())
+        self.state.update(stats, eng.admin.entries())
         self._show_stats(log)
         self._set(self.entries_html, render_entries(self.state.entries))
         if (stats.get("pending_writes") or stats.get("prefetches_in_progress")) and self._call_later is not None \
@@ -288,7 +288,7 @@ class ResidencyDashboard(W.VBox):
     events_seen = property(lambda self: self.state.events_seen, doc="engine events received")
     counters = property(lambda self: self.state.counters, doc="the counters shown, by name")
     last_stats = property(lambda self: self.state.stats, doc="the engine.stats() last shown")
-    last_entries = property(lambda self: self.state.entries, doc="the engine.cache_entries() last shown")
+    last_entries = property(lambda self: self.state.entries, doc="the engine.admin.entries() last shown")
 
     def _bar(self, bar, value, maximum) -> None:
         maximum = float(maximum) if maximum else max(1.0, float(value or 0))

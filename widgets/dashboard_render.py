@@ -1,6 +1,6 @@
 """How the residency dashboard looks: HTML for its counters, entries table,
 event log and the labels beside its bars, from plain dicts (`engine.stats()`,
-`engine.cache_entries()` rows, event records).
+`engine.admin.entries()` rows, event records).
 
 Pure functions: no widgets, no engine calls.
 """

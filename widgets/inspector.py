@@ -3,7 +3,7 @@ heatmap of key (and value) norms per head and position.
 
 Sources are the ones the engine can export: the last generation, each chat
 session's latest checkpoint, and each named checkpoint. Tensors come from
-`engine.kv_info(...)` (per-layer metadata) and `engine.kv_export(...)`
+`engine.kv.info(...)` (per-layer metadata) and `engine.kv.export(...)`
 (float32 numpy copies). Computing a picture touches MLX through the engine,
 so it runs on the thread that built the inspector (the kernel's main thread;
 ipywidgets observers run there too); nothing happens on other threads.
@@ -106,21 +106,9 @@ class KVInspector(W.VBox):
 
     def sources(self) -> list[tuple[str, dict]]:
         eng = self.engine
-        out: list[tuple[str, dict]] = []
-        if getattr(eng, "last_result", None) is not None:
-            out.append((LAST, {"last": True}))
-        sessions = getattr(eng, "sessions", None)
-        if sessions is not None:
-            for s in sessions.list():
-                sid = getattr(s, "id", s)
-                out.append((f"session: {sid}", {"session": sid}))
-        if hasattr(eng, "checkpoint_list"):
-            try:
-                for c in eng.checkpoint_list():
-                    name = c.get("name") if isinstance(c, dict) else str(c)
-                    out.append((f"checkpoint: {name}", {"checkpoint": name}))
-            except Exception:  # pragma: no cover - a listing problem is not fatal
-                pass
+        out: list[tuple[str, dict]] = [(LAST, {"last": True})] if eng.last_result is not None else []
+        out += [(f"session: {s.id}", {"session": s.id}) for s in eng.sessions.list()]
+        out += [(f"checkpoint: {c['name']}", {"checkpoint": c["name"]}) for c in eng.checkpoints.list()]
         return out
 
     def refresh_sources(self) -> None:
@@ -172,12 +160,8 @@ class KVInspector(W.VBox):
         args = self._args()
         if args is None:
             return
-        eng = self.engine
-        if not hasattr(eng, "kv_info") or not hasattr(eng, "kv_export"):
-            self._msg("this engine has no kv_info()/kv_export(): nothing to inspect", error=True)
-            return
         try:
-            info = list(eng.kv_info(**args))
+            info = list(self.engine.kv.info(**args))
         except Exception as exc:
             self._msg(f"{type(exc).__name__}: {exc}", error=True)
             self.layer_info, self.layer.options = [], []
@@ -196,7 +180,7 @@ class KVInspector(W.VBox):
         self._draw()
 
     def _info_table(self, current: int | None) -> str:
-        """One row per layer and array (the engine's kv_info rows)."""
+        """One row per layer and array (the engine's kv.info rows)."""
         rows = []
         total = 0
         layers = set()
@@ -240,7 +224,7 @@ class KVInspector(W.VBox):
         if args is None or layer is None:
             return
         try:
-            arrays = self.engine.kv_export(**args, layer=layer)
+            arrays = self.engine.kv.export(**args, layer=layer)
             tensors = pick_tensors(dict(arrays), layer)
             if not tensors:
                 raise ValueError(f"layer {layer} has no tensor to draw")

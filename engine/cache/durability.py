@@ -66,7 +66,7 @@ class Durability:
         self._vanished: list[tuple] = []  # (ns, tokens) of files other processes deleted (any thread appends)
         self.write_error: str | None = None  # the latest write failure, until a write succeeds again
         self._error_kind: tuple | None = None
-        self.pins = CatalogPins(store)  # the engine sets pins.source: the named records
+        self.pins = CatalogPins(store)  # its source (the named records): TieredPromptCache.follow_pins
         self._rebuilds_seen = 0
         self._inflight_last = (0.0, 0.0)  # (when, seconds) of the last in-flight write applied
 

@@ -88,6 +88,12 @@ class TieredPromptCache:
         if self.store is not None:
             self.store.register_namespace(ns, identity, check=check)
 
+    def follow_pins(self, named: Callable[[], dict]) -> None:
+        """The catalogue's pins follow `named()` (name -> (namespace, tokens) of the named records):
+        synced now, and again whenever the catalogue is rebuilt (pins.py)."""
+        self.durability.pins.source = named
+        self.durability.pins.sync()
+
     def _file_removed(self, ns: str, tokens: tuple) -> None:
         """Another process deleted a file (any thread): entries it covered are dirty again."""
         durability = getattr(self, "durability", None)
@@ -287,7 +293,7 @@ class TieredPromptCache:
     # --- views ---
 
     def rows(self) -> list[dict]:
-        """Every RAM and SSD entry as plain data (see `Engine.cache_entries`)."""
+        """Every RAM and SSD entry as plain data (see `CacheAdmin.entries`)."""
         files = {(h.namespace, tuple(h.tokens)): h for h in self.store.entries()} if self.store else {}
         rows = []
         for e in self.ram.entries():

@@ -1,18 +1,20 @@
-"""Chat sessions: conversation history per session id.
+"""Chat sessions (`eng.sessions`): conversation history per session id.
 
 The cache keeps its own session index (session id -> latest checkpoint);
 this module keeps what the user said and what the model answered, so each
-turn renders the whole conversation with the chat template.
+turn renders the whole conversation with the chat template. `Sessions.switch`
+brings a session's latest state back into RAM; `close` forgets the session and
+the index's references to it (the cached states stay).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..named.names import check_user_name
 from ..errors import SessionError  # noqa: F401 (raised here; defined in errors.py)
-
 
 
 def check_session_id(session_id: str) -> str:
@@ -105,8 +107,14 @@ def shown(content: str | list) -> str:
 
 
 class Sessions:
-    def __init__(self):
+    """Chat sessions by id (`eng.sessions`): each one's history here; its latest state in the cache's
+    session index, which `switch` brings back into RAM and `close` lets go of."""
+
+    def __init__(self, *, cache, models, events, poll: Callable[[], None]):
+        """cache: the engine's TieredPromptCache; models: its ModelRegistry; poll: apply finished
+        background work (the engine's)."""
         self._sessions: dict[str, Session] = {}
+        self.cache, self.models, self.events, self.poll = cache, models, events, poll
 
     def new(self, session_id: str, *, system: str | None = None, model: str | None = None) -> Session:
         check_session_id(session_id)
@@ -128,6 +136,7 @@ class Sessions:
         return self._sessions[session_id]
 
     def reset(self, session_id: str) -> Session:
+        """Forget the conversation, keep the session (its cached states stay in the cache)."""
         s = self.get(session_id)
         s.messages.clear()
         s.last_prompt_tokens = 0
@@ -136,9 +145,40 @@ class Sessions:
         return s
 
     def close(self, session_id: str) -> Session:
+        """Forget a chat session and the cache's references to it; the cached states stay."""
         s = self.get(session_id)
         del self._sessions[session_id]
+        self.cache.drop_session(session_id)
         return s
+
+    def switch(self, session_id: str, *, model: str | None = None) -> dict:
+        """Bring a chat session's latest state back into RAM, in the background when it is on
+        SSD only; returns at once: {"session", "tokens", "source": "ram" | "loading" | None}."""
+        s = self.get(session_id)
+        ns = self.models.get(s.model or model).namespace
+        entry = self.cache.session_entry(s.id, ns)
+        if entry is not None:
+            return {"session": s.id, "tokens": len(entry.tokens), "source": "ram"}
+        ids = s.history[0][0] if s.history else []
+        if not ids:
+            return {"session": s.id, "tokens": 0, "source": None}
+        self.poll()
+        source, n = self.cache.load(ids, ns, exact=False, then=lambda e: self.cache.bind_session(s.id, e))
+        self.events.emit("session_switched", session=s.id, tokens=n, source=source)
+        return {"session": s.id, "tokens": n if source else 0, "source": source}
+
+    def entry(self, session_id: str, *, model: str | None = None):
+        """The session's latest cache entry (waiting for a `switch` that is loading it); a ValueError
+        when it has none yet."""
+        s = self.get(session_id)
+        ns = self.models.get(s.model or model).namespace
+        entry = self.cache.session_entry(session_id, ns)
+        if entry is None and self.cache.loading.reader is not None and self.cache.loading.reader.jobs():
+            self.cache.loading.wait_reads(30)  # a `switch` may be loading it
+            entry = self.cache.session_entry(session_id, ns)
+        if entry is None:
+            raise ValueError(f"session {session_id!r} has no cached state yet: generate in it first")
+        return entry
 
     def list(self) -> list[Session]:
         return list(self._sessions.values())

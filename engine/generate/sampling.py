@@ -59,6 +59,24 @@ class SamplingParams:
     def names(cls) -> tuple:
         return tuple(f.name for f in fields(cls))
 
+    @classmethod
+    def from_call(cls, params: "SamplingParams | None", options: dict, others=frozenset()) -> "SamplingParams":
+        """A call's sampling (Engine.generate, generate_tokens): params=SamplingParams(...) or the sampling
+        options, taken out of `options`, never both; any other name not in `others` is a TypeError."""
+        given = {k: options.pop(k) for k in cls.names() if k in options}
+        unknown = sorted(set(options) - set(others))
+        if unknown:
+            also = f"; the others {', '.join(sorted(others))}" if others else ""
+            raise TypeError(f"unknown option(s) {', '.join(unknown)}; the sampling options are "
+                            f"{', '.join(cls.names())}{also}")
+        if params is None:
+            return cls.of(**given)
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if given:
+            raise TypeError(f"pass params= or the sampling options ({', '.join(sorted(given))}), not both")
+        return params
+
     def validate(self, vocab_size: int | None = None) -> "SamplingParams":
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise GenerationError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")

@@ -1,8 +1,7 @@
 """Resident models: loading through mlx-lm, registry by name, artifact identity.
 
-A checkpoint is only valid for the exact weights, config, tokenizer and KV
-scheme that produced it, on the same mlx and mlx-lm versions. Those
-fingerprints form the model identity; its hash is the cache namespace.
+A checkpoint is only valid for the exact weights, config, tokenizer and KV scheme that produced it,
+on the same mlx and mlx-lm versions. Those fingerprints form the model identity; its hash is the namespace.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..kv.caches import hit_summary, kv_scheme, new_caches, unsupported
 from ..kv.quantize_start import QuantizeFrom, check_quantizable
@@ -23,16 +22,8 @@ from ..host.system import make_private_dir, write_json_atomic
 from ..errors import ModelError  # noqa: F401 (raised here; defined in errors.py)
 
 WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf")
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-)
-
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "chat_template.jinja")
 
 
 def _hash_file(path: Path, chunk: int = 8 << 20) -> str:
@@ -337,17 +328,20 @@ def _weight_dtype(model) -> str:
 
 
 class ModelRegistry:
-    """Several resident models by name; the first loaded is the default."""
+    """The resident models by name (`eng.models`; load through Engine.load_model); the first is the default."""
 
-    def __init__(self, memo: IdentityMemo):
-        self.memo = memo
+    def __init__(self, memo: IdentityMemo, emit: Callable[..., object] = lambda *a, **k: None):
+        self.memo, self.emit = memo, emit
         self._models: dict[str, LoadedModel] = {}
         self._previews: dict = {}
         self.default: str | None = None
 
-    def load(self, path_or_id, name: str | None = None, **kv) -> LoadedModel:
+    def load(self, path_or_id, name: str | None = None, *, check=None, **kv) -> LoadedModel:
+        """check(loaded): may refuse the model (raise) before it replaces one of the same name."""
         name = check_user_name(name or "default", "model name", ModelError)
         loaded = load_model(path_or_id, name, self.memo, **kv)
+        if check is not None:
+            check(loaded)
         self._models[name] = loaded
         if self.default is None or self.default not in self._models:
             self.default = name
@@ -361,16 +355,23 @@ class ModelRegistry:
             raise ModelError(f"unknown model {name!r}; loaded: {', '.join(sorted(self._models)) or 'none'}")
         return self._models[name]
 
+    def info(self, name: str | None = None) -> dict:
+        """Its name, namespace, identity and what loading found (kv scheme, dtype, adapter, draft ...)."""
+        m = self.get(name)
+        return {"name": m.name, "namespace": m.namespace, "identity": dict(m.identity), **m.info}
+
     def use(self, name: str) -> LoadedModel:
         loaded = self.get(name)
         self.default = name
         return loaded
 
     def unload(self, name: str) -> LoadedModel:
+        """Forget a model; its cached states stay (for when it loads again)."""
         loaded = self.get(name)
         del self._models[name]
         if self.default == name:
             self.default = next(iter(self._models), None)
+        self.emit("model_unloaded", name=name)
         return loaded
 
     def names(self) -> list[str]:

@@ -1,10 +1,9 @@
-"""States a user names: named checkpoints, chat sessions' states and KV inspection.
+"""States a user reaches by name: named checkpoints (`eng.checkpoints`) and KV inspection
+(`eng.kv`) of a session's, a named checkpoint's or the last generation's state.
 
-`Engine` holds one `UserStates` and hands its public calls on (engine.py).
-
-Bringing a state back from SSD (`checkpoint_restore`, `session_switch`)
-returns at once and reads in the background (cache/loading.py); inspecting
-one (`kv_info`, `kv_export`) reads it now, sharing a read in progress.
+Bringing a state back from SSD (`checkpoints.restore`, and `sessions.switch` in
+chat/sessions.py) returns at once and reads in the background (cache/loading.py);
+inspecting one (`kv.info`, `kv.export`) reads it now, sharing a read in progress.
 """
 
 from __future__ import annotations
@@ -12,50 +11,30 @@ from __future__ import annotations
 from typing import Callable
 
 from ..cache.tiered import TieredPromptCache
+from ..chat.sessions import Sessions
 from ..events import EventBus
 from ..kv import inspect as kv_inspect
 from ..models.registry import ModelRegistry
 from .checkpoints import CheckpointNameError, NamedCheckpoints, check_name
-from ..chat.sessions import Sessions
 
 
-class UserStates:
-    def __init__(self, *, cache: TieredPromptCache, names: NamedCheckpoints, sessions: Sessions,
-                 models: ModelRegistry, events: EventBus, poll: Callable[[], None],
+class StateFinder:
+    """The cache entry a user means by session / checkpoint / last (the default)."""
+
+    def __init__(self, cache: TieredPromptCache, names: NamedCheckpoints, sessions: Sessions,
                  last_key: Callable[[], tuple | None]):
-        """poll: apply finished background work (the engine's); last_key: the (namespace, tokens)
-        of the last generation's checkpoint, or None."""
-        self.cache, self.names, self.sessions, self.models, self.events = cache, names, sessions, models, events
-        self.poll, self.last_key = poll, last_key
-        catalog = cache.catalog  # who saves a name (the panel never removes a live kernel's names)
-        self.saved_by = {"owner": catalog.owner, "pid": catalog.identity.pid, "host": catalog.identity.host} \
-            if catalog is not None else None
+        """last_key: the (namespace, tokens) of the last generation's checkpoint, or None."""
+        self.cache, self.names, self.sessions, self.last_key = cache, names, sessions, last_key
 
-    def close_session(self, session_id: str) -> None:
-        """Forget a chat session and its cache references; the cached state stays."""
-        self.sessions.close(session_id)
-        self.cache.drop_session(session_id)
-
-    def resolve_entry(self, *, session=None, checkpoint=None, last=False, model=None):
-        """The cache entry a user means by --session / --checkpoint / --last (the default).
-
-        Restored from SSD when it is no longer resident.
-        """
+    def entry(self, *, session=None, checkpoint=None, last=False, model=None):
+        """Restored from SSD when it is no longer resident."""
         if (session is not None) + (checkpoint is not None) + bool(last) > 1:
             raise ValueError("choose one of session, checkpoint or last")
+        if session is not None:
+            return self.sessions.entry(session, model=model)
         if checkpoint is not None:
             record = self.names.get(checkpoint)
             ns, tokens = record["namespace"], tuple(record["tokens"])
-        elif session is not None:
-            s = self.sessions.get(session)
-            ns = self.models.get(s.model or model).namespace
-            entry = self.cache.session_entry(session, ns)
-            if entry is None and self.cache.loading.reader is not None and self.cache.loading.reader.jobs():
-                self.cache.loading.wait_reads(30)  # a `session_switch` may be loading it
-                entry = self.cache.session_entry(session, ns)
-            if entry is None:
-                raise ValueError(f"session {session!r} has no cached state yet: generate in it first")
-            return entry
         else:
             last = self.last_key()
             if last is None:
@@ -66,11 +45,27 @@ class UserStates:
             raise ValueError(f"the cached state of {checkpoint or 'the last generation'} is no longer in RAM or on SSD")
         return entry
 
-    def checkpoint_save(self, name: str, *, session: str | None = None, model: str | None = None) -> dict:
+
+class Checkpoints:
+    """Named checkpoints (`eng.checkpoints`): save, restore, remove, list. A name pins its state in
+    every process on the cache directory; the records (checkpoints.py) are the truth the catalogue's
+    pins follow."""
+
+    def __init__(self, *, cache: TieredPromptCache, names: NamedCheckpoints, sessions: Sessions,
+                 models: ModelRegistry, events: EventBus, poll: Callable[[], None], find: StateFinder):
+        """poll: apply finished background work (the engine's)."""
+        self.cache, self.names, self.sessions, self.models, self.events = cache, names, sessions, models, events
+        self.poll, self.find = poll, find
+        catalog = cache.catalog  # who saves a name (the panel never removes a live kernel's names)
+        self.saved_by = {"owner": catalog.owner, "pid": catalog.identity.pid, "host": catalog.identity.host} \
+            if catalog is not None else None
+        cache.follow_pins(lambda: {r["name"]: (r["namespace"], tuple(r["tokens"])) for r in names.list()})
+
+    def save(self, name: str, *, session: str | None = None, model: str | None = None) -> dict:
         """Pin the session's latest (or the last generation's) checkpoint under a name, durably."""
         check_name(name)
         self.poll()
-        entry = self.resolve_entry(session=session, model=model)
+        entry = self.find.entry(session=session, model=model)
         m = self.models.by_namespace(entry.ns)
         s = self.sessions.get(session) if session else None
         # The record first: a process starting meanwhile pins what the records name.
@@ -92,9 +87,9 @@ class UserStates:
             raise CheckpointNameError(f"could not write checkpoint {name!r} to SSD: {entry.write_error or 'write failed'}")
         self.cache.publish_remote(entry.tokens, entry.ns)  # with remote_publish=named, names go remote
         self.events.emit("checkpoint_saved", name=name, tokens=len(entry.tokens))
-        return self._named_summary(record)
+        return self._summary(record)
 
-    def checkpoint_restore(self, name: str) -> dict:
+    def restore(self, name: str) -> dict:
         """Make a named checkpoint resident again and, for a session checkpoint, its chat history.
 
         A checkpoint on SSD only loads in the background: the call returns at
@@ -126,34 +121,20 @@ class UserStates:
             s.last_prompt_tokens = len(tokens)
             s.history = [(list(tokens), None)]  # the next turn keeps these ids where the text matches
         self.events.emit("checkpoint_restored", name=name, tokens=len(tokens), source=source)
-        return {**self._named_summary(record), "source": source}
+        return {**self._summary(record), "source": source}
 
-    def session_switch(self, session_id: str, *, model: str | None = None) -> dict:
-        """Bring a chat session's latest state back into RAM, in the background when it is on
-        SSD only; returns at once: {"session", "tokens", "source": "ram" | "loading" | None}."""
-        s = self.sessions.get(session_id)
-        ns = self.models.get(s.model or model).namespace
-        entry = self.cache.session_entry(s.id, ns)
-        if entry is not None:
-            return {"session": s.id, "tokens": len(entry.tokens), "source": "ram"}
-        ids = s.history[0][0] if s.history else []
-        if not ids:
-            return {"session": s.id, "tokens": 0, "source": None}
-        self.poll()
-        source, n = self.cache.load(ids, ns, exact=False, then=lambda e: self.cache.bind_session(s.id, e))
-        self.events.emit("session_switched", session=s.id, tokens=n, source=source)
-        return {"session": s.id, "tokens": n if source else 0, "source": source}
-
-    def checkpoint_remove(self, name: str) -> dict:
+    def remove(self, name: str) -> dict:
+        """Remove the name (and its pin); the state stays cached like any other."""
         record = self.names.remove(name)
         ns, tokens = record["namespace"], tuple(record["tokens"])
         self.cache.durability.unpin(ns, tokens, name)
-        return self._named_summary(record)
+        return self._summary(record)
 
-    def checkpoint_list(self) -> list[dict]:
-        return [self._named_summary(r) for r in self.names.list()]
+    def list(self) -> list[dict]:
+        """Every name: its model, tokens, KV bytes, session, tier ("ram+ssd", "ssd", "missing" ...), preview."""
+        return [self._summary(r) for r in self.names.list()]
 
-    def _named_summary(self, record: dict) -> dict:
+    def _summary(self, record: dict) -> dict:
         ns, tokens = record["namespace"], tuple(record["tokens"])
         in_ram = self.cache.get_exact(tokens, ns) is not None
         on_ssd = self.cache.on_ssd(tokens, ns)
@@ -168,12 +149,20 @@ class UserStates:
             "preview": self.models.preview(ns, tokens),
         }
 
-    def kv_info(self, *, session=None, checkpoint=None, last=False, layer=None) -> list[dict]:
+
+class KVInspection:
+    """The KV tensors of a state (`eng.kv`): session=ID, checkpoint=NAME or last=True (the default);
+    layer=L for one layer. Reads the state now (from SSD if it is no longer resident)."""
+
+    def __init__(self, find: StateFinder):
+        self.find = find
+
+    def info(self, *, session=None, checkpoint=None, last=False, layer=None) -> list[dict]:
         """Per-layer, per-array shapes, dtype, bytes, offset, hash prefix and value statistics."""
-        entry = self.resolve_entry(session=session, checkpoint=checkpoint, last=last)
+        entry = self.find.entry(session=session, checkpoint=checkpoint, last=last)
         return kv_inspect.kv_info(entry.checkpoint, layer)
 
-    def kv_export(self, *, session=None, checkpoint=None, last=False, layer=None) -> dict:
+    def export(self, *, session=None, checkpoint=None, last=False, layer=None) -> dict:
         """The KV tensors as numpy copies ('layer{i}.keys' ...); bfloat16 becomes float32."""
-        entry = self.resolve_entry(session=session, checkpoint=checkpoint, last=last)
+        entry = self.find.entry(session=session, checkpoint=checkpoint, last=last)
         return kv_inspect.kv_export(entry.checkpoint, layer)

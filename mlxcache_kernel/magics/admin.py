@@ -74,7 +74,7 @@ class AdminMagics(EngineMagics):
             self._model_load(args.target, args.name or "default", kv_bits=args.kv_bits,
                              kv_group_size=args.kv_group_size, adapter_path=args.adapter, **extra)
         elif args.action == "info":
-            for k, v in eng.model_info(args.target).items():
+            for k, v in eng.models.info(args.target).items():
                 if isinstance(v, dict):
                     for k2, v2 in v.items():
                         print(f"{k}.{k2}: {v2}")
@@ -86,7 +86,7 @@ class AdminMagics(EngineMagics):
             eng.models.use(args.target)
             print(f"default model: {args.target!r}")
         else:
-            eng.unload_model(args.target)
+            eng.models.unload(args.target)
             print(f"unloaded {args.target!r}" + (f"; default is now {eng.models.default!r}" if eng.models.default else ""))
         return None
 
@@ -94,7 +94,7 @@ class AdminMagics(EngineMagics):
         eng = self.engine
         rows = []
         for name in eng.models.names():
-            info = eng.model_info(name)
+            info = eng.models.info(name)
             rows.append({
                 "": "*" if name == eng.models.default else "",
                 "name": name,
@@ -171,7 +171,7 @@ class AdminMagics(EngineMagics):
             for msg in s.messages:
                 print(f"[{msg['role']}] {shown(msg['content'])}")
         elif args.action == "switch":
-            info = eng.session_switch(args.id)
+            info = eng.sessions.switch(args.id)
             state = {"ram": "its state is in RAM", "loading": "loading its state from SSD in the background",
                      None: "no cached state (the next turn prefills)"}[info["source"]]
             tokens = f" ({info['tokens']} tokens)" if info["tokens"] else ""
@@ -180,7 +180,7 @@ class AdminMagics(EngineMagics):
             eng.sessions.reset(args.id)
             print(f"session {args.id!r} reset")
         else:
-            eng.close_session(args.id)
+            eng.sessions.close(args.id)
             print(f"session {args.id!r} closed (its cached states stay until the budget evicts them)")
         return None
 
@@ -208,19 +208,19 @@ class AdminMagics(EngineMagics):
         only_for(args, "checkpoint", "save", "session", "model")
         if args.action == "list":
             no_target(args.name, "checkpoint list")
-            rows = [checkpoint_row(c) for c in eng.checkpoint_list()]
+            rows = [checkpoint_row(c) for c in eng.checkpoints.list()]
             show_table(rows, columns_of(rows), empty="no named checkpoints (use %checkpoint save NAME)")
             return None
         if not args.name:
             raise UsageError(f"%checkpoint {args.action} needs a name")
         if args.action == "rm":
-            eng.checkpoint_remove(args.name)
+            eng.checkpoints.remove(args.name)
             print(f"checkpoint {args.name!r} removed")
             return None
         if args.action == "save":
-            info = eng.checkpoint_save(args.name, session=args.session, model=args.model)
+            info = eng.checkpoints.save(args.name, session=args.session, model=args.model)
         else:
-            info = eng.checkpoint_restore(args.name)
+            info = eng.checkpoints.restore(args.name)
         done = "saved" if args.action == "save" else "restored"
         if info.get("source") == "loading":
             done = "loading from SSD in the background"
@@ -278,7 +278,7 @@ class AdminMagics(EngineMagics):
         print(CHEAT_SHEET)
 
     def _cache_ls(self, args) -> None:
-        entries = sorted(self.engine.cache_entries(), key=lambda e: -(e.get("last_used") or 0))
+        entries = sorted(self.engine.admin.entries(), key=lambda e: -(e.get("last_used") or 0))
         entries = [e for e in entries if (args.model is None or e.get("model") == args.model)
                    and (args.session is None or args.session in (e.get("sessions") or ()))]
         shown = entries if args.all else entries[:LS_ROWS]
@@ -299,7 +299,7 @@ class AdminMagics(EngineMagics):
             print(f"  pending: {r['late_reason']}")
 
     def _cache_clear(self, args) -> None:
-        r = self.engine.cache_clear(ssd=args.ssd)
+        r = self.engine.admin.clear(ssd=args.ssd)
         print(f"cleared {r['ram_entries']} RAM entries"
               + (f" and {r['ssd_files']} SSD files (named checkpoints kept)" if args.ssd else " (SSD files kept)"))
         if r["kept_not_durable"]:
@@ -307,7 +307,7 @@ class AdminMagics(EngineMagics):
                   "(see %cache flush)")
 
     def _cache_gc(self, args) -> None:
-        r = self.engine.cache_gc(dry_run=args.dry_run, quarantine=args.quarantine)
+        r = self.engine.admin.gc(dry_run=args.dry_run, quarantine=args.quarantine)
         q, t, verb = r["quarantine_removed"], r["temp_removed"], "would remove" if args.dry_run else "removed"
         print(f"gc{' (dry run)' if args.dry_run else ''}: {verb} {len(q)} quarantined file(s), {len(t)} stale temp "
               f"file(s), {len(r.get('blocks_removed', []))} unreferenced block(s), {len(r.get('files_removed', []))} "
@@ -321,7 +321,7 @@ class AdminMagics(EngineMagics):
 
     def _cache_verify(self, args) -> None:
         t0 = time.perf_counter()
-        bad = self.engine.cache_verify()
+        bad = self.engine.admin.verify()
         if not bad:
             s = self.engine.stats()
             print(f"verify: all {s.get('ssd_files', '?')} SSD checkpoints and their {s.get('ssd_blocks', 0)} blocks "
@@ -368,7 +368,7 @@ class AdminMagics(EngineMagics):
 
             self._show_widget(KVInspector(eng))
         elif args.action == "inspect":
-            rows = [kv_row(r) for r in eng.kv_info(**which)]
+            rows = [kv_row(r) for r in eng.kv.info(**which)]
             show_table(rows, columns_of(rows), empty="no KV state")
         else:
             self._kv_export(which, args.to)
@@ -379,7 +379,7 @@ class AdminMagics(EngineMagics):
             raise UsageError("%kv export needs --to VAR")
         if not to.isidentifier():
             raise UsageError(f"--to needs a variable name, got {to!r}")
-        arrays = self.engine.kv_export(**which)
+        arrays = self.engine.kv.export(**which)
         self.shell.user_ns[to] = arrays
         total = sum(int(getattr(a, "nbytes", 0)) for a in arrays.values())
         print(f"{to} = {{{len(arrays)} arrays}} ({format_bytes(total)})")

@@ -130,7 +130,7 @@ class EngineMagics(Magics):
     def poll(self) -> None:
         """Apply finished background writes and refresh this kernel's report (called between
         cells, main thread)."""
-        if self._engine is not None and not getattr(self._engine, "_closed", False):
+        if self._engine is not None and not self._engine.closed:
             try:
                 self._engine.poll()
                 if self._report is None:
@@ -142,7 +142,7 @@ class EngineMagics(Magics):
                 pass
 
     def flush(self, timeout: float | None = None) -> dict | None:
-        if self._engine is None or getattr(self._engine, "_closed", False):
+        if self._engine is None or self._engine.closed:
             return None
         return self._engine.flush(timeout=timeout)
 
@@ -154,7 +154,7 @@ class EngineMagics(Magics):
             except Exception:
                 pass
         self._widgets.clear()
-        if self._engine is None or getattr(self._engine, "_closed", False):
+        if self._engine is None or self._engine.closed:
             return None
         report = self._engine.flush(timeout=timeout)
         if not report.get("pending"):

@@ -18,7 +18,6 @@ widget cannot be shown); the generated text streams to stdout.
 
 from __future__ import annotations
 
-import inspect
 import keyword
 import re
 import sys
@@ -149,8 +148,6 @@ class GenerateMagics(EngineMagics):
         if args.audio:
             kwargs["audios"] = [self._image(spec, "--audio") for spec in args.audio]
         if args.checkpoint_every is not None:
-            if "checkpoint_every" not in inspect.signature(eng.generate).parameters:
-                raise UsageError("this engine does not support --checkpoint-every yet")
             kwargs["checkpoint_every"] = args.checkpoint_every
         result = self._run(prompt, kwargs, resumable=args.checkpoint_every is not None)
         gen = CellResult(result, prompt=prompt, model=model_name, session=args.session, use_cache=not args.no_cache,

@@ -81,7 +81,7 @@ def describe_checkpoint(info) -> str:
 
 
 def entry_row(e: dict) -> dict:
-    """A ``cache_entries()`` row for ENTRY_COLUMNS."""
+    """An ``admin.entries()`` row for ENTRY_COLUMNS."""
     row = dict(e)
     for col in ("ram", "kv", "file"):
         row[col] = format_bytes(e.get(f"{col}_bytes"))
@@ -96,7 +96,7 @@ def entry_row(e: dict) -> dict:
 
 
 def kv_row(r: dict) -> dict:
-    """A ``kv_info()`` row: floats to 4 digits, shapes as AxB, bytes readable."""
+    """A ``kv.info()`` row: floats to 4 digits, shapes as AxB, bytes readable."""
     row = dict(r)
     for k, v in list(row.items()):
         if isinstance(v, float):

@@ -27,7 +27,7 @@ def restore(name) -> Answer:
 
     try:
         check_name(name)
-        info = get_engine().checkpoint_restore(name)
+        info = get_engine().checkpoints.restore(name)
     except (CheckpointNameError, ValueError, LookupError, OSError, RuntimeError) as e:
         return Answer(ok=False, message=str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
     done = "loading from SSD in the background" if info.get("source") == "loading" else "restored"

@@ -95,7 +95,7 @@ def test_streaming_callback_concatenates_to_text(engine):
 
 def test_bad_input_is_a_clear_error_and_keeps_the_cache(engine, tmp_path):
     engine.generate(PROMPTS[0], max_tokens=4)
-    entries = len(engine.cache.entries())
+    entries = len(engine.admin.entries())
     not_a_model = tmp_path / "empty"
     not_a_model.mkdir()
     cases = [
@@ -111,7 +111,7 @@ def test_bad_input_is_a_clear_error_and_keeps_the_cache(engine, tmp_path):
     for exc, words, call in cases:
         with pytest.raises(exc, match=words):
             call()
-    assert len(engine.cache.entries()) == entries
+    assert len(engine.admin.entries()) == entries
     assert engine.generate(PROMPTS[0], max_tokens=4).stats["cache_source"] == "ram"
 
 
@@ -123,7 +123,7 @@ def test_ram_budget_evicts_lru_and_accounts_bytes(tiny_model_dir, tmp_path):
     s = eng.stats()
     assert s["evictions"] > 0
     assert s["ram_used_bytes"] <= 400_000
-    assert s["ram_used_bytes"] == sum(e.nbytes for e in eng.cache.entries())
+    assert s["ram_used_bytes"] == sum(r["ram_bytes"] for r in eng.admin.entries())
     eng.close()
 
 
@@ -134,7 +134,7 @@ def test_model_identity_memo_and_namespace(tiny_model_dir, tmp_path):
     assert a["namespace"] == b["namespace"]
     assert (tmp_path / "c" / "identities.json").exists()
     assert oct(os.stat(tmp_path / "c").st_mode & 0o777) == "0o700"
-    eng.unload_model("a")
+    eng.models.unload("a")
     assert eng.models.names() == ["b"]
 
 

@@ -8,7 +8,6 @@ import math
 from IPython.lib.pretty import pretty
 from magics_shell import engine, run, usage_error
 
-from mlxcache_kernel.engine import SamplingParams
 
 DOC = "The keeper climbed the stairs of the lighthouse every evening at dusk. " * 5
 
@@ -18,7 +17,7 @@ def test_generate_shows_each_tokens_logprob_and_alternatives(ip, capsys):
     assert res.success, err
     cell = ip.user_ns["g"]
     want = engine(ip).generate_tokens(engine(ip).encode_prompt(f"{DOC}He carried a"),
-                                      SamplingParams(max_tokens=6, logprobs=3), use_cache=False)
+                                      max_tokens=6, logprobs=3, use_cache=False)
     assert cell.tokens == want.tokens and len(cell.logprobs) == 6
     assert max(abs(a.logprob - b.logprob) for a, b in zip(cell.logprobs, want.logprobs)) <= 1e-4
     text = pretty(cell)

@@ -139,7 +139,7 @@ def test_model_load_list_use_unload(ip, capsys, tmp_path):
     assert res.success and "KVCache:float32:q8g32@40" in out and engine(ip).models.get("q8late").kv_start == 40
     run(ip, capsys, "%model unload q8late")
     assert "does not fit this model's KV" in usage_error(ip, capsys, f"%model load {path} --name bad --kv-bits 8")
-    assert engine(ip).model_info("q8")["namespace"] != engine(ip).model_info("second")["namespace"]
+    assert engine(ip).models.info("q8")["namespace"] != engine(ip).models.info("second")["namespace"]
     run(ip, capsys, "%model unload q8")
     res, out, _ = run(ip, capsys, "%model unload default")
     assert res.success and engine(ip).models.names() == ["second"]

@@ -99,7 +99,7 @@ def test_cheat_sheet(ip, capsys):
 def test_previews_show_the_user_text_first(ip, capsys):
     run(ip, capsys, f"{GEN}\nWhere is the lighthouse?")
     run(ip, capsys, f"{GEN} --system 'Be brief.'\nA second question")
-    previews = [e["preview"] for e in engine(ip).cache_entries()]
+    previews = [e["preview"] for e in engine(ip).admin.entries()]
     assert any(p.startswith("Where is the lighthouse?") for p in previews), previews
     assert any(p.startswith("Be brief. · A second question") for p in previews), previews
     assert not [p for p in previews if p.startswith(("user", "system", "<|im_start|>"))], previews
@@ -127,7 +127,7 @@ def _previews(out: str) -> list[int]:
 
 def test_cache_ls_newest_first_bounded_and_filtered(ip, capsys, monkeypatch):
     rows = _rows(30)
-    monkeypatch.setattr(engine(ip), "cache_entries", lambda poll=True: list(rows))  # oldest first on purpose
+    monkeypatch.setattr(engine(ip).admin, "entries", lambda poll=True: list(rows))  # oldest first on purpose
     res, out, _ = run(ip, capsys, "%cache ls")
     assert res.success and _previews(out) == list(range(29, 9, -1))
     assert "... and 10 older entries (%cache ls --all lists every one)" in out
@@ -175,7 +175,7 @@ def test_smollm2_previews_skip_the_default_system_prompt(default_model_dir, tmp_
         eng.generate("What is a lighthouse?", max_tokens=4)
         eng.generate("Hello there", max_tokens=4, system="Be brief.")
         eng.generate("Q one", max_tokens=4, session="s1")
-        previews = sorted(e["preview"] for e in eng.cache_entries())
+        previews = sorted(e["preview"] for e in eng.admin.entries())
     assert [p.split(" · ")[0] for p in previews] == ["Be brief.", "Q one", "What is a lighthouse?"], previews
     assert previews[0].startswith("Be brief. · Hello there · ")
     assert not any("SmolLM" in p or "system" in p or "<|im" in p for p in previews), previews

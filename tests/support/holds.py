@@ -70,7 +70,7 @@ def hold_after_text(engine, chars: int, ready) -> None:
     ready = Path(ready)
     generate_tokens = engine.generate_tokens
 
-    def held(tokens, params, **options):
+    def held(tokens, **options):
         on_text, seen = options.get("on_text"), [0]
 
         def counting(piece):
@@ -81,7 +81,7 @@ def hold_after_text(engine, chars: int, ready) -> None:
                 _signal_and_sleep(ready, {"chars": seen[0]})
 
         try:
-            return generate_tokens(tokens, params, **{**options, "on_text": counting})
+            return generate_tokens(tokens, **{**options, "on_text": counting})
         finally:
             del engine.generate_tokens
 

@@ -17,13 +17,13 @@ import os
 import random
 import sys
 
-from mlxcache_kernel.engine import Engine, SamplingParams
+from mlxcache_kernel.engine import Engine
 
 
 def run(eng: Engine, cmd: dict) -> dict:
     op = cmd["op"]
     if op == "generate":
-        r = eng.generate_tokens(cmd["prompt"], SamplingParams(max_tokens=cmd.get("max_tokens", 8)))
+        r = eng.generate_tokens(cmd["prompt"], max_tokens=cmd.get("max_tokens", 8))
         return {"tokens": r.tokens, "source": r.stats["cache_source"], "cached": r.stats["cached_tokens"]}
     if op == "save":
         return eng.checkpoint_save(cmd["name"])
@@ -50,7 +50,7 @@ def random_ops(eng: Engine, spec: dict) -> None:
             if roll < 0.6:
                 cmd = {"op": "generate", "prompt": prompts[i], "max_tokens": spec["max_tokens"], "i": i}
             elif roll < 0.7:
-                eng.generate_tokens(prompts[i], SamplingParams(max_tokens=spec["max_tokens"]))
+                eng.generate_tokens(prompts[i], max_tokens=spec["max_tokens"])
                 cmd = {"op": "save", "name": f"w{spec['seed']}-{rng.randrange(10**6)}", "i": i}
             elif roll < 0.8:
                 cmd = {"op": "clear", "ssd": rng.random() < 0.3}

@@ -12,6 +12,7 @@ import threading
 import time
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -136,7 +137,7 @@ def test_dashboard_eviction_and_demotion_log(tmp_path, tiny_model_dir):
 
 
 def test_dashboard_failed_write(engine):
-    ns = engine.model_info()["namespace"]
+    ns = engine.models.info()["namespace"]
     nsdir = engine.cache_dir / "checkpoints" / ns
     if nsdir.exists():
         shutil.rmtree(nsdir)
@@ -177,10 +178,10 @@ def test_dashboard_throttles(engine):
 
 def test_events_inside_engine_calls_never_poll(engine):
     """An event on the owner thread arrives inside the engine's own code:
-    the dashboard must not call cache_entries() (which polls) from there."""
+    the dashboard must not call admin.entries() (which polls) from there."""
     calls = []
-    real = engine.cache_entries
-    engine.cache_entries = lambda: (calls.append(1), real())[1]
+    real = engine.admin.entries
+    engine.admin.entries = lambda: (calls.append(1), real())[1]
     db = ResidencyDashboard(engine, throttle_s=0)
     n = len(calls)
     engine.generate(PROMPT, max_tokens=4)
@@ -447,17 +448,14 @@ def test_norms_and_pick_tensors():
 
 
 class StubKVEngine:
-    """kv_info/kv_export as documented, for the widget alone."""
+    """eng.kv.info/export as documented, for the widget alone."""
 
     def __init__(self):
         self.last_result = object()
         self.calls = []
-
-        class S:
-            def list(self_inner):
-                return []
-
-        self.sessions = S()
+        self.sessions = SimpleNamespace(list=lambda: [])
+        self.checkpoints = SimpleNamespace(list=lambda: [])
+        self.kv = SimpleNamespace(info=self.kv_info, export=self.kv_export)
 
     def kv_info(self, *, session=None, checkpoint=None, last=False, layer=None):
         return [
@@ -507,7 +505,7 @@ def test_inspector_real_engine(engine):
 
 
 class StubStatsEngine:
-    """Only what the dashboard reads: stats(), cache_entries(), events."""
+    """Only what the dashboard reads: stats(), admin.entries(), events."""
 
     def __init__(self, **stats):
         from mlxcache_kernel.engine.events import EventBus
@@ -515,12 +513,10 @@ class StubStatsEngine:
         self.events = EventBus()
         self.s = {"ram_used_bytes": 0, "ram_budget_bytes": 1000, "ram_entries": 0, "ssd_enabled": True,
                   "ssd_bytes": 0, "ssd_files": 0, "pending_writes": 0, "pending_write_bytes": 0, **stats}
+        self.admin = SimpleNamespace(entries=lambda: [])
 
     def stats(self):
         return dict(self.s)
-
-    def cache_entries(self):
-        return []
 
 
 def test_dashboard_pending_write_progress_and_poll_timer():

@@ -8,7 +8,7 @@ The API (owner thread, like every Engine call)::
     eng.objects.where(key) -> "ram" | "ssd" | None      # where it is now, reading nothing
     eng.objects.delete(key) -> bool          # from RAM and SSD
     eng.objects.clear(label=None) -> int     # every object (or those with this label)
-    eng.objects.entries() -> list[dict]      # one row per object, as Engine.cache_entries() rows
+    eng.objects.entries() -> list[dict]      # one row per object, as eng.admin.entries() rows
     eng.objects.stats() -> dict              # the object_* keys of Engine.stats()
 
 - **key**: str, bytes, int, float, bool, None, mx/numpy arrays (by dtype,
@@ -167,7 +167,7 @@ class ObjectCache:
         return len(chosen)
 
     def entries(self) -> list[dict]:
-        """One row per object (RAM and SSD), newest first: Engine.cache_entries() rows."""
+        """One row per object (RAM and SSD), newest first: eng.admin.entries() rows."""
         rows = [self.row(r) for r in self.cache.rows() if is_object_namespace(r["ns"])]
         return sorted(rows, key=lambda r: -(r["last_used"] or 0))
 
@@ -192,7 +192,7 @@ class ObjectCache:
         return ident.get("label")
 
     def row(self, row: dict) -> dict:
-        """A cache.rows() row of an object, as Engine.cache_entries() shows it."""
+        """A cache.rows() row of an object, as eng.admin.entries() shows it."""
         row = dict(row)
         ns = row.pop("ns")
         row.pop("tokens", None)

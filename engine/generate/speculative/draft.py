@@ -42,13 +42,15 @@ def load_with_draft(models, draft: str | None, path_or_id, name: str, **kv) -> L
                          f"loaded: {', '.join(sorted(models.names())) or 'none'}")
     if draft is not None and draft == name:
         raise ModelError(f"model {name!r} cannot be its own default draft: it replaces the loaded {draft!r}")
-    loaded = models.load(path_or_id, name, **kv)
-    if draft is not None:
+
+    def drafted_by(loaded: LoadedModel) -> None:  # before it replaces a model of that name
         try:
             check_draft(loaded, models.get(draft))
         except GenerationError as e:
-            models.unload(name)
             raise ModelError(f"model {name!r} not loaded: {e}") from None
+
+    loaded = models.load(path_or_id, name, check=drafted_by if draft is not None else None, **kv)
+    if draft is not None:
         loaded.info["draft"] = draft
     return loaded
 

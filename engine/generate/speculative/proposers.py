@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from ...errors import GenerationError
 from .draft import Drafter, fallback_reason, rollback_reason
 from .lookup import ContextLookup
 
@@ -62,6 +63,13 @@ class Choice:
         if self.lookup is not None:
             out.update(self.lookup.stats())
         return out
+
+
+def check_lookup(lookup):
+    """`lookup` as given (None, True or False), else a GenerationError naming it."""
+    if lookup is not None and not isinstance(lookup, bool):
+        raise GenerationError(f"lookup must be True, False or None (where it pays), got {lookup!r}")
+    return lookup
 
 
 def choose_proposers(services, req, caches: list, known: int) -> Choice:

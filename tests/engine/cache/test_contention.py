@@ -176,18 +176,18 @@ def test_a_lookup_falls_back_to_a_shorter_checkpoint_when_a_block_is_lost(tiny_m
     params = SamplingParams(max_tokens=6)
     with Engine(cache_dir=tmp_path / "ref", ssd=False) as ref:
         ref.load_model(tiny_model_dir, name="m")
-        cold = ref.generate_tokens(ids + [7], params, use_cache=False).tokens
+        cold = ref.generate_tokens(ids + [7], params=params, use_cache=False).tokens
     eng = Engine(cache_dir=tmp_path / "c")
     eng.load_model(tiny_model_dir, name="m")
-    eng.generate_tokens(other, params)
-    eng.generate_tokens(ids, params)
+    eng.generate_tokens(other, params=params)
+    eng.generate_tokens(ids, params=params)
     eng.flush()
     store = eng.cache.store
     longest = max(store.entries(), key=len)
     assert longest.tokens[:100] == tuple(ids)
     blocks.block_path(store.blocks_root, fmt.read_header(longest.path).blocks[3].name).unlink()  # tokens 96..
     eng.cache_clear()  # RAM only
-    r = eng.generate_tokens(ids + [7], params)
+    r = eng.generate_tokens(ids + [7], params=params)
     assert r.stats["cache_source"] == "ssd" and r.stats["cached_tokens"] == 70 and r.tokens == cold
     assert eng.stats()["ssd_dropped_missing_blocks"] == 1
     eng.close()

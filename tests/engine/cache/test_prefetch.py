@@ -226,13 +226,13 @@ def test_switching_to_a_session_loads_its_state_in_the_background(tiny_model_dir
     eng.generate("Unrelated " * 20, max_tokens=4)
     eng.flush()
     eng.cache_clear()  # RAM emptied: the session's state is on SSD only
-    assert eng.session_switch("a")["source"] == "loading"
+    assert eng.sessions.switch("a")["source"] == "loading"
     assert eng.cache.loading.wait_reads(30)
     assert eng.cache.session_entry("a", eng.models.get().namespace) is not None
-    assert eng.session_switch("a")["source"] == "ram"
+    assert eng.sessions.switch("a")["source"] == "ram"
     nxt = eng.generate("And the mountains?", max_tokens=8, session="a")
     assert nxt.stats["cache_source"] == "ram" and nxt.stats["cached_tokens"] >= first.stats["prompt_tokens"]
-    eng.session_switch("a")
+    eng.sessions.switch("a")
     eng.close()
 
 
@@ -255,7 +255,7 @@ def test_prefetch_setting_and_dashboard_label(monkeypatch):
 def test_without_an_ssd_tier_nothing_is_read(tiny_model_dir, tmp_path):
     eng = new_engine(tmp_path / "c", tiny_model_dir, ssd=False)
     eng.generate(PROMPT, max_tokens=4, session="s")
-    assert eng.session_switch("s")["source"] == "ram"
+    assert eng.sessions.switch("s")["source"] == "ram"
     assert eng.stats()["prefetches_started"] == 0 and eng.cache.loading.reader is None
     eng.close()
 

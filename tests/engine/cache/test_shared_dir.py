@@ -76,7 +76,7 @@ def test_a_name_survives_other_processes_caps_clear_and_gc(tiny_model_dir, tmp_p
     cache = tmp_path / "c"
     other = Worker(cache, tiny_model_dir, budget=1)  # started before the name existed; a 1-byte SSD cap
     eng = engine(cache, tiny_model_dir)
-    expected = eng.generate_tokens(DOC, PARAMS).tokens
+    expected = eng.generate_tokens(DOC, params=PARAMS).tokens
     eng.checkpoint_save("keep")
     other("generate", prompt=ids(60, 2))  # its cap deletes every file it may
     other("clear", ssd=True)
@@ -87,7 +87,7 @@ def test_a_name_survives_other_processes_caps_clear_and_gc(tiny_model_dir, tmp_p
         fresh.load_model(tiny_model_dir, name="m")
         assert fresh.checkpoint_restore("keep")["source"] in ("loading", "ram")  # (prefetched when the model loaded)
         assert fresh.cache.loading.wait_reads(30)
-        r = fresh.generate_tokens(DOC, PARAMS)
+        r = fresh.generate_tokens(DOC, params=PARAMS)
         assert r.stats["cache_source"] == "ram" and r.tokens == expected
     other.close()
 
@@ -99,7 +99,7 @@ def test_a_running_process_finds_another_ones_checkpoint_at_once(tiny_model_dir,
     cold = other("generate", prompt=DOC)
     other("flush")
     assert eng.stats()["ssd_processes"] == 2  # the dashboard shows who shares the directory
-    r = eng.generate_tokens(DOC, PARAMS)  # the very next lookup
+    r = eng.generate_tokens(DOC, params=PARAMS)  # the very next lookup
     assert r.stats["cache_source"] == "ssd" and r.tokens == cold["tokens"]
     other.close()
     eng.close()
@@ -108,13 +108,13 @@ def test_a_running_process_finds_another_ones_checkpoint_at_once(tiny_model_dir,
 def test_catalogue_deleted_or_corrupted_while_running_is_rebuilt(tiny_model_dir, tmp_path):
     cache = tmp_path / "c"
     eng = engine(cache, tiny_model_dir)
-    expected = eng.generate_tokens(DOC, PARAMS).tokens
+    expected = eng.generate_tokens(DOC, params=PARAMS).tokens
     eng.checkpoint_save("named")
     db = cache / "checkpoints" / "catalog.db"
     for suffix in ("", "-wal", "-shm"):  # deleted behind every process's back
         Path(str(db) + suffix).unlink(missing_ok=True)
     eng.cache_clear()  # RAM only: the next hit must come from the rebuilt index
-    r = eng.generate_tokens(DOC, PARAMS)
+    r = eng.generate_tokens(DOC, params=PARAMS)
     assert r.stats["cache_source"] == "ssd" and r.tokens == expected
     assert any(e["type"] == "catalog_rebuilt" for e in eng.events.recent)
     for suffix in ("-wal", "-shm"):  # now corrupted: its log gone and its pages overwritten
@@ -159,11 +159,11 @@ def test_a_held_write_lock_is_not_corruption_and_no_cell_waits_for_it(tiny_model
         assert holder.stdout.readline().strip() == "held"
         eng = engine(cache, tiny_model_dir)  # starts under the lock
         fresh = ids(50, 9)
-        cold = eng.generate_tokens(fresh, PARAMS).tokens
+        cold = eng.generate_tokens(fresh, params=PARAMS).tokens
         assert eng.checkpoint_restore("doc")["source"] in ("loading", "ram")
-        r = eng.generate_tokens(DOC, PARAMS)
+        r = eng.generate_tokens(DOC, params=PARAMS)
         assert r.stats["cache_source"] in ("ram", "ssd") and r.tokens == saved["tokens"]
-        eng.generate_tokens(fresh, PARAMS)
+        eng.generate_tokens(fresh, params=PARAMS)
         assert eng.checkpoint_save("mine")["tier"] == "ram"  # named now, on SSD once the lock is free
         report = eng.flush()
         assert report["pending"] and "locked by another process" in report["late_reason"]
@@ -195,8 +195,8 @@ def test_unusable_directory_runs_ram_only(tiny_model_dir, tmp_path):
         eng = engine(blocker / "cache", tiny_model_dir)
     s = eng.stats()
     assert not s["ssd_enabled"] and "not usable" in s["ssd_disabled_reason"]
-    a = eng.generate_tokens(DOC, PARAMS)
-    assert eng.generate_tokens(DOC, PARAMS).stats["cache_source"] == "ram" and a.tokens
+    a = eng.generate_tokens(DOC, params=PARAMS)
+    assert eng.generate_tokens(DOC, params=PARAMS).stats["cache_source"] == "ram" and a.tokens
     with pytest.raises(CheckpointNameError, match="writable cache directory"):
         eng.checkpoint_save("x")
     eng.close()
@@ -224,7 +224,7 @@ def test_failed_writes_back_off_and_ram_stays_bounded(tiny_model_dir, tmp_path):
     eng.events.subscribe(events.append)
     sizes = []
     for i in range(8):
-        eng.generate_tokens(ids(80, 10 + i), PARAMS)
+        eng.generate_tokens(ids(80, 10 + i), params=PARAMS)
         for _ in range(5):
             eng.poll()
         sizes.append(max((e.nbytes for e in eng.cache.entries()), default=0))
@@ -242,7 +242,7 @@ def test_failed_writes_back_off_and_ram_stays_bounded(tiny_model_dir, tmp_path):
 def test_a_committed_entry_whose_file_vanished_is_written_again(tiny_model_dir, tmp_path):
     cache = tmp_path / "c"
     eng = engine(cache, tiny_model_dir)
-    eng.generate_tokens(DOC, PARAMS)
+    eng.generate_tokens(DOC, params=PARAMS)
     eng.flush()
     [entry] = eng.cache.entries()
     assert entry.write_state == "committed"
@@ -276,7 +276,7 @@ def test_stress_four_processes_with_kill9(tiny_model_dir, tmp_path):
     prompts = [DOC[:60] + ids(20 + 10 * i, 100 + i) for i in range(5)] + [DOC]
     with Engine(cache_dir=tmp_path / "ref", ssd=False) as ref:
         ref.load_model(tiny_model_dir, name="m")
-        expected = [ref.generate_tokens(p, PARAMS, use_cache=False).tokens for p in prompts]
+        expected = [ref.generate_tokens(p, params=PARAMS, use_cache=False).tokens for p in prompts]
     rng = random.Random(7)
     logs, workers = [], []
 

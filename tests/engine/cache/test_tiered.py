@@ -235,7 +235,7 @@ def test_named_checkpoint_survives_restart_and_budgets(tiny_model_dir, tmp_path)
     nxt = eng.generate("And what can you do?", max_tokens=8, session="chat")
     # Random-model bytes may re-tokenize differently, so at least the first prompt is reused.
     assert nxt.stats["cache_source"] == "ram" and nxt.stats["cached_tokens"] >= first.stats["prompt_tokens"]
-    eng.checkpoint_remove("intro")
+    eng.checkpoints.remove("intro")
     assert eng.checkpoint_list() == []
     with pytest.raises(CheckpointNameError, match="unknown checkpoint"):
         eng.checkpoint_restore("intro")
@@ -245,15 +245,15 @@ def test_named_checkpoint_survives_restart_and_budgets(tiny_model_dir, tmp_path)
 def test_kv_inspect_and_export(tiny_model_dir, tmp_path):
     eng = new_engine(tmp_path / "c", tiny_model_dir)
     r = eng.generate(PROMPT, max_tokens=4)
-    rows = eng.kv_info(last=True)
+    rows = eng.kv.info(last=True)
     n = r.stats["prompt_tokens"] + len(r.tokens) - 1
     assert {row["array"] for row in rows} == {"keys", "values"}
     assert all(row["shape"][2] == n and row["offset"] == n for row in rows)
-    arrays = eng.kv_export(last=True, layer=1)
+    arrays = eng.kv.export(last=True, layer=1)
     assert sorted(arrays) == ["layer1.keys", "layer1.values"]
     assert arrays["layer1.keys"].shape == rows[2]["shape"]
     with pytest.raises(ValueError, match="out of range"):
-        eng.kv_info(last=True, layer=99)
+        eng.kv.info(last=True, layer=99)
     eng.close()
 
 
@@ -365,7 +365,7 @@ def test_resume_of_a_record_holding_every_token_emits_no_more(tiny_model_dir, tm
     eng = new_engine(tmp_path / "c", tiny_model_dir)
     params = SamplingParams(max_tokens=6, temperature=0.8, seed=2)
     prompt = eng.encode_prompt(PROMPT)
-    done = eng.generate_tokens(prompt, params)  # its final state is the boundary prompt + emitted[:-1]
+    done = eng.generate_tokens(prompt, params=params)  # its final state is the boundary prompt + emitted[:-1]
     assert done.stats["finish_reason"] == "length"
     eng.flush()
     ns = eng.models.get().namespace
@@ -378,7 +378,7 @@ def test_resume_of_a_record_holding_every_token_emits_no_more(tiny_model_dir, tm
         rid, {"namespace": ns, "prompt_tokens": len(prompt), "emitted": done.tokens, "boundary_key": token_key(boundary)})
     catalog.close()
     eng = new_engine(tmp_path / "c", tiny_model_dir)
-    r = eng.generate_tokens(prompt, params)
+    r = eng.generate_tokens(prompt, params=params)
     assert r.stats["resumed_from"] == 6 and r.tokens == done.tokens and r.stats["decode_tokens"] == 6
-    assert r.text == done.text and not eng.inflight.list()
+    assert r.text == done.text and not InflightRecords(eng.cache.catalog).list()
     eng.close()

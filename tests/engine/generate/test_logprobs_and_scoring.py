@@ -45,7 +45,7 @@ def _mlx_lm_logprobs(model, prompt: list, n: int) -> list:
 def test_logprobs_equal_mlx_lms_cold_and_stay_close_after_a_hit(eng, reference):
     model, _ = reference
     prompt = DOC + QUESTIONS[0]
-    cold = eng.generate_tokens(prompt, SamplingParams(max_tokens=12, logprobs=4), use_cache=False)
+    cold = eng.generate_tokens(prompt, max_tokens=12, logprobs=4, use_cache=False)
     want = _mlx_lm_logprobs(model, prompt, 12)
     assert cold.tokens == [t for t, _ in want] and len(cold.logprobs) == 12
     for lp, (token, vec) in zip(cold.logprobs, want):
@@ -53,11 +53,11 @@ def test_logprobs_equal_mlx_lms_cold_and_stay_close_after_a_hit(eng, reference):
         assert [t for t, _ in lp.top] == list(np.argsort(-vec)[:4]) and all(
             abs(v - vec[t]) <= 1e-5 for t, v in lp.top)
         assert lp.top[0][1] >= lp.logprob and [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
-    eng.generate_tokens(DOC + QUESTIONS[1], SamplingParams(max_tokens=2))  # the document cached
-    hit = eng.generate_tokens(prompt, SamplingParams(max_tokens=12, logprobs=4))
+    eng.generate_tokens(DOC + QUESTIONS[1], max_tokens=2)  # the document cached
+    hit = eng.generate_tokens(prompt, max_tokens=12, logprobs=4)
     assert hit.stats["cached_tokens"] >= len(DOC) and hit.tokens == cold.tokens
     assert all(_near(a.logprob, b.logprob) for a, b in zip(hit.logprobs, cold.logprobs))
-    assert eng.generate_tokens(prompt, SamplingParams(max_tokens=4)).logprobs is None  # not asked for
+    assert eng.generate_tokens(prompt, max_tokens=4).logprobs is None  # not asked for
 
 
 def test_batch_rows_carry_logprobs_and_equal_each_row_alone(eng):
@@ -66,7 +66,7 @@ def test_batch_rows_carry_logprobs_and_equal_each_row_alone(eng):
         rows = eng.generate_batch(prompts, **kw)
         assert {r.stats["batch_mode"] for r in rows} == {"shared-prefix"}
         for i, (p, r) in enumerate(zip(prompts, rows)):
-            alone = eng.generate_tokens(p, SamplingParams(**{**kw, "seed": kw.get("seed", 0) + i}), use_cache=False)
+            alone = eng.generate_tokens(p, **{**kw, "seed": kw.get("seed", 0) + i}, use_cache=False)
             assert r.tokens == alone.tokens, i
             assert len(r.logprobs) == len(r.tokens) and [x.token for x in r.logprobs] == r.tokens
             assert all(_near(a.logprob, b.logprob) for a, b in zip(r.logprobs, alone.logprobs))
@@ -76,9 +76,9 @@ def test_batch_rows_carry_logprobs_and_equal_each_row_alone(eng):
 def test_bad_logprobs_are_clear_errors(eng):
     for bad in (-1, 21, 2.5, True):
         with pytest.raises(GenerationError, match="logprobs must be an integer from 0 to 20"):
-            eng.generate_tokens(DOC, SamplingParams(max_tokens=2, logprobs=bad))
+            eng.generate_tokens(DOC, max_tokens=2, logprobs=bad)
     with pytest.raises(GenerationError, match="checkpoint_every or logprobs"):
-        eng.generate_tokens(DOC, SamplingParams(max_tokens=2, logprobs=1), checkpoint_every=4)
+        eng.generate_tokens(DOC, max_tokens=2, logprobs=1, checkpoint_every=4)
 
 
 # --- scoring ---------------------------------------------------------------------
@@ -124,7 +124,7 @@ def test_scores_equal_a_cold_forward_of_each_sequence_and_the_context_is_cached_
     # lm-eval's whitespace rule: a trailing space of the context belongs to the continuation
     assert _close(eng.score(context + " ", ["lamp"])[0], first[0].token_logprobs)
     # the greedy continuation is flagged greedy, another is not
-    greedy = eng.generate_tokens(tok.encode(context), SamplingParams(max_tokens=5), use_cache=False).tokens
+    greedy = eng.generate_tokens(tok.encode(context), max_tokens=5, use_cache=False).tokens
     ranked = eng.score(tok.encode(context), [greedy, greedy[:2] + [(greedy[2] + 1) % 200 + 3]])
     assert ranked[0].greedy and not ranked[1].greedy and ranked[0].tokens == greedy
 

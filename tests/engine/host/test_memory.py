@@ -36,10 +36,10 @@ def engine(tmp_path, model, **kw) -> Engine:
 def test_pressure_reclaims_to_the_low_water_mark_without_losing_dirty_state(tiny_model_dir, tmp_path):
     eng = engine(tmp_path, tiny_model_dir, write_behind=False)
     prompts = [ids(120, i) for i in range(6)]
-    results = [eng.generate_tokens(p, PARAMS) for p in prompts]
+    results = [eng.generate_tokens(p, params=PARAMS) for p in prompts]
     eng.flush()  # the first six are durable
     dirty = ids(120, 99)
-    dirty_result = eng.generate_tokens(dirty, PARAMS)  # this one only in RAM
+    dirty_result = eng.generate_tokens(dirty, params=PARAMS)  # this one only in RAM
     held = sum(e.nbytes for e in eng.cache.entries())
     # a reading 100 MB over the high-water mark: reclaim aims for the low-water mark
     working, may_use = 10_000_000_000, 10_000_000_000 + 1_000_000_000
@@ -53,7 +53,7 @@ def test_pressure_reclaims_to_the_low_water_mark_without_losing_dirty_state(tiny
     assert s["memory_high_water_bytes"] == int(0.85 * may_use) and s["memory_low_water_bytes"] == int(0.75 * may_use)
     eng.memory.reader = lambda: MemoryReading(1_000, 10_000_000)  # pressure gone
     for p, r in zip(prompts + [dirty], results + [dirty_result]):
-        again = eng.generate_tokens(p, PARAMS)
+        again = eng.generate_tokens(p, params=PARAMS)
         assert again.stats["cache_source"] in ("ram", "ssd") and again.tokens == r.tokens
     eng.close()
 
@@ -61,7 +61,7 @@ def test_pressure_reclaims_to_the_low_water_mark_without_losing_dirty_state(tiny
 def test_one_write_per_oversized_put_and_slices_count_their_buffers(tiny_model_dir, tmp_path):
     eng = engine(tmp_path, tiny_model_dir, ram_budget_bytes=10_000)
     prompt = ids(200, 1)
-    eng.generate_tokens(prompt, PARAMS)  # larger than the whole budget
+    eng.generate_tokens(prompt, params=PARAMS)  # larger than the whole budget
     eng.flush()
     s = eng.stats()
     assert s["writes_queued"] == s["writes_committed"] == 1 and s["ssd_files"] == 1
@@ -75,7 +75,7 @@ def test_one_write_per_oversized_put_and_slices_count_their_buffers(tiny_model_d
 def test_checkpoint_every_needs_the_ssd_tier(tiny_model_dir, tmp_path):
     eng = engine(tmp_path, tiny_model_dir, ssd=False)
     with pytest.raises(GenerationError, match="SSD tier"):
-        eng.generate_tokens(ids(20, 1), PARAMS, checkpoint_every=2)
+        eng.generate_tokens(ids(20, 1), params=PARAMS, checkpoint_every=2)
     eng.close()
 
 
@@ -84,13 +84,13 @@ def test_inflight_checkpoints_stay_bounded_while_the_disk_is_slow(tiny_model_dir
     real = writer_mod.fmt.write_checkpoint
     monkeypatch.setattr(writer_mod.fmt, "write_checkpoint", lambda *a, **k: (gate.wait(60), real(*a, **k))[1])
     eng = engine(tmp_path, tiny_model_dir)
-    eng.generate_tokens(ids(80, 1), PARAMS)  # its write now holds the writer at the gate
+    eng.generate_tokens(ids(80, 1), params=PARAMS)  # its write now holds the writer at the gate
     seen = []
 
     def watch(_text):
         seen.append(eng.cache.writer.pending(urgent_only=True)[0])
 
-    r = eng.generate_tokens(ids(100, 3), SamplingParams(max_tokens=40), checkpoint_every=1, on_text=watch)
+    r = eng.generate_tokens(ids(100, 3), max_tokens=40, checkpoint_every=1, on_text=watch)
     assert max(seen) == 1, "while the disk is busy, one interval waits: each newer one replaces it"
     s = eng.stats()
     assert s["inflight_replaced"] > 10 and s["inflight_queued"] == 1
@@ -124,7 +124,7 @@ def test_eviction_is_lru_among_entries_that_may_leave(tiny_model_dir, second_mod
     eng.events.subscribe(lambda e: evicted.append(e) if e["type"] in ("evict", "demote") else None)
     for op, i in ops:
         if op.startswith("gen"):
-            eng.generate_tokens(ids(60, i), PARAMS, model="bad" if op == "gen_failing" else "ok")
+            eng.generate_tokens(ids(60, i), params=PARAMS, model="bad" if op == "gen_failing" else "ok")
         elif op == "flush":
             eng.flush()
         else:

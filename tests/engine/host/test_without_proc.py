@@ -26,8 +26,8 @@ def test_the_engine_runs_without_proc(tiny_model_dir, tmp_path):
             warnings.simplefilter("always")
             eng = Engine(cache_dir={str(tmp_path / "ram")!r})
         eng.load_model({str(tiny_model_dir)!r}, name="m")
-        first = eng.generate_tokens(prompt, params)
-        again = eng.generate_tokens(prompt, params)
+        first = eng.generate_tokens(prompt, params=params)
+        again = eng.generate_tokens(prompt, params=params)
         s = eng.stats()
         out["ram"] = [any("RAM-only" in str(w.message) for w in caught), s["ssd_disabled_reason"],
                       again.stats["cache_source"], again.tokens == first.tokens, s["pressure_checks"],
@@ -36,7 +36,7 @@ def test_the_engine_runs_without_proc(tiny_model_dir, tmp_path):
         for step in ("write", "read"):
             with Engine(cache_dir={str(tmp_path / "ssd")!r}, ssd_filesystems="unknown") as eng:
                 eng.load_model({str(tiny_model_dir)!r}, name="m")
-                r = eng.generate_tokens(prompt, params)
+                r = eng.generate_tokens(prompt, params=params)
                 eng.flush()
                 out[step] = [eng.stats()["ssd_disabled_reason"], r.stats["cache_source"], r.tokens == first.tokens]
         print(json.dumps(out))

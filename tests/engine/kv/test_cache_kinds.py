@@ -59,7 +59,7 @@ def cold(arch_model, tmp_path_factory):
     with Engine(cache_dir=tmp_path_factory.mktemp("ref"), ssd=False) as ref:
         ref.load_model(path, name="m")
         return {
-            (name, mode): ref.generate_tokens(prompt, params, use_cache=False).tokens
+            (name, mode): ref.generate_tokens(prompt, params=params, use_cache=False).tokens
             for mode, params in MODES.items()
             for name, prompt in SEQUENCE
         }
@@ -109,12 +109,12 @@ def test_hits_continue_like_cold_runs(arch_model, cold, tmp_path, held_writes):
             assert eng.stats()["pending_writes"] > 0 and eng.stats()["writes_committed"] == 0
             held_writes.set()
         for name, prompt in SEQUENCE:
-            r = eng.generate_tokens(prompt, params)
+            r = eng.generate_tokens(prompt, params=params)
             assert r.tokens == cold[(name, mode)], f"{arch} {mode} {name}: {r.stats['cache_source']}"
             watch.check()
         # the prompt that extends P by one token, and the rerun, reuse (nearly) all of P
-        assert eng.generate_tokens(P1, params).stats["cached_tokens"] >= len(P) - 1
-        assert eng.generate_tokens(P, params).stats["cached_tokens"] == len(P) - 1
+        assert eng.generate_tokens(P1, params=params).stats["cached_tokens"] >= len(P) - 1
+        assert eng.generate_tokens(P, params=params).stats["cached_tokens"] == len(P) - 1
         watch.check()
     report = eng.flush(timeout=60)
     assert not report["failed"] and report["pending"] == 0
@@ -127,7 +127,7 @@ def test_logits_after_a_hit_match_cold(arch_model, tmp_path):
     eng = Engine(cache_dir=tmp_path / "c", ssd=False)
     eng.load_model(path, name="m")
     m = eng.models.get()
-    eng.generate_tokens(P, SamplingParams(max_tokens=4))
+    eng.generate_tokens(P, max_tokens=4)
     lease = eng.cache.take(P1, m.namespace)
     assert lease is not None and lease.length >= len(P) - 1
 
@@ -152,7 +152,7 @@ eng.load_model({model!r}, name="m")
 out = {{}}
 for mode, params in {modes!r}.items():
     for name, prompt in {sequence!r}:
-        r = eng.generate_tokens(prompt, SamplingParams(**params))
+        r = eng.generate_tokens(prompt, **params)
         out.setdefault(mode, []).append([name, r.tokens, r.stats["cache_source"], r.stats["cached_tokens"]])
 print(json.dumps(out))
 """
@@ -164,7 +164,7 @@ def test_ssd_restore_in_a_new_process(arch_model, cold, tmp_path):
     with Engine(cache_dir=cache) as eng:
         eng.load_model(path, name="m")
         for mode, params in MODES.items():
-            eng.generate_tokens(P, params)
+            eng.generate_tokens(P, params=params)
     sequence = [("P1", P1), ("P", P)]
     modes = {mode: p.as_dict() for mode, p in MODES.items()}
     script = RESTORE_SCRIPT.format(tests=TESTS, cache=str(cache), model=str(path), modes=modes, sequence=sequence)
@@ -186,7 +186,7 @@ from mlxcache_kernel.engine import Engine, SamplingParams
 eng = Engine(cache_dir={cache!r})
 eng.load_model({model!r}, name="m")
 hold_at_inflight(eng, {cache!r}, {kill_at!r}, {ready!r})
-eng.generate_tokens({prompt!r}, SamplingParams(**{params!r}), checkpoint_every=3)
+eng.generate_tokens({prompt!r}, **{params!r}, checkpoint_every=3)
 print("finished", flush=True)
 """
 KILL_AT = 9  # emitted tokens the in-flight record holds when the child is killed (checkpoint_every=3)
@@ -199,7 +199,7 @@ def test_kill9_resume_is_exact(arch_model, tmp_path, mode):
     params = SamplingParams(**{**MODES[mode].as_dict(), "max_tokens": 64, "stop": ()})
     with Engine(cache_dir=tmp_path / "ref", ssd=False) as ref:
         ref.load_model(path, name="m")
-        expected = ref.generate_tokens(P, params, use_cache=False).tokens
+        expected = ref.generate_tokens(P, params=params, use_cache=False).tokens
     assert len(expected) > KILL_AT, f"{arch} {mode}: the run ends (eos) after {len(expected)} tokens, before the kill"
     cache, ready = tmp_path / "c", tmp_path / "ready"
     script = KILL_SCRIPT.format(tests=TESTS, cache=str(cache), model=str(path), prompt=P, params=params.as_dict(),
@@ -216,7 +216,7 @@ def test_kill9_resume_is_exact(arch_model, tmp_path, mode):
     assert emitted == held["emitted"] == KILL_AT, arch
     with Engine(cache_dir=cache) as eng:
         eng.load_model(path, name="m")
-        r = eng.generate_tokens(P, params, checkpoint_every=3)
+        r = eng.generate_tokens(P, params=params, checkpoint_every=3)
         assert r.stats["resumed_from"] == emitted, arch
         assert r.tokens == expected, arch
         assert not inflight_records(cache)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
-from mlxcache_kernel.engine import Engine, SamplingParams
+from mlxcache_kernel.engine import Engine
 from mlxcache_kernel.engine.kv.borrowed import BorrowedKVCache, BorrowedQuantizedKVCache, Buffer, Segment
 
 
@@ -98,7 +98,7 @@ def test_a_loan_copies_nothing_until_the_first_append_then_once(tiny_model_dir, 
     eng = Engine(cache_dir=tmp_path / "c", ssd=False)
     eng.load_model(tiny_model_dir)
     m = eng.models.get()
-    eng.generate_tokens(DOC + QUESTIONS[0], SamplingParams(max_tokens=4))
+    eng.generate_tokens(DOC + QUESTIONS[0], max_tokens=4)
     loan = eng.cache.take(DOC + QUESTIONS[1], m.namespace)
     lender = {id(l.segments[0].buffer) for l in loan.entry.checkpoint.layers}
     assert all(c.nbytes == 0 and len(c.lent) == 1 for c in loan.caches)  # views only
@@ -120,20 +120,20 @@ def test_a_loan_copies_nothing_until_the_first_append_then_once(tiny_model_dir, 
 def cold(tiny_model_dir, tmp_path_factory):
     with Engine(cache_dir=tmp_path_factory.mktemp("ref"), ssd=False) as ref:
         ref.load_model(tiny_model_dir)
-        return [ref.generate_tokens(DOC + q, SamplingParams(max_tokens=10), use_cache=False).tokens
+        return [ref.generate_tokens(DOC + q, max_tokens=10, use_cache=False).tokens
                 for q in QUESTIONS]
 
 
 def test_branches_of_a_document_share_it_and_continue_exactly(tiny_model_dir, tmp_path, cold):
     eng = Engine(cache_dir=tmp_path / "c", ssd=False)
     eng.load_model(tiny_model_dir)
-    first = eng.generate_tokens(DOC + QUESTIONS[0], SamplingParams(max_tokens=10))
+    first = eng.generate_tokens(DOC + QUESTIONS[0], max_tokens=10)
     assert first.tokens == cold[0]
     doc_entry = eng.cache.entries()[0]
     doc_bytes = [np.array(a).tobytes() for a in doc_entry.checkpoint.arrays()]
     doc_buffer_ids = {id(s.buffer) for l in doc_entry.checkpoint.layers for s in l.segments}
     for q, want in zip(QUESTIONS[1:], cold[1:]):
-        r = eng.generate_tokens(DOC + q, SamplingParams(max_tokens=10))
+        r = eng.generate_tokens(DOC + q, max_tokens=10)
         assert r.stats["cache_source"] == "ram" and r.stats["cached_tokens"] >= len(DOC)
         assert r.tokens == want
     entries = eng.cache.entries()

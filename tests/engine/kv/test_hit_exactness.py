@@ -48,24 +48,24 @@ def test_every_family_continues_a_hit_as_a_cold_run(arch, family_dirs, tmp_path)
     prompts = [DOC + q for q in QUESTIONS[:2]]
     params = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=12, temperature=0.9, seed=5)]
     with _engine(tmp_path / "cold", family_dirs[arch], ssd=False) as cold_eng:
-        cold = [[cold_eng.generate_tokens(p, sp, use_cache=False).tokens for sp in params] for p in prompts]
+        cold = [[cold_eng.generate_tokens(p, params=sp, use_cache=False).tokens for sp in params] for p in prompts]
     with _engine(tmp_path / "c", family_dirs[arch]) as eng:
-        info = eng.model_info()
+        info = eng.models.info()
         assert info["cache_hit"] and all(isinstance(v, str) for v in info["cache_hit"].values())
         if "KVCache" in info["cache_hit"]:
             assert "copied once" in info["cache_hit"]["KVCache"]
         for p, want in zip(prompts, cold):
             for sp, w in zip(params, want):
-                assert eng.generate_tokens(p, sp).tokens == w  # the first prompt cold, the second over DOC
-                rerun = eng.generate_tokens(p, sp)
+                assert eng.generate_tokens(p, params=sp).tokens == w  # the first prompt cold, the second over DOC
+                rerun = eng.generate_tokens(p, params=sp)
                 assert rerun.stats["cache_source"] == "ram" and rerun.tokens == w
-        second = eng.generate_tokens(prompts[1], params[0])
+        second = eng.generate_tokens(prompts[1], params=params[0])
         if arch not in WINDOWED:
             assert second.stats["cached_tokens"] >= len(DOC)
         eng.flush()
     with _engine(tmp_path / "c", family_dirs[arch], prefetch_budget_bytes=0) as fresh:  # from SSD
         for p, want in zip(prompts, cold):
-            r = fresh.generate_tokens(p, params[0])
+            r = fresh.generate_tokens(p, params=params[0])
             assert r.stats["cache_source"] in ("ssd", "ram") and r.tokens == want[0]
 
 
@@ -84,7 +84,7 @@ def test_hit_logits_are_within_the_rounding_of_another_prefill_chunk(family_dirs
         m = eng.models.get()
         cold = {chunk: _next_logits(m.model, m.new_caches(), prompt, chunk) for chunk in (512, 256, 100)}
         noise = max(float(np.abs(cold[512] - cold[c]).max()) for c in (256, 100))
-        eng.generate_tokens(DOC + QUESTIONS[0], SamplingParams(max_tokens=4))
+        eng.generate_tokens(DOC + QUESTIONS[0], max_tokens=4)
         loan = eng.cache.take(prompt, m.namespace)
         assert loan.length == len(DOC)
         hit = _next_logits(m.model, loan.caches, prompt[loan.length:], 512)
@@ -114,15 +114,15 @@ def test_a_bf16_model_after_a_hit_equals_cold_as_other_prefill_chunks_do(family_
     chunked = {}
     for chunk in (512, 256, 128):
         with _engine(tmp_path / f"cold{chunk}", model_dir, ssd=False, prefill_chunk=chunk) as cold_eng:
-            assert "bfloat16" in cold_eng.model_info()["kv_scheme"]
-            chunked[chunk] = [[cold_eng.generate_tokens(p, sp, use_cache=False).tokens for sp in params]
+            assert "bfloat16" in cold_eng.models.info()["kv_scheme"]
+            chunked[chunk] = [[cold_eng.generate_tokens(p, params=sp, use_cache=False).tokens for sp in params]
                               for p in prompts]
     chunks_agree = chunked[512] == chunked[256] == chunked[128]
     with _engine(tmp_path / "warm", model_dir, ssd=False) as eng:
         got = []
         for p in prompts:  # the first cold, the others over the cached DOC; each then rerun
-            row = [eng.generate_tokens(p, sp).tokens for sp in params]
-            assert [eng.generate_tokens(p, sp).tokens for sp in params] == row  # reruns
+            row = [eng.generate_tokens(p, params=sp).tokens for sp in params]
+            assert [eng.generate_tokens(p, params=sp).tokens for sp in params] == row  # reruns
             got.append(row)
     diverged = sum(a != b for ra, rb in zip(got, chunked[512]) for a, b in zip(ra, rb))
     chunk_diverged = sum(a != b for ra, rb in zip(chunked[256], chunked[512]) for a, b in zip(ra, rb))
@@ -132,18 +132,18 @@ def test_a_bf16_model_after_a_hit_equals_cold_as_other_prefill_chunks_do(family_
 def test_a_rerun_writes_nothing_and_a_second_question_only_its_own(family_dirs, tmp_path):
     model_dir = family_dirs["llama"]
     with _engine(tmp_path / "c", model_dir) as eng:
-        first = eng.generate_tokens(DOC + QUESTIONS[0], SamplingParams(max_tokens=12))
+        first = eng.generate_tokens(DOC + QUESTIONS[0], max_tokens=12)
         eng.flush()
         written = eng.stats()["bytes_written"]
-        again = eng.generate_tokens(DOC + QUESTIONS[0], SamplingParams(max_tokens=12))
+        again = eng.generate_tokens(DOC + QUESTIONS[0], max_tokens=12)
         eng.flush()
         assert again.tokens == first.tokens and again.stats["cache_source"] == "ram"
         assert eng.stats()["bytes_written"] == written  # the same tokens: nothing written again
-        eng.generate_tokens(DOC + QUESTIONS[1], SamplingParams(max_tokens=12))
+        eng.generate_tokens(DOC + QUESTIONS[1], max_tokens=12)
         eng.flush()
         assert 0 < eng.stats()["bytes_written"] - written < written / 4  # its own blocks, not the document
     with _engine(tmp_path / "c", model_dir, prefetch_budget_bytes=0) as fresh:  # after a restart, from SSD
-        r = fresh.generate_tokens(DOC + QUESTIONS[0], SamplingParams(max_tokens=12))
+        r = fresh.generate_tokens(DOC + QUESTIONS[0], max_tokens=12)
         fresh.flush()
         assert r.stats["cache_source"] == "ssd" and r.tokens == first.tokens
         assert fresh.stats()["bytes_written"] == 0
@@ -165,8 +165,8 @@ def test_plain_mlx_lm_beside_the_engine_is_mlx_lm(family_dirs, tmp_path):
 
     before = plain()
     with _engine(tmp_path / "c", family_dirs["llama"], ssd=False) as eng:
-        eng.generate_tokens(DOC[:200] + QUESTIONS[0], SamplingParams(max_tokens=4))
-        eng.generate_tokens(DOC[:200] + QUESTIONS[1], SamplingParams(max_tokens=4))
+        eng.generate_tokens(DOC[:200] + QUESTIONS[0], max_tokens=4)
+        eng.generate_tokens(DOC[:200] + QUESTIONS[1], max_tokens=4)
         during = plain()
     assert llama.scaled_dot_product_attention is base.scaled_dot_product_attention
     assert base.scaled_dot_product_attention.__module__ == "mlx_lm.models.base"
@@ -181,7 +181,7 @@ def test_a_state_of_tokens_already_on_ssd_is_not_written_again(family_dirs, tmp_
     with _engine(tmp_path / "c", family_dirs["llama"]) as eng:
         m = eng.models.get()
         tokens = DOC + QUESTIONS[0]
-        eng.generate_tokens(tokens, SamplingParams(max_tokens=1))
+        eng.generate_tokens(tokens, max_tokens=1)
         eng.flush()
         stored = max(eng.cache.store.entries(), key=len)
         written, skipped = eng.stats()["bytes_written"], eng.stats()["writes_skipped_stored"]

@@ -40,9 +40,9 @@ def test_quantized_kv_hits_equal_their_own_cold_runs(wide_model_dir, tmp_path, b
     info = eng.load_model(wide_model_dir, name="q", kv_bits=bits, kv_group_size=32, kv_start=0)
     assert info["kv_scheme"].startswith("QuantizedKVCache:") and info["kv_scheme"].endswith(f":q{bits}g32")
     for params in (SamplingParams(max_tokens=16), SamplingParams(max_tokens=16, temperature=0.7, seed=5)):
-        cold = eng.generate_tokens(DOC, params, use_cache=False).tokens
-        first = eng.generate_tokens(DOC, params)
-        hit = eng.generate_tokens(DOC, params)
+        cold = eng.generate_tokens(DOC, params=params, use_cache=False).tokens
+        first = eng.generate_tokens(DOC, params=params)
+        hit = eng.generate_tokens(DOC, params=params)
         assert hit.stats["cache_source"] == "ram" and hit.stats["cached_tokens"] == len(DOC) - 1
         assert cold == first.tokens == hit.tokens
     entry = max(eng.cache.entries(), key=lambda e: len(e.tokens))
@@ -53,14 +53,14 @@ def test_quantized_kv_hits_equal_their_own_cold_runs(wide_model_dir, tmp_path, b
     # the SSD tier holds the quantized bytes: a new engine restores them
     with Engine(cache_dir=tmp_path / "c", prefetch_budget_bytes=0) as again:  # the lookup restores
         again.load_model(wide_model_dir, name="q", kv_bits=bits, kv_group_size=32, kv_start=0)
-        r = again.generate_tokens(DOC, SamplingParams(max_tokens=16))
+        r = again.generate_tokens(DOC, max_tokens=16)
         assert r.stats["cache_source"] == "ssd" and r.tokens == cold_greedy(wide_model_dir, tmp_path, bits)
 
 
 def cold_greedy(model_dir, tmp_path, bits):
     with Engine(cache_dir=tmp_path / "ref", ssd=False) as ref:
         ref.load_model(model_dir, name="q", kv_bits=bits, kv_group_size=32, kv_start=0)
-        return ref.generate_tokens(DOC, SamplingParams(max_tokens=16), use_cache=False).tokens
+        return ref.generate_tokens(DOC, max_tokens=16, use_cache=False).tokens
 
 
 def test_float_entries_never_serve_a_quantized_load(wide_model_dir, tmp_path):
@@ -68,14 +68,14 @@ def test_float_entries_never_serve_a_quantized_load(wide_model_dir, tmp_path):
     f = eng.load_model(wide_model_dir, name="f")
     q = eng.load_model(wide_model_dir, name="q8", kv_bits=8, kv_group_size=32, kv_start=0)
     assert f["namespace"] != q["namespace"]
-    eng.generate_tokens(DOC, SamplingParams(max_tokens=4), model="f")
-    r = eng.generate_tokens(DOC, SamplingParams(max_tokens=4), model="q8")
+    eng.generate_tokens(DOC, max_tokens=4, model="f")
+    r = eng.generate_tokens(DOC, max_tokens=4, model="q8")
     assert r.stats["cached_tokens"] == 0 and r.stats["cache_source"] is None
     eng.flush()
     eng.close()
     with Engine(cache_dir=tmp_path / "c", prefetch_budget_bytes=0) as again:  # the lookup restores  # nor from SSD
         again.load_model(wide_model_dir, name="q4", kv_bits=4, kv_group_size=32, kv_start=0)
-        assert again.generate_tokens(DOC, SamplingParams(max_tokens=4)).stats["cache_source"] is None
+        assert again.generate_tokens(DOC, max_tokens=4).stats["cache_source"] is None
 
 
 def test_bad_kv_scheme_is_a_clear_error(wide_model_dir, tmp_path):
@@ -98,8 +98,8 @@ def test_unknown_cache_class_generates_uncached_with_a_notice(wide_model_dir, tm
     eng.events.subscribe(seen.append)
     info = eng.load_model(wide_model_dir)
     assert "OddCache" in info["cache_notice"] and any(e["type"] == "notice" for e in seen)
-    a = eng.generate_tokens(DOC, SamplingParams(max_tokens=8))
-    b = eng.generate_tokens(DOC, SamplingParams(max_tokens=8))
+    a = eng.generate_tokens(DOC, max_tokens=8)
+    b = eng.generate_tokens(DOC, max_tokens=8)
     assert a.tokens == b.tokens and b.stats["cache_source"] is None
     assert eng.cache.entries() == []
     eng.close()
@@ -208,7 +208,7 @@ def test_published_checkpoints_never_change(kind_models, tmp_path_factory, arch,
     for op, i in ops:
         prompt = PROMPTS[i]
         if op == "generate":
-            eng.generate_tokens(prompt, SamplingParams(max_tokens=5, temperature=0.9, seed=i))
+            eng.generate_tokens(prompt, max_tokens=5, temperature=0.9, seed=i)
         else:
             lease = eng.cache.take(prompt, m.namespace, move=True)
             if lease is not None:  # decode into the borrowed state, as a generation would

@@ -44,7 +44,7 @@ def engine(tmp_path, model_dir, *, chunk: int = 512, start: int = START, name: s
 
 def cold(tmp_path, model_dir, prompt, params, chunk=512, start=START) -> list:
     with engine(tmp_path, model_dir, chunk=chunk, start=start, name=f"cold{chunk}", ssd=False) as eng:
-        return eng.generate_tokens(prompt, params, use_cache=False).tokens
+        return eng.generate_tokens(prompt, params=params, use_cache=False).tokens
 
 
 NEW_PROCESS = """
@@ -52,7 +52,7 @@ import json
 from mlxcache_kernel.engine import Engine, SamplingParams
 with Engine(cache_dir={cache!r}, prefetch_budget_bytes=0) as eng:
     eng.load_model({model!r}, name="q", kv_bits=8, kv_group_size=32, kv_start={start})
-    r = eng.generate_tokens({doc!r}, SamplingParams.of(**{params!r}))
+    r = eng.generate_tokens({doc!r}, **{params!r})
     cp = max(eng.cache.entries(), key=lambda e: len(e.tokens)).checkpoint
     print(json.dumps({{"source": r.stats["cache_source"], "tokens": r.tokens,
                       "min_reusable_offset": cp.min_reusable_offset}}))
@@ -94,10 +94,10 @@ def test_hits_below_and_past_the_start_equal_a_cold_run(wide_model_dir, tmp_path
     for params in (GREEDY, SEEDED):
         want = cold(tmp_path, wide_model_dir, DOC, params)
         with engine(tmp_path, wide_model_dir, name=f"hits{params.seed}") as eng:
-            eng.generate_tokens(below, SamplingParams(max_tokens=1))  # a full-precision checkpoint below
+            eng.generate_tokens(below, max_tokens=1)  # a full-precision checkpoint below
             [fp] = [e.checkpoint for e in eng.cache.entries()]
             assert fp.min_reusable_offset == 0 and {l.kind for l in fp.layers} == {"KVCache"}
-            r = eng.generate_tokens(DOC, params)  # a hit from below, crossing the start
+            r = eng.generate_tokens(DOC, params=params)  # a hit from below, crossing the start
             assert r.stats["cached_tokens"] == len(below) and r.tokens == want
             cp = longest(eng)
             assert cp.min_reusable_offset == START and {l.kind for l in cp.layers} == {"QuantizedKVCache"}
@@ -108,8 +108,8 @@ def test_hits_below_and_past_the_start_equal_a_cold_run(wide_model_dir, tmp_path
             assert any(e.checkpoint.min_reusable_offset == 0 and len(e.tokens) >= len(below) - 1
                        for e in eng.cache.entries()), [(len(e.tokens), e.checkpoint.min_reusable_offset)
                                                        for e in eng.cache.entries()]
-            eng.generate_tokens(past, SamplingParams(max_tokens=1))
-            r2 = eng.generate_tokens(DOC, params)  # a hit from a quantized checkpoint past the start
+            eng.generate_tokens(past, max_tokens=1)
+            r2 = eng.generate_tokens(DOC, params=params)  # a hit from a quantized checkpoint past the start
             assert r2.stats["cached_tokens"] >= len(past) and r2.tokens == want
             eng.flush()
         # from SSD, in a new process (the offset is in the file and the catalogue)
@@ -125,13 +125,13 @@ def test_a_prompt_shorter_than_the_start_never_takes_a_quantized_checkpoint(wide
     short = DOC[:START - 5] + ids(8, 2)  # shares 35 tokens with DOC, ends before the start
     want = cold(tmp_path, wide_model_dir, short, GREEDY)
     with engine(tmp_path, wide_model_dir, name="short") as eng:
-        eng.generate_tokens(DOC, GREEDY)  # only quantized checkpoints (from 40) in the cache
+        eng.generate_tokens(DOC, params=GREEDY)  # only quantized checkpoints (from 40) in the cache
         assert all(e.checkpoint.min_reusable_offset == START for e in eng.cache.entries())
-        r = eng.generate_tokens(short, GREEDY)
+        r = eng.generate_tokens(short, params=GREEDY)
         assert r.stats["cached_tokens"] == 0 and r.tokens == want
         eng.flush()
     with engine(tmp_path, wide_model_dir, name="short", prefetch_budget_bytes=0) as again:
-        r = again.generate_tokens(short[:-1] + [5], GREEDY)  # SSD holds both kinds now
+        r = again.generate_tokens(short[:-1] + [5], params=GREEDY)  # SSD holds both kinds now
         assert r.tokens == cold(tmp_path, wide_model_dir, short[:-1] + [5], GREEDY)
 
 
@@ -140,11 +140,11 @@ def test_a_decode_that_crosses_the_start_converts_there(wide_model_dir, tmp_path
     params = SamplingParams(max_tokens=10)
     want = cold(tmp_path, wide_model_dir, prompt, params)
     with engine(tmp_path, wide_model_dir, name="decode") as eng:
-        r = eng.generate_tokens(prompt, params)
+        r = eng.generate_tokens(prompt, params=params)
         assert r.tokens == want
         cp = longest(eng)
         assert cp.min_reusable_offset == START and len(cp.tokens) >= START
-        again = eng.generate_tokens(prompt, params)  # served by the full-precision prompt state
+        again = eng.generate_tokens(prompt, params=params)  # served by the full-precision prompt state
         assert again.tokens == want and again.stats["cached_tokens"] > 0
 
 
@@ -155,9 +155,9 @@ def test_sliding_window_layers_stay_in_full_precision_and_hits_are_exact(tmp_pat
     assert info["kv_start"] == START and info["kv_scheme"].endswith(f"q8g32@{START}")
     with Engine(cache_dir=tmp_path / "gcold", ssd=False) as ref:
         ref.load_model(path, name="g", kv_bits=8, kv_group_size=32, kv_start=START)
-        want = ref.generate_tokens(DOC, GREEDY, use_cache=False).tokens
-    assert eng.generate_tokens(DOC, GREEDY).tokens == want
-    r = eng.generate_tokens(DOC, GREEDY)
+        want = ref.generate_tokens(DOC, params=GREEDY, use_cache=False).tokens
+    assert eng.generate_tokens(DOC, params=GREEDY).tokens == want
+    r = eng.generate_tokens(DOC, params=GREEDY)
     assert r.stats["cached_tokens"] > START and r.tokens == want
     kinds = {l.kind for l in longest(eng).layers}
     assert kinds == {"RotatingKVCache", "QuantizedKVCache"}
@@ -184,14 +184,14 @@ def test_batch_rows_convert_at_exactly_the_start_each_at_its_own_step(wide_model
     singles = {}
     for p in prompts:  # each row alone, cold: its final state
         with engine(tmp_path, wide_model_dir, name="single", ssd=False) as eng:
-            r = eng.generate_tokens(p, SamplingParams(**params))
+            r = eng.generate_tokens(p, params=SamplingParams(**params))
             singles[tuple(p)] = (r.tokens, longest(eng))
     for chunk in (1, 7, 512):
         with engine(tmp_path, wide_model_dir, chunk=chunk, name=f"batch{chunk}") as eng:
             notices = []
             eng.events.subscribe(lambda e: notices.append(e) if e.get("type") == "notice" else None)
             off = [r.tokens for r in eng.generate_batch(prompts, use_cache=False, **params)]
-            eng.generate_tokens(DOC[:30], SamplingParams(max_tokens=1))  # the shared full-precision prefix
+            eng.generate_tokens(DOC[:30], max_tokens=1)  # the shared full-precision prefix
             rows = eng.generate_batch(prompts, **params)
             assert {r.stats["batch_mode"] for r in rows} == {"shared-prefix"} and not notices, notices
             assert all(r.stats["cached_tokens"] >= 30 for r in rows)
@@ -236,18 +236,18 @@ def test_the_minimum_reusable_offset_rides_the_remote_tier(server, wide_model_di
     url = server.url(password=PW)
     doc = ids(300, 12)  # (a remote fetch is tried from 256 tokens on)
     with engine(tmp_path, wide_model_dir, name="a", remote_url=url, remote_secret=SECRET) as a:
-        first = a.generate_tokens(doc, GREEDY)
+        first = a.generate_tokens(doc, params=GREEDY)
         assert a.flush()["remote_failed"] == [] and a.stats()["remote_published"] >= 1
     turn = doc + first.tokens + ids(9, 13)  # continues the state a published (its prompt and answer)
     want = cold(tmp_path, wide_model_dir, turn, GREEDY)
     with engine(tmp_path, wide_model_dir, name="b", remote_url=url, remote_secret=SECRET) as b:
-        r = b.generate_tokens(turn, GREEDY)
+        r = b.generate_tokens(turn, params=GREEDY)
         assert r.stats["cache_source"] == "remote" and r.stats["cached_tokens"] == (len(doc) + len(first.tokens)) // 32 * 32
         assert r.tokens == want
         assert [e.checkpoint.min_reusable_offset for e in b.cache.entries()] == [START] * len(b.cache.entries())
     short = doc[:START - 5] + ids(8, 2)
     with engine(tmp_path, wide_model_dir, name="c", remote_url=url, remote_secret=SECRET) as c:
-        r = c.generate_tokens(short, GREEDY)
+        r = c.generate_tokens(short, params=GREEDY)
         assert r.stats["cached_tokens"] == 0 and r.tokens == cold(tmp_path, wide_model_dir, short, GREEDY)
 
 
@@ -276,8 +276,8 @@ def test_long_forwards_attend_over_the_quantized_kv_dequantized(wide_model_dir, 
     runs = {chunk: cold(tmp_path, wide_model_dir, long_doc, GREEDY, chunk) for chunk in (7, 100, 512)}
     assert runs[7] == runs[100] == runs[512], runs
     with engine(tmp_path, wide_model_dir, name="long") as eng:
-        eng.generate_tokens(long_doc[:120], SamplingParams(max_tokens=1))  # quantized, from 40
-        r = eng.generate_tokens(long_doc, GREEDY)  # a hit, then 280 tokens in one forward
+        eng.generate_tokens(long_doc[:120], max_tokens=1)  # quantized, from 40
+        r = eng.generate_tokens(long_doc, params=GREEDY)  # a hit, then 280 tokens in one forward
         assert r.stats["cached_tokens"] >= 119 and r.tokens == runs[512]
 
 
@@ -295,7 +295,7 @@ def test_another_question_over_a_quantized_document_is_served_remotely(server, w
     start, url = 300, server.url(password=PW)  # past the 256 tokens a remote fetch is tried from
     doc = ids(400, 14)
     with engine(tmp_path, wide_model_dir, start=start, name="a", remote_url=url, remote_secret=SECRET) as a:
-        a.generate_tokens(doc + ids(20, 15), GREEDY)
+        a.generate_tokens(doc + ids(20, 15), params=GREEDY)
         assert a.flush()["remote_failed"] == [] and a.stats()["remote_published"] >= 1
         ns = max(a.cache.entries(), key=lambda e: len(e.tokens)).ns
     published = set(server.client().keys("*:crec:*"))
@@ -306,19 +306,19 @@ def test_another_question_over_a_quantized_document_is_served_remotely(server, w
             if i == 0:  # what the lookup rebuilds carries the offset of its signed layout
                 cp = b.cache.remote.lookup(prompt, ns, 0)
                 assert (len(cp), cp.min_reusable_offset) == (len(doc) // 32 * 32, start)
-            r = b.generate_tokens(prompt, params)
+            r = b.generate_tokens(prompt, params=params)
             assert r.stats["cache_source"] == "remote" and r.stats["remote_tokens"] == len(doc) // 32 * 32
             assert r.tokens == cold(tmp_path, wide_model_dir, prompt, params, start=start)
             assert [e.checkpoint.min_reusable_offset for e in b.cache.entries()] == [start] * len(b.cache.entries())
     left = doc[:start - 10] + ids(60, 17)  # shares 9 converted blocks (288 tokens), fewer than the start
     with engine(tmp_path, wide_model_dir, start=start, name="b0", prefetch_budget_bytes=0) as again:
-        r = again.generate_tokens(left, GREEDY)  # the remote state written through kept its offset
+        r = again.generate_tokens(left, params=GREEDY)  # the remote state written through kept its offset
         assert r.stats["cached_tokens"] == 0 and r.tokens == cold(tmp_path, wide_model_dir, left, GREEDY, start=start)
     with engine(tmp_path, wide_model_dir, start=start, name="f", remote_url=url, remote_secret=SECRET) as f:
-        f.generate_tokens(doc[:285], GREEDY)  # 297 tokens, never converted: 8 full-precision blocks of the doc
+        f.generate_tokens(doc[:285], params=GREEDY)  # 297 tokens, never converted: 8 full-precision blocks of the doc
         assert f.flush()["remote_failed"] == []
     with engine(tmp_path, wide_model_dir, start=start, name="c", remote_url=url, remote_secret=SECRET) as c:
-        r = c.generate_tokens(left, GREEDY)  # takes the shorter full-precision run
+        r = c.generate_tokens(left, params=GREEDY)  # takes the shorter full-precision run
         assert r.stats["cache_source"] == "remote" and r.stats["remote_tokens"] == 8 * 32
         assert r.tokens == cold(tmp_path, wide_model_dir, left, GREEDY, start=start)
         assert min(e.checkpoint.min_reusable_offset for e in c.cache.entries()) == 0  # the 256 tokens adopted
@@ -326,7 +326,7 @@ def test_another_question_over_a_quantized_document_is_served_remotely(server, w
         assert t.remove(ns, doc + ids(20, 15), 32) > 0
     assert not published & set(server.client().keys("*:crec:*"))
     with engine(tmp_path, wide_model_dir, start=start, name="d", remote_url=url, remote_secret=SECRET) as d:
-        r = d.generate_tokens(doc + ids(12, 16), GREEDY)
+        r = d.generate_tokens(doc + ids(12, 16), params=GREEDY)
         assert r.stats["cache_source"] != "remote"
 
 
@@ -350,25 +350,25 @@ def test_a_converted_run_cut_below_its_start_is_a_miss_without_a_read(server, wi
                       remote_signing_key=key, remote_writers=listed)
 
     with member("m", mallory) as m:  # the whole document, under an unlisted key
-        m.generate_tokens(doc + ids(20, 19), GREEDY)
+        m.generate_tokens(doc + ids(20, 19), params=GREEDY)
         assert m.flush()["remote_failed"] == []
     with member("a", alice) as a:  # re-signs the document's first 9 blocks (its prompt leaves it at 300)
-        a.generate_tokens(doc[:start] + ids(20, 20), GREEDY)
+        a.generate_tokens(doc[:start] + ids(20, 20), params=GREEDY)
         assert a.flush()["remote_failed"] == []
     with member("f", alice) as f:  # 297 tokens, never converted: 8 full-precision blocks of the document
-        f.generate_tokens(doc[:285], GREEDY)
+        f.generate_tokens(doc[:285], params=GREEDY)
         assert f.flush()["remote_failed"] == []
     prompt = doc + ids(12, 21)
     want = cold(tmp_path, wide_model_dir, prompt, GREEDY, start=start)
     with member("r", None) as r:  # the converted run is cut below the start; the plain run still serves
-        got = r.generate_tokens(prompt, GREEDY)
+        got = r.generate_tokens(prompt, params=GREEDY)
         s = r.stats()
         assert got.stats["cache_source"] == "remote" and got.stats["remote_tokens"] == 8 * 32
         assert got.tokens == want and s["remote_unknown_writer"] >= 3
 
     doc2 = ids(400, 23)  # another document (one a2 takes nothing of from the remote, so it publishes it)
     with member("a2", alice) as a:  # the whole document, listed; then a block before the start goes
-        a.generate_tokens(doc2 + ids(20, 22), GREEDY)
+        a.generate_tokens(doc2 + ids(20, 22), params=GREEDY)
         assert a.flush()["remote_failed"] == []
         ns, tokens = a.last_key
         info = a.cache.store.file_info(ns, tokens)
@@ -376,7 +376,7 @@ def test_a_converted_run_cut_below_its_start_is_a_miss_without_a_read(server, wi
     assert server.client().delete(KeySpace(team_keys(SECRET)[0]).block(gone.name)) == 1
     prompt = doc2 + ids(12, 21)
     with member("r2", None) as r:
-        got = r.generate_tokens(prompt, GREEDY)
+        got = r.generate_tokens(prompt, params=GREEDY)
         assert got.stats["cached_tokens"] == 0 and got.tokens == cold(tmp_path, wide_model_dir, prompt, GREEDY,
                                                                        start=start)
         assert r.stats()["remote_bytes_read"] > 0  # the 5 blocks before the gap were read, and not used

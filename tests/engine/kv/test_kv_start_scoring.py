@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-from mlxcache_kernel.engine import Engine, SamplingParams
+from mlxcache_kernel.engine import Engine
 from mlxcache_kernel.engine.generate import scoring
 
 START = 40
@@ -113,7 +113,7 @@ def test_a_context_past_the_start_batches_over_its_quantized_state_cold_and_from
         assert hit[0].stats["mode"] == "batched" and hit[0].stats["cached_tokens"] == n - 1
         assert_same(hit, want)
     with engine(tmp_path, wide_model_dir, f"past{n}-longer") as eng:
-        eng.generate_tokens(DOC[:70], SamplingParams(max_tokens=1))  # a longer quantized state, cut to n - 1
+        eng.generate_tokens(DOC[:70], max_tokens=1)  # a longer quantized state, cut to n - 1
         hit = eng.score(DOC[:n], CONTS)
         assert hit[0].stats["cached_tokens"] == n - 1 and hit[0].stats["mode"] == "batched"
         assert_same(hit, want)
@@ -122,7 +122,7 @@ def test_a_context_past_the_start_batches_over_its_quantized_state_cold_and_from
 def test_scores_of_a_delayed_quantization_from_the_cache_equal_cold_ones(wide_model_dir, tmp_path):
     conts = [ids(6, s) for s in range(3)]
     with engine(tmp_path, wide_model_dir, "score") as eng:
-        eng.generate_tokens(DOC[:30], SamplingParams(max_tokens=1))
+        eng.generate_tokens(DOC[:30], max_tokens=1)
         hit = eng.score(DOC[:60], conts)  # from full precision below the start, the prefill crossing it
         cold_scores = eng.score(DOC[:60], conts, use_cache=False)
         assert hit[0].stats["cached_tokens"] == 30 and hit[0].stats["mode"] == cold_scores[0].stats["mode"] == "batched"

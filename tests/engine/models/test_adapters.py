@@ -37,7 +37,7 @@ def cold(models, tmp_path_factory):
     with Engine(cache_dir=tmp_path_factory.mktemp("ref"), ssd=False) as ref:
         for name, adapter in adapters.items():
             ref.load_model(base, name=name, adapter_path=adapter)
-        return {(name, k): ref.generate_tokens(p, PARAMS, model=name, use_cache=False).tokens
+        return {(name, k): ref.generate_tokens(p, params=PARAMS, model=name, use_cache=False).tokens
                 for name in adapters for k, p in PROMPTS.items()}
 
 
@@ -52,24 +52,24 @@ def test_each_adapter_has_its_own_namespace_and_cache(models, cold, tmp_path):
         assert infos["a"]["adapter"] == str(adapters["a"].resolve())
         assert set(infos["a"]["identity"]["adapter"]) == {"weights", "config"}
         for name in adapters:  # the same prompt under each: nobody serves another's prefix
-            r = eng.generate_tokens(PROMPT, PARAMS, model=name)
+            r = eng.generate_tokens(PROMPT, params=PARAMS, model=name)
             assert r.stats["cached_tokens"] == 0 and r.tokens == cold[(name, "prompt")], name
         for name in adapters:
-            r = eng.generate_tokens(LONGER, PARAMS, model=name)
+            r = eng.generate_tokens(LONGER, params=PARAMS, model=name)
             assert r.stats["cache_source"] == "ram" and r.stats["cached_tokens"] >= len(PROMPT) - 1, name
             assert r.tokens == cold[(name, "longer")], name
         rs = eng.generate_batch([PROMPT, LONGER], max_tokens=6, model="a")
         assert [r.tokens for r in rs] == [r.tokens for r in eng.generate_batch([PROMPT, LONGER], max_tokens=6,
                                                                                  model="a", use_cache=False)]
-        namespaces = {e["namespace"] for e in eng.cache_entries()}
+        namespaces = {e["namespace"] for e in eng.admin.entries()}
         assert namespaces == {i["namespace"] for i in infos.values()}
         assert eng.flush(timeout=60)["pending"] == 0
     with Engine(cache_dir=cache, prefetch_budget_bytes=0) as eng:  # a restart, then switches under one name
         for name in ("b", "base", "a"):
             eng.load_model(base, name="m", adapter_path=adapters[name])
-            r = eng.generate_tokens(LONGER, PARAMS, model="m")
+            r = eng.generate_tokens(LONGER, params=PARAMS, model="m")
             assert r.stats["cache_source"] == "ssd" and r.tokens == cold[(name, "longer")], name
-            assert eng.model_info("m")["namespace"] == infos[name]["namespace"]
+            assert eng.models.info("m")["namespace"] == infos[name]["namespace"]
 
 
 def test_bad_adapters_are_clear_errors(models, tmp_path):

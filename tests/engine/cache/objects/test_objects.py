@@ -121,7 +121,7 @@ def test_an_object_never_serves_as_a_prefix(cache_dir, tiny_model_dir):
         assert r.stats["cached_tokens"] == 0 and r.stats["cache_source"] is None
         eng.flush()
         assert eng.cache.store.find(r.tokens, namespace_of(digest("doc"))) is None
-        kinds = sorted(e["kind"] for e in eng.cache_entries())
+        kinds = sorted(e["kind"] for e in eng.admin.entries())
         assert kinds[0] == "object" and "prefix" in kinds
 
 

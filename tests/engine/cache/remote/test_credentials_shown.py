@@ -13,7 +13,7 @@ import sys
 import pytest
 from IPython.core.ultratb import VerboseTB
 
-from mlxcache_kernel.engine import Engine, SamplingParams
+from mlxcache_kernel.engine import Engine
 from mlxcache_kernel.engine.cache.remote import RemoteTier, parse_remote_url, redact, resolve
 from mlxcache_kernel.engine.cache.remote.writers import SigningKey
 from mlxcache_kernel.engine.config import EngineConfig, RemoteConfigError, Secret
@@ -85,7 +85,7 @@ def test_reprs_stats_and_debug_logs_of_a_running_engine_hold_no_credential(tmp_p
                 remote_signing_key=SIGN) as eng:
         eng.load_model(tiny_model_dir, name="m")
         for i in range(3):  # three failed lookups open the breaker, which logs
-            r = eng.generate_tokens(list(range(3 + i, 303 + i)), SamplingParams(max_tokens=2), model="m")
+            r = eng.generate_tokens(list(range(3 + i, 303 + i)), max_tokens=2, model="m")
         texts += [repr(eng.config), str(eng.stats()), str(r.stats), str(eng.flush())]
         assert eng.stats()["remote_errors"] >= 1  # it did try, and failed, and logged
     texts.append(caplog.text)

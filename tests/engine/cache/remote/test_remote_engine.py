@@ -21,7 +21,7 @@ from drip_proxy import DripProxy
 from remote_fixtures import PW, READER, READER_PW, SECRET, kind, server  # noqa: F401  (fixtures)
 from tiny_archs import build_arch_model
 
-from mlxcache_kernel.engine import Engine, SamplingParams
+from mlxcache_kernel.engine import Engine
 from mlxcache_kernel.engine.models import registry as models_mod
 from mlxcache_kernel.engine.cache.remote import TeamKeys
 from mlxcache_kernel.engine.cache.remote.config import RemoteConfigError
@@ -41,7 +41,7 @@ def engine(cache_dir, model_dir, url=None, secret=SECRET, **kw) -> Engine:
 
 
 def run(eng: Engine, prompt=PROMPT):
-    return eng.generate_tokens(prompt, SamplingParams(max_tokens=8), model="m")
+    return eng.generate_tokens(prompt, max_tokens=8, model="m")
 
 
 def test_second_machine_gets_a_remote_hit_with_the_cold_runs_tokens(server, tiny_model_dir, tmp_path):
@@ -166,7 +166,7 @@ def test_recurrent_and_wrapped_states_go_remote(server, arch, tmp_path):
     longer = PROMPT + prompt_ids(40, seed=9)
     with Engine(cache_dir=tmp_path / "ref", ssd=False) as ref:
         ref.load_model(model_dir, name="m")
-        cold = {len(p): ref.generate_tokens(p, SamplingParams(max_tokens=8), use_cache=False).tokens
+        cold = {len(p): ref.generate_tokens(p, max_tokens=8, use_cache=False).tokens
                 for p in (PROMPT, longer)}
     with engine(tmp_path / "a", model_dir, url) as a:
         assert run(a).tokens == cold[len(PROMPT)]

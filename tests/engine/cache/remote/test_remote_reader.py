@@ -9,7 +9,7 @@ import blake3
 import numpy as np
 from remote_fixtures import PW, SECRET, kind, server  # noqa: F401  (fixtures)
 
-from mlxcache_kernel.engine import Engine, SamplingParams
+from mlxcache_kernel.engine import Engine
 from mlxcache_kernel.engine.cache.remote.keys import AEAD_OVERHEAD
 from mlxcache_kernel.engine.cache.ssd import blocks
 
@@ -19,7 +19,7 @@ PROMPT = [int(x) for x in np.random.default_rng(11).integers(3, 259, 300)]
 def _run(eng: Engine, model_dir):
     """Run PROMPT; its namespace and its KV's block values by name, as its SSD holds them."""
     eng.load_model(model_dir, name="m")
-    eng.generate_tokens(PROMPT, SamplingParams(max_tokens=4), model="m")
+    eng.generate_tokens(PROMPT, max_tokens=4, model="m")
     assert eng.flush()["remote_failed"] == []
     ns, tokens = eng.last_key
     info = eng.cache.store.file_info(ns, tokens)

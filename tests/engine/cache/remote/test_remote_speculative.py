@@ -27,14 +27,14 @@ def test_a_second_machine_prefills_neither_models_cached_tokens(server, tiny_mod
     url = server.url(password=PW)
     with Engine(cache_dir=tmp_path / "plain", ssd=False) as ref:
         ref.load_model(tiny_model_dir, name="m")
-        expected = ref.generate_tokens(PROMPT, PARAMS, use_cache=False).tokens
+        expected = ref.generate_tokens(PROMPT, params=PARAMS, use_cache=False).tokens
     with engine(tmp_path / "a", tiny_model_dir, draft, url) as a:
-        cold = a.generate_tokens(PROMPT, PARAMS, model="m", draft="small", num_draft_tokens=3)
+        cold = a.generate_tokens(PROMPT, params=PARAMS, model="m", draft="small", num_draft_tokens=3)
         assert cold.tokens == expected and cold.stats["draft_prefilled_tokens"] == len(PROMPT)
         report = a.flush()
         assert report["remote_failed"] == [] and a.stats()["remote_blocks_uploaded"] >= 2 * 9  # both models'
     with engine(tmp_path / "b", tiny_model_dir, draft, url) as b:
-        hit = b.generate_tokens(PROMPT, PARAMS, model="m", draft="small", num_draft_tokens=3)
+        hit = b.generate_tokens(PROMPT, params=PARAMS, model="m", draft="small", num_draft_tokens=3)
         s = hit.stats
         assert hit.tokens == expected
         assert s["cache_source"] == "remote" and s["remote_tokens"] == 9 * 32
@@ -46,7 +46,7 @@ def test_a_second_machine_prefills_neither_models_cached_tokens(server, tiny_mod
     with Engine(cache_dir=tmp_path / "b", prefetch_budget_bytes=0) as local:  # no remote now
         local.load_model(tiny_model_dir, name="m")
         local.load_model(draft, name="small")
-        again = local.generate_tokens(PROMPT, PARAMS, model="m", draft="small", num_draft_tokens=3)
+        again = local.generate_tokens(PROMPT, params=PARAMS, model="m", draft="small", num_draft_tokens=3)
         assert again.tokens == expected
         assert again.stats["cache_source"] == "ssd" and again.stats["draft_cache_source"] == "ssd"
         assert again.stats["draft_prefilled_tokens"] == 0

@@ -16,7 +16,7 @@ import numpy as np
 from drip_proxy import DripProxy
 from remote_fixtures import PW, SECRET, kind, server  # noqa: F401  (fixtures)
 
-from mlxcache_kernel.engine import Engine, SamplingParams
+from mlxcache_kernel.engine import Engine
 from mlxcache_kernel.engine.cache.remote.link import UNMEASURED_DEADLINE_S
 
 LONG = [int(x) for x in np.random.default_rng(5).integers(3, 259, 3000)]
@@ -31,13 +31,13 @@ def engine(cache_dir, model_dir, url) -> Engine:
 
 def timed(eng, prompt):
     t0 = time.perf_counter()
-    r = eng.generate_tokens(prompt, SamplingParams(max_tokens=4), model="m")
+    r = eng.generate_tokens(prompt, max_tokens=4, model="m")
     return r, time.perf_counter() - t0
 
 
 def published(server, model_dir, tmp_path):
     with engine(tmp_path / "a", model_dir, server.url(password=PW)) as a:
-        cold = a.generate_tokens(LONG, SamplingParams(max_tokens=4), model="m")
+        cold = a.generate_tokens(LONG, max_tokens=4, model="m")
         assert a.flush()["remote_failed"] == []
     return cold
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from remote_fixtures import PW, SECRET, kind, server  # noqa: F401  (fixtures)
 
-from mlxcache_kernel.engine import Engine, SamplingParams
+from mlxcache_kernel.engine import Engine
 from mlxcache_kernel.engine.cache.remote.link import span_publication
 from mlxcache_kernel.engine.cache.remote.records import seal_chain, unseal
 from mlxcache_kernel.engine.cache.remote.tier import RemoteTier
@@ -48,13 +48,13 @@ def measured_slow(eng: Engine) -> None:
 
 
 def run(eng: Engine, prompt):
-    return eng.generate_tokens(prompt, SamplingParams(max_tokens=8), model="m")
+    return eng.generate_tokens(prompt, max_tokens=8, model="m")
 
 
 def cold_tokens(model_dir, tmp_path, *prompts):
     with Engine(cache_dir=tmp_path / "ref", ssd=False) as ref:
         ref.load_model(model_dir, name="m")
-        return [ref.generate_tokens(p, SamplingParams(max_tokens=8), use_cache=False).tokens for p in prompts]
+        return [ref.generate_tokens(p, max_tokens=8, use_cache=False).tokens for p in prompts]
 
 
 def forge(eng: Engine, victim, source) -> None:

@@ -88,7 +88,7 @@ def test_batch_from_the_cache_is_the_batch_without_it(arch_model, tmp_path):
             off = eng.generate_batch(PROMPTS, use_cache=False, **kw)
             expected[mode] = tokens(off)
             if serial_kind:  # the same tokens as generation one prompt at a time
-                serial = [eng.generate_tokens(p, SamplingParams(**{**kw, "seed": kw.get("seed", 0) + i}),
+                serial = [eng.generate_tokens(p, params=SamplingParams(**{**kw, "seed": kw.get("seed", 0) + i}),
                                               use_cache=False).tokens for i, p in enumerate(PROMPTS)]
                 assert expected[mode] == serial, arch
             before = eng.stats()["engine_prefilled_tokens"]
@@ -189,7 +189,7 @@ def test_fewer_slots_than_rows_and_rows_that_stop_early(eng, monkeypatch):
     off = eng.generate_batch(prompts, use_cache=False, **kw)
     assert off[1].tokens == full[1].tokens[: full[1].tokens.index(end) + 1] and off[1].stats["finish_reason"] == "eos"
     assert tokens(off) == tokens(eng.generate_batch(prompts, **kw)) == tokens(eng.generate_batch(prompts, **kw))
-    serial = eng.generate_tokens(prompts[1], SamplingParams(12), use_cache=False)
+    serial = eng.generate_tokens(prompts[1], params=SamplingParams(12), use_cache=False)
     assert serial.tokens == off[1].tokens and serial.text == off[1].text  # greedy rows agree with serial here
 
 
@@ -203,7 +203,7 @@ def test_an_interrupted_batch_keeps_what_it_computed(eng):
     eng.prefill_chunk = 16  # the shared document in several chunks: interrupted halfway through
     with pytest.raises(KeyboardInterrupt):
         eng.generate_batch(prompts, max_tokens=20, on_progress=in_prefill)
-    assert eng.cache_entries() == []  # no half-prefilled prefix is published
+    assert eng.admin.entries() == []  # no half-prefilled prefix is published
 
     def interrupt(phase, done, total):
         if phase == "decode" and done >= 9:

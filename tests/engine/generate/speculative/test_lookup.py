@@ -84,8 +84,8 @@ def test_text_that_copies_nothing_is_decoded_plainly(models, tmp_path, monkeypat
         r = eng.generate(PROMPT, max_tokens=60)  # its final state (after switching both ways) published
         kinds_of_first = list(kinds)
         more = r.prompt_tokens + r.tokens
-        rerun = eng.generate_tokens(more, SamplingParams(max_tokens=8), lookup=False)
-        cold = eng.generate_tokens(more, SamplingParams(max_tokens=8), lookup=False, use_cache=False)
+        rerun = eng.generate_tokens(more, max_tokens=8, lookup=False)
+        cold = eng.generate_tokens(more, max_tokens=8, lookup=False, use_cache=False)
     assert rerun.tokens == cold.tokens and rerun.stats["cached_tokens"] == len(more) - 1
     kinds[:] = kinds_of_first
     assert r.stats["lookup_drafts"] and r.stats["lookup_drafts_accepted"] == 0
@@ -144,7 +144,7 @@ def test_the_loop_cuts_rejected_drafts_back_on_every_cache_kind(models, tmp_path
         m = eng.models.get(eng.load_model(models(arch, 4.0), name="m")["name"])
         tokens = eng.encode_prompt(PROMPT)
         params = SamplingParams(max_tokens=30)
-        plain = eng.generate_tokens(tokens, params, lookup=False, use_cache=False).tokens
+        plain = eng.generate_tokens(tokens, params=params, lookup=False, use_cache=False).tokens
         caches = m.new_caches()
         prefill(m.forward, caches, tokens[:-1], chunk=16)
         erring = _Erring(plain, len(tokens))

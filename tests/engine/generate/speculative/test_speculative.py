@@ -219,7 +219,7 @@ def test_a_default_draft_per_model(dirs, tmp_path):
         off = eng.generate(prompt, model="m", max_tokens=12, draft=False)
         assert off.tokens == expected.tokens and "draft" not in off.stats
         assert eng.generate(prompt, model="small", max_tokens=4).stats.get("draft") is None  # its own, none
-        eng.unload_model("small")
+        eng.models.unload("small")
         with pytest.raises(ModelError, match="model 'm''s default draft 'small' is not loaded.*draft=False"):
             eng.generate(prompt, model="m", max_tokens=4)
         assert eng.generate(prompt, model="m", max_tokens=12, draft=False).tokens == expected.tokens
@@ -230,3 +230,6 @@ def test_a_default_draft_per_model(dirs, tmp_path):
         with pytest.raises(ModelError, match="model 'm2' not loaded: draft model 'odd' has another tokenizer"):
             eng.load_model(dirs["target"], name="m2", draft="odd")
         assert "m2" not in eng.models
+        with pytest.raises(ModelError, match="model 'm' not loaded: draft model 'odd' has another tokenizer"):
+            eng.load_model(dirs["target"], name="m", draft="odd")  # refused before it replaces the loaded 'm'
+        assert eng.generate(prompt, model="m", max_tokens=12, draft=False).tokens == expected.tokens

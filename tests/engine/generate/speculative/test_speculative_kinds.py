@@ -43,11 +43,11 @@ def test_every_cache_kind_rolls_back_exactly(arch, llama_draft, tmp_path):
         eng.load_model(twin, name="twin")
         eng.load_model(llama_draft, name="llama")
         for mode, params in MODES.items():
-            expected = eng.generate_tokens(prompt, params, model="m", use_cache=False).tokens
+            expected = eng.generate_tokens(prompt, params=params, model="m", use_cache=False).tokens
             assert len(expected) >= 8, f"{arch} {mode}: eos after {len(expected)} tokens"
             for draft in ("twin", "llama", "m"):
                 for run in ("cold", "cached"):
-                    r = eng.generate_tokens(prompt, params, model="m", draft=draft, num_draft_tokens=4)
+                    r = eng.generate_tokens(prompt, params=params, model="m", draft=draft, num_draft_tokens=4)
                     assert r.tokens == expected, (arch, mode, draft, run)
                     s = r.stats
                     assert s["draft_fallback"] is None and s["draft_tokens_proposed"] > 0, (arch, draft, s)
@@ -73,9 +73,10 @@ def test_a_window_the_verify_step_wraps_is_exact_where_mlx_lm_trims_nothing(llam
         eng.load_model(path, name="g")
         eng.load_model(llama_draft, name="llama")
         for params in MODES.values():
-            expected = eng.generate_tokens(prompt, params, model="g", use_cache=False).tokens
+            expected = eng.generate_tokens(prompt, params=params, model="g", use_cache=False).tokens
             for k in (2, 4, 6):
-                r = eng.generate_tokens(prompt, params, model="g", draft="llama", num_draft_tokens=k, use_cache=False)
+                r = eng.generate_tokens(prompt, params=params, model="g", draft="llama", num_draft_tokens=k,
+                                        use_cache=False)
                 assert r.tokens == expected, k
                 assert r.stats["draft_fallback"] is None
                 assert r.stats["draft_tokens_accepted"] < r.stats["draft_tokens_proposed"]  # rejections: rollbacks
