@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent("""
         importlib.import_module(name)
     with Engine(cache_dir=sys.argv[2], ssd=False) as eng:
         eng.load_model(sys.argv[1])
-        r = eng.generate_tokens([5, 6, 7, 8], SamplingParams(max_tokens=4))
+        r = eng.generate_tokens([5, 6, 7, 8], params=SamplingParams(max_tokens=4))
     print(json.dumps({"file": mlxcache_kernel.__file__, "modules": names, "tokens": r.tokens}))
 """)
 
