@@ -14,9 +14,9 @@ share a prefix across rows score one continuation after another, each over a loa
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
-
 
 from .prefill import prefill
 from ..kv.caches import new_caches, shares_prefix
@@ -119,8 +119,9 @@ def score_rows(services, model, ctx: list, conts: list, *, use_cache: bool) -> t
         cached = loan.length if loan is not None else 0
         caches = loan.caches if loan is not None else model.new_caches()
         if cached < prefix_len:  # the context's rest, once for every continuation
+            t = time.perf_counter()
             prefill(model.forward, caches, ctx[cached:prefix_len], chunk=services.prefill_chunk)
-            services.metrics.record_prefill(ns, prefix_len - cached, 0.0)
+            services.metrics.record_prefill(ns, prefix_len - cached, time.perf_counter() - t)
         inputs = [[ctx[-1]] + c[:-1] for c in conts]
         stats = {"context_tokens": len(ctx), "cached_tokens": cached, "source": loan.source if loan else None}
         # every layer plain KV in the model's own form: quantized KV too (the rows cache converts
