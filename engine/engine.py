@@ -11,8 +11,8 @@ A user reaches its parts as objects with methods of their own:
     eng.events        what happens, as plain records: subscribe, recent (events.py)
 
 The facade's own methods coordinate several parts (load_model, encode_prompt, generate,
-generate_tokens, generate_batch, score, poll, flush, stats, close); the names the design promises
-scripts (checkpoint_save, cache_clear, ...) are one-line delegations in one block at the end.
+generate_tokens, generate_batch, score, score_groups, poll, flush, stats, close); the names the
+design promises scripts (checkpoint_save, cache_clear, ...) are one-line delegations at the end.
 
 All MLX work happens on the thread that calls the engine (the owner). The
 SSD writer runs beside it on numpy views and reports back through `poll()`,
@@ -51,6 +51,7 @@ from .models.registry import IdentityMemo, ModelRegistry
 from .named.checkpoints import NamedCheckpoints
 from .chat.prompts import encode_prompt
 from .generate.scoring import ScoreResult, score
+from .generate.score_groups import score_groups
 from .generate.generation import Generation, GenerationResult, Request, Services
 from .chat.sessions import Sessions
 from .generate.speculative.draft import load_with_draft, resolve_draft
@@ -262,6 +263,16 @@ class Engine:
         self.poll(prepare=False)
         return score(self._services, self.models.get(model), context, continuations, raw=raw, system=system,
                      use_cache=use_cache)
+
+    def score_groups(self, pairs: Sequence, *, model: str | None = None, use_cache: bool = True,
+                     on_progress: Callable[[str, int, int], None] | None = None) -> list[ScoreResult]:
+        """`score` of many (context, continuation) pairs (lm-eval's loglikelihood requests), one result
+        each in order: a prefix the contexts share (a few-shot block) prefilled once, each context once
+        for its continuations, the continuations batched (generate/score_groups.py).
+        on_progress("score", done, total)."""
+        self._check_open()
+        self.poll(prepare=False)
+        return score_groups(self._services, self.models.get(model), pairs, use_cache=use_cache, on_progress=on_progress)
 
     def generate_tokens(self, tokens: Sequence[int], *, model: str | None = None,
                         params: SamplingParams | None = None, **options) -> GenerationResult:

@@ -121,6 +121,7 @@ class Generation:
         self.converts_in_decode = False  # (set by run)
         self.drafter: Drafter | None = None  # with a draft that can roll back exactly
         self.proposers = Choice()  # where drafts came from (set when decoding starts)
+        self.loop_t0 = 0.0  # when the token loop started (a short rest of the prompt goes in its first forward)
 
     def run(self) -> GenerationResult:
         req, cache = self.req, self.cache
@@ -181,6 +182,8 @@ class Generation:
         if req.use_cache:
             self.publish_final(caches)
         del caches
+        if one_pass and self.times:  # the rest went in with the first token's forward: that forward is its prefill
+            prefill_s = self.times[0] - self.loop_t0
         stats = generation_stats(
             prompt_tokens=len(req.tokens), cached=cached, source=loan.source if loan else None,
             prefilled=len(head), lookup_s=t_lookup, prefill_s=prefill_s,
@@ -256,6 +259,7 @@ class Generation:
                   context=req.tokens + emitted, proposer=self.proposers.proposer, on_token=on_token,
                   sync_at=boundary_due, into=self.decoded)
         self.times = row.times
+        self.loop_t0 = time.perf_counter()
         run_rows([row], OneRow(self.prompt.forward, caches))
         self._show(self.stream.finish())
 
