@@ -140,13 +140,13 @@ class PlainKV(Codec):
         return lm_cache.KVCache()
 
     def hand_over(self, layer, n, in_place):
-        """For a borrower that takes this state's place. in_place: it may append into the
-        segment's whole buffers (nothing else holds them; one segment: the whole prefix)."""
-        segments = cut_segments(layer.segments, n)
+        """For a borrower that takes this state's place at n positions. in_place (nothing else
+        holds the buffers, and positions past n may go: a rerun's old answer): with the layer in
+        one segment, the borrower appends into its whole buffers from position n on."""
         merge = lm_cache.BatchKVCache.merge
-        if in_place and len(segments) == 1 and segments[0] is layer.segments[-1] and segments[0].room:
-            return BorrowedKVCache(hand_over=segments[0], merge=merge)
-        return BorrowedKVCache(segments, merge=merge)
+        if in_place and len(layer.segments) == 1 and layer.segments[0].parents:
+            return BorrowedKVCache(hand_over=layer.segments[0], offset=n, merge=merge)
+        return BorrowedKVCache(cut_segments(layer.segments, n), merge=merge)
 
 
 class QuantizedKV(Codec):
