@@ -23,6 +23,8 @@ import mlx.core as mx
 from ..cache.tiered import TieredPromptCache
 from .prefill import prefill
 from .text import TextStream
+from .constrain import Constraint
+from .grammars import Compiled
 from .loop import DecodeResult, OneRow, Row, run as run_rows
 from ..events import EventBus
 from .resume import InflightRecords, request_id
@@ -60,6 +62,7 @@ class GenerationResult:
     stats: dict
     prompt_tokens: list = field(default_factory=list, repr=False)
     logprobs: list | None = field(default=None, repr=False)  # TokenLogprob per token, with logprobs=K
+    parsed: Any = None  # under a constraint: the answer parsed (a Pydantic object, a dict, the text), None if incomplete
 
     def __str__(self) -> str:
         return self.text
@@ -79,6 +82,7 @@ class Request:
     draft: LoadedModel | None = None  # speculative decoding with this draft model (speculative/draft.py)
     num_draft_tokens: int = 0
     lookup: bool | None = None  # drafts from the context (speculative/lookup.py): None where they pay
+    constraint: Compiled | None = None  # the grammar the answer follows (grammars.py, constrain.py)
 
     @property
     def ns(self) -> str:
@@ -111,7 +115,10 @@ class Generation:
         self.services, self.req = services, req
         self.cache = services.cache
         self.prompt = req.media if req.media is not None else TextPrompt(req.model, req.tokens)
-        self.rid = request_id(req.ns, req.tokens, req.params.as_dict())
+        identity = req.params.as_dict()
+        if req.constraint is not None:  # a run under another grammar (or none) is another request
+            identity["constraint"] = req.constraint.spec.key
+        self.rid = request_id(req.ns, req.tokens, identity)
         self.emitted: list[int] = []  # tokens a resumed run had already emitted
         self.decoded = DecodeResult()  # what this run decodes (after `emitted`)
         self.decode_ran = False  # a resumed run whose record already held every token decodes nothing
@@ -121,6 +128,7 @@ class Generation:
         self.converts_in_decode = False  # (set by run)
         self.drafter: Drafter | None = None  # with a draft that can roll back exactly
         self.proposers = Choice()  # where drafts came from (set when decoding starts)
+        self.constraint: Constraint | None = None  # the row's grammar state (set when decoding starts)
 
     def run(self) -> GenerationResult:
         req, cache = self.req, self.cache
@@ -194,9 +202,11 @@ class Generation:
             counts = self.drafter.counts if self.drafter else DraftCounts()
             stats.update(counts.stats(req.draft.name, req.num_draft_tokens, self.proposers.draft_fallback))
         stats.update(self.proposers.lookup_stats(req.lookup))
+        parsed = self.constrained(stats)
         self.services.metrics.record(req.ns, stats)
         logprobs = self.decoded.logprobs if req.params.logprobs is not None else None
-        return GenerationResult(self.stream.text, self.emitted + self.decoded.tokens, stats, list(req.tokens), logprobs)
+        return GenerationResult(self.stream.text, self.emitted + self.decoded.tokens, stats, list(req.tokens), logprobs,
+                                parsed)
 
     # --- steps ---
 
@@ -219,6 +229,9 @@ class Generation:
         req, emitted = self.req, self.emitted
         for token in emitted:  # a resumed generation shows what it had already said
             self._show(self.stream.add(token))
+        if req.constraint is not None:  # the grammar's state is the tokens it accepted: replayed after a resume
+            self.constraint = Constraint(req.constraint)
+            self.constraint.accept(emitted)
         every = req.checkpoint_every
         seen = list(emitted)  # every emitted token so far, resumed ones included
 
@@ -254,10 +267,18 @@ class Generation:
         self.drafter = self.proposers.drafter
         row = Row(req.params, pending, eos_ids=req.model.eos_token_ids, first_step=len(emitted),
                   context=req.tokens + emitted, proposer=self.proposers.proposer, on_token=on_token,
-                  sync_at=boundary_due, into=self.decoded)
+                  sync_at=boundary_due, into=self.decoded, constraint=self.constraint)
         self.times = row.times
         run_rows([row], OneRow(self.prompt.forward, caches))
         self._show(self.stream.finish())
+
+    def constrained(self, stats: dict):
+        """The parsed answer under a constraint (None without one, or when incomplete); its stats added."""
+        if self.constraint is None:
+            return None
+        parsed, note = self.constraint.outcome(self.stream.text, self.decoded.finish_reason)
+        stats.update(self.constraint.stats(note))
+        return parsed
 
     def _publish_draft(self) -> None:
         """The draft's state over the tokens decided (also after an interrupt); never masks an error."""
