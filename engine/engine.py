@@ -11,8 +11,8 @@ A user reaches its parts as objects with methods of their own:
     eng.events        what happens, as plain records: subscribe, recent (events.py)
 
 The facade's own methods coordinate several parts (load_model, encode_prompt, generate,
-generate_tokens, generate_batch, score, poll, flush, stats, close); the names the design promises
-scripts (checkpoint_save, cache_clear, ...) are one-line delegations in one block at the end.
+generate_tokens, generate_batch, score, score_groups, poll, flush, stats, close); the names the
+design promises scripts (checkpoint_save, cache_clear, ...) are one-line delegations at the end.
 
 All MLX work happens on the thread that calls the engine (the owner). The
 SSD writer runs beside it on numpy views and reports back through `poll()`,
@@ -51,6 +51,7 @@ from .models.registry import IdentityMemo, ModelRegistry
 from .named.checkpoints import NamedCheckpoints
 from .chat.prompts import encode_prompt
 from .generate.scoring import ScoreResult, score
+from .generate.score_groups import score_groups
 from .generate.generation import Generation, GenerationResult, Request, Services
 from .chat.sessions import Sessions
 from .generate.speculative.draft import load_with_draft, resolve_draft
@@ -61,9 +62,8 @@ from .host.system import make_private_dir
 
 _UNSET = object()  # a keyword not given: the environment's value, else the default
 REMOTE_CLOSE_S = 5.0  # close() waits this long for remote publications, then says what was not published
-# besides sampling: a Request's fields (its constraint as the keywords asking for one)
-REQUEST_OPTIONS = frozenset(f.name for f in fields(Request)) - {"model", "tokens", "params", "constraint"} | set(
-    CONSTRAINT_OPTIONS)
+REQUEST_OPTIONS = frozenset({f.name for f in fields(Request)} - {"model", "tokens", "params", "constraint"}
+                            | set(CONSTRAINT_OPTIONS))  # besides sampling (a constraint: by its four keywords)
 
 
 class Engine:
@@ -215,8 +215,7 @@ class Engine:
         params = SamplingParams.from_call(params, sampling)
         m = self.models.get(model)
         params.validate(m.config.get("vocab_size"))
-        constraint = constraint_of(m, dict(response_format=response_format, regex=regex, choices=choices,
-                                           grammar=grammar))  # refused before any work
+        constraint = constraint_of(m, response_format, regex, choices, grammar)  # refused before any work
         media = media_prompt(self, m, prompt, images, system=system, raw=raw, session=session, use_cache=use_cache,
                              videos=videos, fps=fps, max_frames=max_frames, audios=audios) if m.vision else None
         if media is not None:  # the model's processor; cache keys carry each media item's identity
@@ -251,8 +250,7 @@ class Engine:
         vocab = m.config.get("vocab_size")
         rows = row_tokens(prompts, lambda p: self.encode_prompt(p, model=m.name, system=system, raw=raw), vocab)
         params = [SamplingParams.of(**sampling, seed=s).validate(vocab) for s in batch_seeds(seed, len(rows))]
-        constraints = constraints_of(m, len(rows), dict(response_format=response_format, regex=regex,
-                                                        choices=choices, grammar=grammar))
+        constraints = constraints_of(m, len(rows), response_format, regex, choices, grammar)
         if not rows:
             return []
         results = BatchRun(self._services, m, rows, params, use_cache=use_cache, batch_size=batch_size,
@@ -273,6 +271,16 @@ class Engine:
         return score(self._services, self.models.get(model), context, continuations, raw=raw, system=system,
                      use_cache=use_cache)
 
+    def score_groups(self, pairs: Sequence, *, model: str | None = None, use_cache: bool = True,
+                     on_progress: Callable[[str, int, int], None] | None = None) -> list[ScoreResult]:
+        """`score` of many (context, continuation) pairs (lm-eval's loglikelihood requests), one result
+        each in order: a prefix the contexts share (a few-shot block) prefilled once, each context once
+        for its continuations, the continuations batched (generate/score_groups.py).
+        on_progress("score", done, total)."""
+        self._check_open()
+        self.poll(prepare=False)
+        return score_groups(self._services, self.models.get(model), pairs, use_cache=use_cache, on_progress=on_progress)
+
     def generate_tokens(self, tokens: Sequence[int], *, model: str | None = None,
                         params: SamplingParams | None = None, **options) -> GenerationResult:
         """Generate from prompt token ids: resume or cache lookup, prefill, decode, publish (generate/generation.py).
@@ -285,23 +293,15 @@ class Engine:
         if not tokens:
             raise GenerationError("empty prompt: no tokens to generate from")
         params = SamplingParams.from_call(params, options, REQUEST_OPTIONS).validate(m.config.get("vocab_size"))
-        options["constraint"] = constraint_of(m, {k: options.pop(k) for k in CONSTRAINT_OPTIONS if k in options})
+        options["constraint"] = constraint_of(m, *(options.pop(k, None) for k in CONSTRAINT_OPTIONS))
         return self._generate(m, tokens, params, options)
 
     def _generate(self, m, tokens: list, params: SamplingParams, options: dict) -> GenerationResult:
         """One generation of `m` from prompt tokens; options: a Request's fields (the constraint compiled)."""
-        check_lookup(options.get("lookup"))
         options["draft"], options["num_draft_tokens"] = resolve_draft(self.models, m, options.get("draft"),
                                                                       options.pop("num_draft_tokens", None))
-        req = Request(m, tokens, params, **options)
+        req = Request(m, tokens, params, **options).check(self.cache.has_ssd)
         req.use_cache = req.use_cache and m.cache_notice is None  # an unknown cache class: uncached, never wrong
-        every = req.checkpoint_every
-        if every is not None and (not isinstance(every, int) or every < 1):
-            raise GenerationError(f"checkpoint_every must be an integer >= 1, got {every!r}")
-        if every is not None and params.logprobs is not None:
-            raise GenerationError("logprobs are not kept by in-flight checkpoints: use checkpoint_every or logprobs")
-        if every is not None and not self.cache.has_ssd:
-            raise GenerationError("checkpoint_every needs the SSD tier (the engine was started with ssd=False)")
         self.last_result = Generation(self._services, req).run()
         self.cache.loading.prepare_reads()  # prefetching goes on after the generation (it yielded meanwhile)
         stats = self.last_result.stats

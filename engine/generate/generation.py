@@ -26,6 +26,7 @@ from .text import TextStream
 from .constrain import Constraint
 from .grammars import Compiled
 from .loop import DecodeResult, OneRow, Row, run as run_rows
+from ..errors import GenerationError
 from ..events import EventBus
 from .resume import InflightRecords, request_id
 from ..kv.caches import always_cuttable
@@ -36,7 +37,7 @@ from ..metrics import AccessTrace, GenerationMetrics, generation_stats
 from ..models.registry import LoadedModel
 from .sampling import SamplingParams
 from .speculative.draft import DraftCounts, Drafter
-from .speculative.proposers import Choice, choose_proposers
+from .speculative.proposers import Choice, check_lookup, choose_proposers
 
 ONE_PASS_TOKENS = 64  # a rest of the prompt up to this long is forwarded with the first decode step
 
@@ -88,6 +89,18 @@ class Request:
     def ns(self) -> str:
         return self.model.namespace
 
+    def check(self, has_ssd: bool) -> "Request":
+        """Options that cannot be used (together), refused before any work."""
+        check_lookup(self.lookup)
+        every = self.checkpoint_every
+        if every is not None and (not isinstance(every, int) or every < 1):
+            raise GenerationError(f"checkpoint_every must be an integer >= 1, got {every!r}")
+        if every is not None and self.params.logprobs is not None:
+            raise GenerationError("logprobs are not kept by in-flight checkpoints: use checkpoint_every or logprobs")
+        if every is not None and not has_ssd:
+            raise GenerationError("checkpoint_every needs the SSD tier (the engine was started with ssd=False)")
+        return self
+
 
 class TextPrompt:
     """A prompt of text tokens, as the generation sees any prompt (media/prompt.py's MediaPrompt is the
@@ -129,6 +142,7 @@ class Generation:
         self.drafter: Drafter | None = None  # with a draft that can roll back exactly
         self.proposers = Choice()  # where drafts came from (set when decoding starts)
         self.constraint: Constraint | None = None  # the row's grammar state (set when decoding starts)
+        self.loop_t0 = 0.0  # when the token loop started (a short rest of the prompt goes in its first forward)
 
     def run(self) -> GenerationResult:
         req, cache = self.req, self.cache
@@ -189,6 +203,8 @@ class Generation:
         if req.use_cache:
             self.publish_final(caches)
         del caches
+        if one_pass and self.times:  # the rest went in with the first token's forward: that forward is its prefill
+            prefill_s = self.times[0] - self.loop_t0
         stats = generation_stats(
             prompt_tokens=len(req.tokens), cached=cached, source=loan.source if loan else None,
             prefilled=len(head), lookup_s=t_lookup, prefill_s=prefill_s,
@@ -269,6 +285,7 @@ class Generation:
                   context=req.tokens + emitted, proposer=self.proposers.proposer, on_token=on_token,
                   sync_at=boundary_due, into=self.decoded, constraint=self.constraint)
         self.times = row.times
+        self.loop_t0 = time.perf_counter()
         run_rows([row], OneRow(self.prompt.forward, caches))
         self._show(self.stream.finish())
 

@@ -21,7 +21,7 @@ import blake3
 
 from ..errors import ConstraintError
 
-OPTIONS = ("response_format", "regex", "choices", "grammar")  # the keywords generate() takes, one at most
+OPTIONS = ("response_format", "regex", "choices", "grammar")  # generate's keywords, in this order; one at most
 # Whitespace between JSON tokens: at most this many characters (llguidance allows any run by default, and a
 # weak model can loop on blank lines). A schema's own "x-guidance" options override it.
 JSON_DEFAULTS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,12}"}
@@ -199,10 +199,10 @@ def compile_for(model, spec: Spec) -> Compiled:
     return replace(compiled, spec=spec, compile_s=time.perf_counter() - t0, cached=True) if hit else compiled
 
 
-def constraint_of(model, kinds: dict) -> Compiled | None:
-    """What generate's keywords (`kinds`: response_format, regex, choices, grammar) ask for, compiled for
-    `model`, or None; refused with a ConstraintError before any work."""
-    spec = spec_of(**kinds)
+def constraint_of(model, *values) -> Compiled | None:
+    """What generate's keywords (the values of OPTIONS, in order) ask for, compiled for `model`, or None;
+    refused with a ConstraintError before any work."""
+    spec = spec_of(**dict(zip(OPTIONS, values)))
     return compile_for(model, spec) if spec is not None else None
 
 
@@ -213,10 +213,10 @@ def _per_row(name: str, value) -> bool:
     return name != "choices" or any(v is None or isinstance(v, (list, tuple)) for v in value)
 
 
-def constraints_of(model, rows: int, kinds: dict) -> list:
-    """generate_batch's keywords as each row's compiled constraint (or None): one value for every row, or
-    a list with one per row (rows may ask for different kinds, one each)."""
-    per_row = {}
+def constraints_of(model, rows: int, *values) -> list:
+    """generate_batch's keywords (the values of OPTIONS, in order) as each row's compiled constraint (or
+    None): one value for every row, or a list with one per row (rows may ask for different kinds)."""
+    kinds, per_row = dict(zip(OPTIONS, values)), {}
     for name, value in kinds.items():
         if value is not None and _per_row(name, value):
             if len(value) != rows:
@@ -225,7 +225,7 @@ def constraints_of(model, rows: int, kinds: dict) -> list:
     out = []
     for i in range(rows):
         try:
-            out.append(constraint_of(model, {k: per_row[k][i] if k in per_row else v for k, v in kinds.items()}))
+            out.append(constraint_of(model, *(per_row[k][i] if k in per_row else v for k, v in kinds.items())))
         except ConstraintError as e:
             raise ConstraintError(f"prompt {i}: {e}" if per_row else str(e)) from None
     return out

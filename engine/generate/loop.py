@@ -62,8 +62,9 @@ class Proposer(Protocol):
     def judged(self, proposed: int, accepted: int) -> None:
         """How many of the last proposals were compared with the target's samples, and kept."""
 
-    def stepped(self, step: int, tokens: int, seconds: float, proposed: int) -> None:
-        """A step of the row yielded `tokens` in `seconds`, verifying `proposed` drafts."""
+    def stepped(self, step: int, tokens: int, seconds: float, proposed: int, pipelined: bool = False) -> None:
+        """A step of the row yielded `tokens` in `seconds`, verifying `proposed` drafts (`pipelined`: a
+        plain step queued before the previous token was read, what the row does where nobody proposes)."""
 
 
 class Forward(Protocol):
@@ -275,7 +276,7 @@ def _pipelined(row: Row, forward: Forward) -> None:
         now = time.perf_counter()
         row.emit([token], picked, now)
         if row.proposer is not None and timed:
-            row.proposer.stepped(step, 1, now - t, 0)
+            row.proposer.stepped(step, 1, now - t, 0, pipelined=True)
         if row.done or proposes:
             row.pending = [] if ahead is not None else [token]
             row.step = step + 1

@@ -17,8 +17,8 @@ from mlxcache_kernel.engine import Engine, SamplingParams
 COMPATIBILITY = {"checkpoint_save": "checkpoints.save", "checkpoint_restore": "checkpoints.restore",
                  "checkpoint_list": "checkpoints.list", "cache_clear": "admin.clear", "cache_gc": "admin.gc",
                  "cache_verify": "admin.verify"}
-FACADE = {"load_model", "encode_prompt", "generate", "generate_tokens", "generate_batch", "score", "poll", "flush",
-          "stats", "close"}
+FACADE = {"load_model", "encode_prompt", "generate", "generate_tokens", "generate_batch", "score", "score_groups",
+          "poll", "flush", "stats", "close"}
 PARTS = {"models", "sessions", "checkpoints", "kv", "admin", "objects", "events"}
 DATA = {"config", "cache_dir", "last_result", "last_key", "vision_counters", "prefill_chunk", "closed"}
 INTERNALS = {"cache", "memory", "metrics"}  # the tiered cache, the memory guard, the counters: for tests and tools

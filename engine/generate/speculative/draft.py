@@ -239,7 +239,7 @@ class Drafter:
             self.first_step = step
         return step > self.first_step
 
-    def stepped(self, step: int, tokens: int, seconds: float, proposed: int) -> None:
+    def stepped(self, step: int, tokens: int, seconds: float, proposed: int, pipelined: bool = False) -> None:
         pass  # a draft model proposes at every step: K is the user's
 
     def judged(self, proposed: int, accepted: int) -> None:

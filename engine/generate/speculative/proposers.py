@@ -38,9 +38,9 @@ class BestOf:
     def judged(self, proposed: int, accepted: int) -> None:
         self.last.judged(proposed, accepted)
 
-    def stepped(self, step: int, tokens: int, seconds: float, proposed: int) -> None:
+    def stepped(self, step: int, tokens: int, seconds: float, proposed: int, pipelined: bool = False) -> None:
         for p in self.proposers:
-            p.stepped(step, tokens, seconds, proposed if p is self.last else 0)
+            p.stepped(step, tokens, seconds, proposed if p is self.last else 0, pipelined)
 
 
 def _counts(p) -> tuple:
