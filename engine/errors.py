@@ -34,6 +34,11 @@ class GenerationError(ValueError):
     """Bad generation input, with a message naming the problem."""
 
 
+class ConstraintError(GenerationError):
+    """A constraint (JSON Schema, Pydantic model, regex, choices, grammar) that cannot be compiled, or a
+    model whose tokenizer the grammar library cannot read; the message names the part refused."""
+
+
 class SessionError(ValueError):
     """An unknown session, or one used with another model than its own."""
 

@@ -95,6 +95,7 @@ SCHEMA = {
     "prefetch_in_progress_bytes": "KV bytes of those reads",
     "prefetch_waits": "lookups that waited for a background read of the file they needed (instead of a second read)",
     "prefetch_wait_seconds": "seconds those lookups waited",
+    "restore_shared_bytes": "KV bytes of checkpoints read back from SSD held in the buffers of an entry read from the same blocks (a document under several questions: once in RAM after a restart too)",
     # SSD tier (present when it is on)
     "ssd_files": "checkpoint files on SSD",
     "ssd_bytes": "unique bytes on SSD: manifests and files once each, each shared block once",

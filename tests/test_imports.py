@@ -1,5 +1,6 @@
 """The shape of the code, read from its own imports (ast): no import circles, arrows that point one
-way (kernel -> widgets -> engine), and only kv/codecs.py naming mlx-lm's cache classes.
+way (kernel -> widgets -> engine), only kv/codecs.py naming mlx-lm's cache classes, a small top
+of engine/ and modules a person reads in one sitting.
 
 Every import counts: module level, inside functions and under TYPE_CHECKING alike (a circle that
 is only "not needed at load time" still ties two modules into one).
@@ -106,6 +107,19 @@ def test_the_engine_imports_neither_the_kernel_nor_the_widgets():
     engine = "mlxcache_kernel.engine"
     bad = sorted((m, t) for m, ts in GRAPH.items() if m.startswith(engine) for t in ts if not t.startswith(engine))
     assert not bad, bad
+
+
+def test_the_top_of_the_engine_holds_the_facade_and_what_every_part_shares():
+    """At most 8 modules beside the folders: a newcomer finds each concept by its folder's name."""
+    top = sorted(p.name for p in (ROOT / "engine").glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 8, top
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_every_module_reads_in_one_sitting(name):
+    """Under 400 lines (401 with a trailing blank line is still 400 of text)."""
+    lines = MODULES[name].read_text().rstrip("\n").count("\n") + 1
+    assert lines <= 400, f"{MODULES[name].relative_to(ROOT)}: {lines} lines; split it by concept"
 
 
 def test_widgets_do_not_import_the_kernel():

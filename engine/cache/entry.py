@@ -41,6 +41,7 @@ class Entry:
     hits: int = 0
     prompt_tokens: int | None = None  # a generation's final state: how much of it was the prompt
     restored: bool = False  # read back from SSD (durable; where its prompt ended is not known)
+    blocks: tuple = ()  # (name, start, end) of the SSD blocks it was read from: restores of the same blocks share it
 
     @property
     def tokens(self) -> tuple:

@@ -30,7 +30,7 @@ from ..kv.checkpoint import Checkpoint
 from ..kv.tokens import as_token_array, common_prefix_len
 from ..host.memory import PressureGuard
 from .gate import GenerationGate
-from .prefetch import BackgroundReader, ReadJob, choose
+from .prefetch import BackgroundReader, ReadJob, SharedBytes, choose, common_blocks
 from .entry import Entry
 from .ram import RamTier
 from .ssd.index import IndexEntry
@@ -53,7 +53,7 @@ class Loading:
         self.prefetch_budget_bytes = prefetch_budget_bytes
         self.counters.update(dict.fromkeys((
             "prefetches_started", "prefetches_completed", "prefetches_failed", "prefetches_dropped",
-            "prefetch_bytes", "prefetch_waits", "prefetch_wait_seconds",
+            "prefetch_bytes", "prefetch_waits", "prefetch_wait_seconds", "restore_shared_bytes",
         ), 0))
         self.counters["prefetch_wait_seconds"] = 0.0
         self.reader = BackgroundReader(self._open_job, gate=gate) if store is not None else None
@@ -103,10 +103,17 @@ class Loading:
         if budget <= 0:
             return {"checkpoints": 0, "bytes": 0, "budget_bytes": budget}
         reading = [j.handle for j in self.reader.jobs()]
-        chosen = choose([h for h in self.store.entries() if h.namespace == ns], budget, self._resident, reading)
+        sizes, resident = self.store.block_sizes(ns), [b[0] for e in self.ram.entries(ns) for b in e.blocks]
+        chosen = choose([h for h in self.store.entries() if h.namespace == ns], budget, self._resident, reading,
+                        SharedBytes(sizes, resident))
+        shared, total = SharedBytes(sizes, resident), 0
+        for h in reading:
+            shared.count(h)
         for h in chosen:
-            self._submit(ReadJob(h))
-        total = sum(h.raw_bytes for h in chosen)
+            cost = shared.cost(h)
+            shared.count(h)
+            self._submit(ReadJob(h, cost=cost))
+            total += cost
         if chosen:
             self._emit("prefetch", ns=ns, checkpoints=len(chosen), nbytes=total, budget=budget)
         return {"checkpoints": len(chosen), "bytes": total, "budget_bytes": budget}
@@ -155,7 +162,7 @@ class Loading:
 
     def _open_job(self, job: ReadJob) -> None:
         """Open and allocate (owner); a prefetch only while RAM has room for it."""
-        if job.kind == "prefetch" and job.handle.raw_bytes > self._room(reading=False):
+        if job.kind == "prefetch" and job.nbytes > self._room(reading=False):
             job.error = "skipped: no room in RAM"
             return
         try:
@@ -202,6 +209,7 @@ class Loading:
                     self._emit("prefetch_dropped", ns=job.handle.namespace, tokens=len(job.handle), reason=job.error)
                     return None
                 raise CheckpointUnavailable(job.error or "not opened")
+            header = job.restore.read.header
             cp = job.restore.finish()
         except CheckpointUnavailable as e:
             self.counters["ssd_restore_failures"] += 1
@@ -214,11 +222,31 @@ class Loading:
         if background:
             self.counters["prefetches_completed"] += 1
             self.counters["prefetch_bytes"] += cp.nbytes
-        return cp.prefix(job.exact) if job.exact is not None and job.exact < len(cp.tokens) else cp
+        if job.exact is not None and job.exact < len(cp.tokens):
+            cp = cp.prefix(job.exact)
+        job.blocks = tuple((b.name, b.start, b.end) for b in header.blocks if b.end <= len(cp.tokens))
+        return self._share(cp, job)
+
+    def _share(self, cp: Checkpoint, job: ReadJob) -> Checkpoint:
+        """The restored checkpoint holding what it read alike with a resident entry (the same blocks)
+        in that entry's buffers, as published checkpoints share a lent prefix: a document under
+        several questions is held once after a restart too (its own positions are copied out)."""
+        donor, n = None, 0
+        for e in self.ram.entries(job.handle.namespace):
+            alike = common_blocks(e.blocks, job.blocks)
+            if alike > n:
+                donor, n = e, alike
+        shared = cp.sharing(donor.checkpoint, n) if donor is not None else None
+        if shared is None:
+            return cp
+        theirs = {id(b) for b in donor.checkpoint.buffers()}
+        self.counters["restore_shared_bytes"] += sum(n for b, n in shared.segment_uses() if id(b) in theirs)
+        return shared
 
     def adopt_job(self, job: ReadJob, cp: Checkpoint) -> Entry:
         """Publish a finished read in RAM and run what waited for it (owner)."""
         entry = self.adopt(cp, job.handle.namespace)
+        entry.blocks = tuple(b for b in job.blocks if b[2] <= len(cp.tokens))
         for fn in job.then:
             fn(entry)
         job.then = []
@@ -240,7 +268,7 @@ class Loading:
             if cp is None:
                 continue
             if job.kind == "prefetch" and (self._resident(cp.tokens, job.handle.namespace)
-                                           or cp.nbytes > self._room(reading=False)):
+                                           or self.ram.added_bytes(cp) > self._room(reading=False)):
                 self.counters["prefetches_dropped"] += 1
                 self._emit("prefetch_dropped", ns=job.handle.namespace, tokens=len(cp.tokens), reason="resident or no room")
                 continue

@@ -43,6 +43,8 @@ class ReadJob:
     error: str | None = None
     background: bool = False  # submitted to the reader (counted as a prefetch)
     submitted: float = field(default_factory=time.monotonic)
+    cost: int | None = None  # bytes it adds to RAM, blocks resident or read already counted once (None: all)
+    blocks: tuple = ()  # (name, start, end) of the blocks it read (set when built)
 
     @property
     def key(self) -> tuple:
@@ -50,7 +52,8 @@ class ReadJob:
 
     @property
     def nbytes(self) -> int:
-        return self.handle.raw_bytes
+        """Bytes it adds to RAM once adopted (its buffers while it is read: `handle.raw_bytes`)."""
+        return self.handle.raw_bytes if self.cost is None else self.cost
 
 
 class BackgroundReader:
@@ -83,10 +86,10 @@ class BackgroundReader:
         with self._cv:
             queued = list(self._queue)
         ahead = 0
-        for j in queued:
+        for j in queued:  # (the window counts what reads allocate: whole files)
             if j.state == "ready":
-                ahead += j.nbytes
-            elif j.state == "queued" and (j is job or ahead == 0 or ahead + j.nbytes <= self.ahead_bytes):
+                ahead += j.handle.raw_bytes
+            elif j.state == "queued" and (j is job or ahead == 0 or ahead + j.handle.raw_bytes <= self.ahead_bytes):
                 self.open_job(j)  # owner thread: MLX allocation
                 with self._cv:
                     if j.restore is None:  # could not be opened: finished (failed)
@@ -94,7 +97,7 @@ class BackgroundReader:
                         continue
                     j.state = "ready"
                     self._cv.notify_all()
-                ahead += j.nbytes
+                ahead += j.handle.raw_bytes
 
     def job(self, key: tuple) -> ReadJob | None:
         """The unfinished or uncollected job reading this file, if any."""
@@ -207,20 +210,54 @@ def covers(handle: IndexEntry, tokens: tuple, n: int | None = None) -> bool:
     return len(handle) >= n and handle.can_serve(n) and handle.tokens[:n] == tuple(tokens[:n])
 
 
+def common_blocks(a: tuple, b: tuple) -> int:
+    """Tokens two checkpoints' block lists ((name, start, end), in order) hold alike: the end of
+    the last of their equal leading blocks (a block's name is the hash of its bytes)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n = x[2]
+    return n
+
+
+class SharedBytes:
+    """What prefetching a file adds to RAM, the blocks it shares with files resident, being read
+    or chosen before it counted once: its KV bytes less those blocks' bytes (the catalogue's
+    `refs`: which blocks each file uses)."""
+
+    def __init__(self, blocks_of: dict, counted: Iterable[str] = ()):
+        self.blocks_of = blocks_of  # file key -> {block name: bytes}
+        self.counted = set(counted)
+
+    def cost(self, h: IndexEntry) -> int:
+        mine = self.blocks_of.get(h.key, {})
+        return max(0, h.raw_bytes - sum(b for name, b in mine.items() if name in self.counted))
+
+    def count(self, h: IndexEntry) -> None:
+        self.counted.update(self.blocks_of.get(h.key, ()))
+
+
 def choose(candidates: Iterable[IndexEntry], budget: int, resident: Callable[[tuple, str], bool],
-           reading: Iterable[IndexEntry] = ()) -> list[IndexEntry]:
-    """What to prefetch: newest `last_use` first, while the KV bytes fit `budget`;
-    skipping files already resident (`resident(tokens, ns)`), being read, or served
-    by a longer file already chosen or being read (a superseded prefix)."""
+           reading: Iterable[IndexEntry] = (), shared: SharedBytes | None = None) -> list[IndexEntry]:
+    """What to prefetch: newest `last_use` first, while what they add to RAM fits `budget`
+    (`shared.cost`: blocks several files share counted once); skipping files already resident
+    (`resident(tokens, ns)`), being read, or served by a longer file already chosen or being
+    read (a superseded prefix)."""
+    shared = shared or SharedBytes({})
     chosen, taken = [], list(reading)
+    for h in taken:
+        shared.count(h)
     for h in sorted(candidates, key=lambda h: -h.last_use):
-        if h.raw_bytes > budget or resident(tuple(h.tokens), h.namespace):
+        cost = shared.cost(h)
+        if cost > budget or resident(tuple(h.tokens), h.namespace):
             continue
         if any(o.namespace == h.namespace and covers(o, h.tokens) for o in taken):
             continue
         chosen.append(h)
         taken.append(h)
-        budget -= h.raw_bytes
+        shared.count(h)
+        budget -= cost
     # a longer file chosen later (older) may still serve an earlier, shorter one: keep the longer
     return [h for h in chosen if not any(o is not h and o.namespace == h.namespace and len(o) > len(h)
                                          and covers(o, h.tokens) for o in chosen)]

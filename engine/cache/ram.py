@@ -266,6 +266,11 @@ class RamTier:
                 changed += b.nbytes
         return changed
 
+    def added_bytes(self, cp: Checkpoint) -> int:
+        """Bytes publishing `cp` would add: its buffers no entry holds yet, and its attachments."""
+        buffers = cp.buffers()
+        return cp.nbytes - sum(b.nbytes for b in buffers if id(b) in self._held)
+
     def kv_bytes(self) -> int:
         """Bytes of KV the entries hold, shared segments counted once (the longest use of each
         buffer); `used_bytes` is the memory that takes."""

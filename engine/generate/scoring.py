@@ -14,16 +14,15 @@ share a prefix across rows score one continuation after another, each over a loa
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-
 from .prefill import prefill
 from ..kv.caches import new_caches, shares_prefix
-from ..kv.cascade import Unroutable, joined_prefix, routing
-from ..kv.cascade_quantized import rows_cache
+from ..kv.cascade import Unroutable, routing
 from ..kv.checkpoint import Checkpoint
-from .batch.shared import SharedRows
+from .batch.shared import LentRows, SharedRows
 from .loop import OneRow, Row, run as run_rows
 from ..chat.prompts import render_turn
 from .sampling import GenerationError, SamplingParams
@@ -95,16 +94,20 @@ def _ids(x, what: str) -> list:
     return [int(t) for t in x]
 
 
-def check(ctx: list, conts: list, model) -> None:
+def check(ctx: list, conts: list, model, names: list | None = None) -> None:
+    """Errors for an empty context or continuation, or a sequence the model cannot attend over
+    (it forwards the context and the continuation but its last token). names: what to call each
+    continuation in an error (default "continuation i")."""
     if not ctx:
         raise GenerationError("score: the context is empty (give it at least one token)")
     window = model.config.get("max_position_embeddings")
     for i, c in enumerate(conts):
+        name = names[i] if names else f"continuation {i}"
         if not c:
-            raise GenerationError(f"score: continuation {i} is empty (no tokens after the context)")
-        if window and len(ctx) + len(c) > window:
-            raise GenerationError(f"score: continuation {i} makes {len(ctx) + len(c)} tokens, past the model's "
-                                  f"context window of {window}")
+            raise GenerationError(f"score: {name} is empty (no tokens after the context)")
+        if window and len(ctx) + len(c) - 1 > window:
+            raise GenerationError(f"score: {name} makes {len(ctx) + len(c)} tokens, {len(ctx) + len(c) - 1} "
+                                  f"forwarded: past the model's context window of {window}")
 
 
 def score_rows(services, model, ctx: list, conts: list, *, use_cache: bool) -> tuple[list, dict]:
@@ -116,8 +119,9 @@ def score_rows(services, model, ctx: list, conts: list, *, use_cache: bool) -> t
         cached = loan.length if loan is not None else 0
         caches = loan.caches if loan is not None else model.new_caches()
         if cached < prefix_len:  # the context's rest, once for every continuation
+            t = time.perf_counter()
             prefill(model.forward, caches, ctx[cached:prefix_len], chunk=services.prefill_chunk)
-            services.metrics.record_prefill(ns, prefix_len - cached, 0.0)
+            services.metrics.record_prefill(ns, prefix_len - cached, time.perf_counter() - t)
         inputs = [[ctx[-1]] + c[:-1] for c in conts]
         stats = {"context_tokens": len(ctx), "cached_tokens": cached, "source": loan.source if loan else None}
         # every layer plain KV in the model's own form: quantized KV too (the rows cache converts
@@ -145,12 +149,17 @@ def score_rows(services, model, ctx: list, conts: list, *, use_cache: bool) -> t
 def _batched(model, cp: Checkpoint, inputs: list, conts: list, chunk: int) -> list:
     """Every continuation in one left-padded forward over the context (in chunks of `chunk`
     columns), through the token loop's forced rows."""
-    rows = rows_cache(model)  # a quantized prefix (past kv_start) is lent quantized: its rows start converted
-    layers = [rows([joined_prefix(c.lent_segments())], [0] * len(inputs)) for c in cp.lend(len(cp.tokens))]
-    for c in layers:
-        c.seed([None] * len(inputs), [len(x) for x in inputs])
+    return score_over(model, [cp.lend(len(cp.tokens)) for _ in inputs], inputs, conts, chunk)
+
+
+def score_over(model, lent: list, inputs: list, conts: list, chunk: int) -> list:
+    """Forced rows, row b over the caches lent[b] (or none) fed inputs[b] and scored on conts[b],
+    all in one left-padded forward: rows lent one prefix attend to it once (batch/shared.py
+    `LentRows`; a quantized prefix, past kv_start, is lent quantized: its rows start converted)."""
+    rows = LentRows(model, lent)
+    rows.seed([len(x) for x in inputs])
     forced = [_forced_row(x, c) for x, c in zip(inputs, conts)]
-    run_rows(forced, SharedRows(model.model, layers, len(forced)), chunk=chunk)
+    run_rows(forced, SharedRows(model.model, rows.layers, len(forced)), chunk=chunk)
     return [_read(r) for r in forced]
 
 

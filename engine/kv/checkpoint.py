@@ -17,8 +17,9 @@ from typing import Any, Iterable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .borrowed import Buffer
+from .borrowed import Buffer, cut_segments
 from .codecs import capture_layer, codec
+from .layers import LayerState, own
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,25 @@ class Checkpoint:
             raise ValueError(f"checkpoint of {len(self.tokens)} tokens cannot serve {n}")
         layers = tuple(codec(l.kind).cut(l, n) for l in self.layers)
         return Checkpoint(self.tokens[:n], layers, _held_bytes(layers, {}), self.min_reusable_offset, {})
+
+    def sharing(self, donor: "Checkpoint", n: int) -> "Checkpoint | None":
+        """This checkpoint with its first n positions held by `donor`'s buffers, and the rest copied
+        out of its own (so its own buffers can go): a restore whose first n positions the caller
+        knows to be byte for byte the donor's (read from the same SSD blocks). None where a layer
+        is not segments along the token axis in both."""
+        if self.attachments or len(donor.layers) != len(self.layers) or not 0 < n <= min(len(self), len(donor)):
+            return None
+        layers = []
+        for mine, theirs in zip(self.layers, donor.layers):
+            c = codec(mine.kind)
+            if not (c.segmented and theirs.kind == mine.kind and c.linear(mine.meta) and c.linear(theirs.meta)):
+                return None
+            rest = tuple(a[..., n:, :] for a in mine.arrays) if n < len(self) else ()
+            layers.append(LayerState(mine.kind, cut_segments(theirs.segments, n) + (own(rest, (), True) if rest else ()),
+                                     dict(mine.meta)))
+        layers = tuple(layers)
+        mx.eval([a for l in layers for s in l.all_segments() for a in s.arrays])
+        return Checkpoint(self.tokens, layers, _held_bytes(layers, {}), self.min_reusable_offset, {})
 
     # --- host views and reconstruction (storage) ---
 

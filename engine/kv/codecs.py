@@ -33,6 +33,7 @@ class Codec:
     always_cuttable = False  # any live state can be cut back to any shorter prefix
     hit = "a copy of the cached state"  # what a borrower of this kind holds after a hit (%model info)
     shares_prefix = False  # batch rows over one lent prefix of this kind attend to it once (kv/cascade.py)
+    segmented = False  # its state is segments along the token axis, lent ones kept shared (Checkpoint.sharing)
 
     def capture(self, c: Any, copy: bool = False) -> LayerState:
         """The state of live cache `c`: views, or (copy) copies of what it may still write."""
@@ -106,7 +107,7 @@ class PlainKV(Codec):
     the prefix into the borrower's own buffer; what it publishes shares the lent segments."""
 
     kind, roles = "KVCache", ("keys", "values")
-    always_cuttable = True
+    always_cuttable = segmented = True
     hit = ("the cached prefix shared, copied once into a buffer of its own at its first append (none when "
            "a rerun takes the entry's place); then mlx-lm's KVCache and the model's own attention")
     shares_prefix = True
@@ -152,7 +153,7 @@ class QuantizedKV(Codec):
     """`QuantizedKVCache`: (packed, scales, biases) for keys and for values; borrowers as plain KV's."""
 
     kind, roles = "QuantizedKVCache", ("keys", "keys_scales", "keys_biases", "values", "values_scales", "values_biases")
-    always_cuttable = True
+    always_cuttable = segmented = True
     hit = PlainKV.hit.replace("KVCache", "QuantizedKVCache")
 
     def capture(self, c, copy=False):

@@ -17,8 +17,8 @@ from mlxcache_kernel.engine import Engine, SamplingParams
 COMPATIBILITY = {"checkpoint_save": "checkpoints.save", "checkpoint_restore": "checkpoints.restore",
                  "checkpoint_list": "checkpoints.list", "cache_clear": "admin.clear", "cache_gc": "admin.gc",
                  "cache_verify": "admin.verify"}
-FACADE = {"load_model", "encode_prompt", "generate", "generate_tokens", "generate_batch", "score", "poll", "flush",
-          "stats", "close"}
+FACADE = {"load_model", "encode_prompt", "generate", "generate_tokens", "generate_batch", "score", "score_groups",
+          "poll", "flush", "stats", "close"}
 PARTS = {"models", "sessions", "checkpoints", "kv", "admin", "objects", "events"}
 DATA = {"config", "cache_dir", "last_result", "last_key", "vision_counters", "prefill_chunk", "closed"}
 INTERNALS = {"cache", "memory", "metrics"}  # the tiered cache, the memory guard, the counters: for tests and tools
@@ -89,7 +89,7 @@ def test_sampling_options_one_way_with_clear_errors(eng):
     with pytest.raises(TypeError, match="params must be a SamplingParams, got dict"):
         eng.generate_tokens(tokens, params={"max_tokens": 2})
     with pytest.raises(TypeError, match=r"unknown option\(s\) max_token; the sampling options are max_tokens, "
-                                        r"temperature.*; the others checkpoint_every, draft"):
+                                        r"temperature.*; the others checkpoint_every, choices, draft, grammar"):
         eng.generate_tokens(tokens, max_token=2)
     with pytest.raises(TypeError, match=r"unknown option\(s\) tempreature; the sampling options are max_tokens"):
         eng.generate(PROMPT, tempreature=0.5)

@@ -223,6 +223,19 @@ class CheckpointStore(Reads, Upkeep):
         """Whether a committed file can serve exactly `tokens` (exact, or trimmable and longer)."""
         return self.contains(tokens, namespace) or self.index.covers(tokens, namespace)
 
+    def block_sizes(self, namespace: str) -> dict:
+        """File key -> {block name: bytes} of the namespace's files (the catalogue's refs); {} when
+        the catalogue cannot answer now (then no block counts as shared)."""
+        try:
+            rows = self.catalog.query("SELECT r.key, r.block, b.bytes FROM refs r JOIN blocks b ON b.name = r.block "
+                                      "WHERE r.namespace=?", (namespace,))
+        except Exception:
+            return {}
+        out: dict = {}
+        for key, name, nbytes in rows:
+            out.setdefault(key, {})[name] = nbytes
+        return out
+
     def entries(self) -> list[IndexEntry]:
         self.sync()
         return self.index.snapshot()

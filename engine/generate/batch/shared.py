@@ -22,45 +22,76 @@ from ...kv.checkpoint import Checkpoint
 from ..loop import run as run_rows
 
 
+class LentRows:
+    """Rows that start from lent caches, as one `RowsCache` per layer (`layers`): rows lent the
+    same first segment (a document) form a group that holds it once; what else a row was lent
+    (its own earlier positions) it brings into its tail (`seed`: a copy of those few positions)."""
+
+    def __init__(self, model, lent_caches: list):
+        """model: a LoadedModel; lent_caches: per row, the caches it was lent, or None."""
+        self.kinds = model.new_caches()  # what each layer is (for its codec)
+        groups, self.group_of, self.lent, self._seeds, self.prefix = {}, [], [], [], []
+        for caches in lent_caches:
+            lent = [lent_segments(c) for c in caches] if caches is not None else None
+            if not lent or not lent[0]:
+                self.group_of.append(None)
+                self._seeds.append([None] * len(self.kinds))
+                self.prefix.append(0)
+                continue
+            key = (id(lent[0][0].buffer), lent[0][0].length)
+            if key not in groups:
+                groups[key] = len(self.lent)
+                self.lent.append([[segs[0]] for segs in lent])
+            self.group_of.append(groups[key])
+            self._seeds.append([joined_prefix(segs[1:]) for segs in lent])
+            self.prefix.append(lent[0][0].length)
+        none = len(self.lent)
+        self.group_of = [none if g is None else g for g in self.group_of]
+        layers = rows_cache(model)  # quantized KV: each row converts at kv_start
+        self.layers = [layers([joined_prefix(g[l]) for g in self.lent] + [None], self.group_of)
+                       for l in range(len(self.kinds))]
+
+    def seed(self, rests: list[int]) -> None:
+        """Before the first forward: row b will bring rests[b] tokens (left-padded to the longest)."""
+        for l, c in enumerate(self.layers):
+            c.seed([s[l] for s in self._seeds], rests)
+        self._seeds = None
+
+    def prefill(self, model, rests: list, chunk: int, progress=None) -> None:
+        """Every row's `rests[b]` tokens forwarded together, left-padded, in chunks of `chunk` columns."""
+        longest = max(map(len, rests), default=0)
+        if not longest:
+            return
+        padded = mx.array([[0] * (longest - len(r)) + list(r) for r in rests])
+        for at in range(0, longest, chunk):
+            forward_rows(model, padded[:, at : at + chunk], self.layers)
+            mx.eval([c.state for c in self.layers])
+            if progress is not None:
+                progress("prefill", min(at + chunk, longest), longest)
+
+    def layers_of(self, b: int, pos: int, n: int) -> tuple:
+        """Row b's (at batch position pos) first n positions, layer by layer: its group's lent
+        prefix, then its own (for a checkpoint: `Checkpoint.of_layers`)."""
+        group = self.group_of[b]
+        lent = self.lent[group] if group < len(self.lent) else [[] for _ in self.layers]
+        return tuple(c.published(self.kinds[l], pos, lent[l], n) for l, c in enumerate(self.layers))
+
+
 class SharedPrefixRows:
     """One wave of rows (`start(row)` -> (its lent caches or None, positions they hold))."""
 
     def __init__(self, run, rows: list, starts: list):
         self.run, self.rows = run, list(rows)
         self.model = run.model
-        self.kinds = self.model.new_caches()  # what each layer is (for its codec)
-        groups, self.group_of, self.lent, seeds, self.prefix = {}, [], [], [], []
-        for caches, n in starts:
-            lent = [lent_segments(c) for c in caches] if caches is not None else None
-            if not lent or not lent[0]:
-                self.group_of.append(None)
-                seeds.append([None] * len(self.kinds))
-                self.prefix.append(0)
-                continue
-            # Rows lent the same first segment (a document) share it; what else a row was lent
-            # (its own earlier positions) it brings into its tail (a copy of those few positions).
-            key = (id(lent[0][0].buffer), lent[0][0].length)
-            if key not in groups:
-                groups[key] = len(self.lent)
-                self.lent.append([[segs[0]] for segs in lent])
-            self.group_of.append(groups[key])
-            seeds.append([joined_prefix(segs[1:]) for segs in lent])
-            self.prefix.append(lent[0][0].length)
-        none = len(self.lent)
-        self.group_of = [none if g is None else g for g in self.group_of]
+        self.lent_rows = LentRows(self.model, [caches for caches, _ in starts])
+        self.layers, self.prefix = self.lent_rows.layers, self.lent_rows.prefix
         self.starts = [n if caches is not None else 0 for caches, n in starts]
-        layers = rows_cache(self.model)  # quantized KV: each row converts at kv_start
-        self.layers = [layers([joined_prefix(g[l]) for g in self.lent] + [None], self.group_of)
-                       for l in range(len(self.kinds))]
-        self._seeds = seeds
 
     def run_wave(self) -> None:
         rests = [row.tokens[start:-1] for row, start in zip(self.rows, self.starts)]
-        for l, c in enumerate(self.layers):
-            c.seed([s[l] for s in self._seeds], [len(r) for r in rests])
-        self._seeds = None
+        self.lent_rows.seed([len(r) for r in rests])
         t = time.perf_counter()
-        self._prefill(rests)
+        self.lent_rows.prefill(self.model.model, rests, self.run.services.prefill_chunk, self.run.on_progress)
         spent = time.perf_counter() - t
         for row, rest in zip(self.rows, rests):
             row.prefill_s, row.prefilled = spent, len(rest) + 1
@@ -77,26 +108,8 @@ class SharedPrefixRows:
         converts at kv_start and cannot serve a rerun of this prompt), unless the cache holds it."""
         boundary, cache, ns = self.rows[b].tokens[:-1], self.run.cache, self.run.ns
         if boundary and cache.get_exact(boundary, ns) is None:
-            cache.put(Checkpoint.of_layers(boundary, self._layers(b, b, len(boundary))), ns, defer_write=True)
-
-    def _layers(self, b: int, pos: int, n: int) -> tuple:
-        """Row b's (at batch position pos) first n positions, layer by layer: its group's lent
-        prefix, then its own."""
-        group = self.group_of[b]
-        lent = self.lent[group] if group < len(self.lent) else [[] for _ in self.layers]
-        return tuple(c.published(self.kinds[l], pos, lent[l], n) for l, c in enumerate(self.layers))
-
-    def _prefill(self, rests: list) -> None:
-        longest = max(map(len, rests))
-        if not longest:
-            return
-        padded = mx.array([[0] * (longest - len(r)) + list(r) for r in rests])
-        chunk, progress = self.run.services.prefill_chunk, self.run.on_progress
-        for at in range(0, longest, chunk):
-            forward_rows(self.model.model, padded[:, at : at + chunk], self.layers)
-            mx.eval([c.state for c in self.layers])
-            if progress is not None:
-                progress("prefill", min(at + chunk, longest), longest)
+            layers = self.lent_rows.layers_of(b, b, len(boundary))
+            cache.put(Checkpoint.of_layers(boundary, layers), ns, defer_write=True)
 
     def _decode(self) -> None:
         self.forward = SharedRows(self.model.model, self.layers, len(self.rows))
@@ -125,7 +138,7 @@ class SharedPrefixRows:
             self.run.services.events.emit("publish_skipped", ns=self.run.ns, row=self.rows[b].index,
                                           reason="token mismatch")
             return
-        g.publish_state(Checkpoint.of_layers(known[:n], self._layers(b, pos, n)))
+        g.publish_state(Checkpoint.of_layers(known[:n], self.lent_rows.layers_of(b, pos, n)))
 
     def keep_unfinished(self) -> None:
         """After an interrupt: what each row still in the batch computed, published (no error masked)."""
