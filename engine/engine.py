@@ -58,9 +58,7 @@ from .generate.speculative.draft import load_with_draft, resolve_draft
 from .generate.speculative.proposers import check_lookup
 from .generate.grammars import OPTIONS as CONSTRAINT_OPTIONS, constraint_of, constraints_of
 from .named.states import Checkpoints, KVInspection, StateFinder
-from .host import safe_dirs
-from .host.safe_dirs import make_private_dir
-from .errors import LinkedDirectory
+from .host.safe_dirs import found as links_under, make_private_dir
 
 _UNSET = object()  # a keyword not given: the environment's value, else the default
 REMOTE_CLOSE_S = 5.0  # close() waits this long for remote publications, then says what was not published
@@ -109,8 +107,7 @@ class Engine:
                                            if config.ssd else None, **kw)
         except (OSError, sqlite3.Error, CatalogBusy) as e:  # read-only, full, another user's, network, locked
             self._ssd_disabled_reason = f"cache directory {self.cache_dir} is not usable ({e}): running RAM-only"
-            if not isinstance(e, LinkedDirectory):  # (a link is warned about once where it is found: host/safe_dirs.py)
-                warnings.warn(f"mlxcache: {self._ssd_disabled_reason}", stacklevel=2)
+            warnings.warn(f"mlxcache: {self._ssd_disabled_reason}", stacklevel=2)
             self.cache = TieredPromptCache(ram_budget_bytes=budget, ssd_dir=None, **kw)
         self.memory = PressureGuard(self.cache.reclaim, high=config.memory_high_water, low=config.memory_low_water,
                                     emit=self.events.emit)
@@ -336,8 +333,7 @@ class Engine:
             "default_model": self.models.default,
             "sessions": len(self.sessions.list()),
             "cache_dir": str(self.cache_dir),
-            "ssd_disabled_reason": self._ssd_disabled_reason,
-            "cache_links": safe_dirs.found(self.cache_dir),
+            "ssd_disabled_reason": self._ssd_disabled_reason, "cache_links": links_under(self.cache_dir),
             **self.metrics.as_stats(),
             **self.memory.stats(),
             **self.cache.stats(),
