@@ -32,6 +32,7 @@ _EXPORTS = {
     "NewerFormat": ".errors",
     "CorruptBlock": ".errors",
     "UnsupportedFilesystem": ".errors",
+    "LinkedDirectory": ".errors",
     "CheckpointUnavailable": ".errors",
     "RemoteError": ".errors",
     "Checkpoint": ".kv.checkpoint",

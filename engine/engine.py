@@ -58,7 +58,7 @@ from .generate.speculative.draft import load_with_draft, resolve_draft
 from .generate.speculative.proposers import check_lookup
 from .generate.grammars import OPTIONS as CONSTRAINT_OPTIONS, constraint_of, constraints_of
 from .named.states import Checkpoints, KVInspection, StateFinder
-from .host.system import make_private_dir
+from .host.safe_dirs import found as links_under, make_private_dir
 
 _UNSET = object()  # a keyword not given: the environment's value, else the default
 REMOTE_CLOSE_S = 5.0  # close() waits this long for remote publications, then says what was not published
@@ -333,7 +333,7 @@ class Engine:
             "default_model": self.models.default,
             "sessions": len(self.sessions.list()),
             "cache_dir": str(self.cache_dir),
-            "ssd_disabled_reason": self._ssd_disabled_reason,
+            "ssd_disabled_reason": self._ssd_disabled_reason, "cache_links": links_under(self.cache_dir),
             **self.metrics.as_stats(),
             **self.memory.stats(),
             **self.cache.stats(),
