@@ -18,6 +18,7 @@ _EXPORTS = {
     "ModelError": ".errors",
     "VisionUnavailable": ".errors",
     "GenerationError": ".errors",
+    "PassageError": ".errors",
     "SessionError": ".errors",
     "CheckpointNameError": ".errors",
     "UnsupportedCache": ".errors",

@@ -51,6 +51,7 @@ from .models.registry import IdentityMemo, ModelRegistry
 from .named.checkpoints import NamedCheckpoints
 from .chat.prompts import encode_prompt
 from .generate.scoring import ScoreResult, score
+from .generate.passages.run import with_passages
 from .generate.score_groups import score_groups
 from .generate.generation import Generation, GenerationResult, Request, Services
 from .chat.sessions import Sessions
@@ -196,6 +197,7 @@ class Engine:
                  checkpoint_every: int | None = None, images: Sequence | None = None, videos: Sequence | None = None,
                  fps: float | None = None, max_frames: int | None = None, audios: Sequence | None = None,
                  draft: str | bool | None = None, num_draft_tokens: int | None = None, lookup: bool | None = None,
+                 passages: Sequence[str] | None = None, recompute: float | None = None,
                  params: SamplingParams | None = None, **sampling) -> GenerationResult:
         """sampling: SamplingParams's options (max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop=(),
         logprobs=None), or params=SamplingParams(...).
@@ -204,16 +206,24 @@ class Engine:
         text in the user turn (a session keeps them). draft: a loaded model proposing num_draft_tokens
         (default 4) per verify forward (default: the model's default draft; False: none). lookup: drafts from
         the prompt and the text so far (generate/speculative/lookup.py): None proposes them where they pay,
-        True always, False never; the tokens are plain decoding's either way."""
+        True always, False never; the tokens are plain decoding's either way. passages: texts that go before the
+        prompt, each placed from its own cached KV with a `recompute` fraction of its tokens recomputed (default:
+        the passage_recompute option): approximate, labelled so in the stats (generate/passages/)."""
         self._check_open()
         self.poll(prepare=False)  # no buffers allocated for prefetches on the way to the first token
         params = SamplingParams.from_call(params, sampling)
         m = self.models.get(model)
         params.validate(m.config.get("vocab_size"))
         media = media_prompt(self, m, prompt, images, system=system, raw=raw, session=session, use_cache=use_cache,
-                             videos=videos, fps=fps, max_frames=max_frames, audios=audios) if m.vision else None
+                             videos=videos, fps=fps, max_frames=max_frames,
+                             audios=audios) if m.vision and passages is None else None
         if media is not None:  # the model's processor; cache keys carry each media item's identity
             tokens = media.keys
+        elif passages is not None:  # placed from their cached KV: approximate, opt-in (generate/passages/run.py)
+            return with_passages(self, m, prompt, passages, recompute, session=session, media=images or videos or audios,
+                                 checkpoint_every=checkpoint_every, system=system, raw=raw, use_cache=use_cache,
+                                 params=params, on_text=on_text, on_progress=on_progress, draft=draft,
+                                 num_draft_tokens=num_draft_tokens, lookup=lookup)
         elif images or videos or audios:
             raise GenerationError(f"model {m.name!r} is not a vision-language model: it takes no images, videos or audio")
         else:
@@ -324,19 +334,10 @@ class Engine:
 
     def stats(self) -> dict:
         """Plain numbers; never touches MLX arrays."""
-        return {
-            "blas": blas.active_blas(),
-            "models": self.models.names(),
-            "default_model": self.models.default,
-            "sessions": len(self.sessions.list()),
-            "cache_dir": str(self.cache_dir),
-            "ssd_disabled_reason": self._ssd_disabled_reason,
-            **self.metrics.as_stats(),
-            **self.memory.stats(),
-            **self.cache.stats(),
-            **self.objects.stats(),
-            **self.vision_counters,
-        }
+        return {"blas": blas.active_blas(), "models": self.models.names(), "default_model": self.models.default,
+                "sessions": len(self.sessions.list()), "cache_dir": str(self.cache_dir),
+                "ssd_disabled_reason": self._ssd_disabled_reason, **self.metrics.as_stats(), **self.memory.stats(),
+                **self.cache.stats(), **self.objects.stats(), **self.vision_counters}
 
     def close(self) -> dict | None:
         if self._closed:
