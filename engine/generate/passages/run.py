@@ -65,16 +65,16 @@ class Placed:
         return out
 
 
-def with_passages(eng, m, prompt: str, passages, recompute: float | None, *, session=None, media=None,
-                  checkpoint_every=None, system=None, raw=False, use_cache=True, **options):
+def with_passages(eng, m, params, prompt: str, passages, recompute: float | None, *, system=None, raw=False,
+                  media=None, run: dict):
     """`Engine.generate(prompt, passages=...)`: the passages placed, then the generation from that state
-    (options: generate_tokens's, sampling with them)."""
-    check_options(session=session, checkpoint_every=checkpoint_every, media=bool(media))
+    (run: the generation's options, as Engine.generate gathers them)."""
+    check_options(session=run.get("session"), checkpoint_every=run.get("checkpoint_every"), media=bool(media))
     fraction = eng.config.passage_recompute if recompute is None else recompute
     tokens, placed = place_passages(eng._services, eng.objects, m, prompt, passages, fraction=fraction,
-                                    system=system, raw=raw, use_cache=use_cache)
+                                    system=system, raw=raw, use_cache=run.get("use_cache", True))
     try:
-        return eng.generate_tokens(tokens, model=m.name, use_cache=False, prepared=placed, **options)
+        return eng._generate(m, tokens, params, dict(run, use_cache=False, prepared=placed))
     finally:
         placed.release()
 
