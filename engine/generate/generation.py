@@ -84,6 +84,8 @@ class Request:
     num_draft_tokens: int = 0
     lookup: bool | None = None  # drafts from the context (speculative/lookup.py): None where they pay
     constraint: Compiled | None = None  # the grammar the answer follows (grammars.py, constrain.py)
+    prepared: Any = None  # passages placed (passages/run.py Placed): the start, taken as a loan; approximate,
+    # so the request runs with use_cache off (nothing it computes is published)
 
     @property
     def ns(self) -> str:
@@ -148,9 +150,9 @@ class Generation:
         req, cache = self.req, self.cache
         if hasattr(mx, "reset_peak_memory"):
             mx.reset_peak_memory()
-        t0 = time.perf_counter()
+        t0 = req.prepared.t0 if req.prepared is not None else time.perf_counter()
         self.services.inflight.start(self.rid)
-        loan = self._resume() if req.use_cache else None
+        loan = req.prepared or (self._resume() if req.use_cache else None)
         if loan is None and req.use_cache:
             # move=True: an entry this generation will supersede hands over its buffers (not one
             # in full precision that a run converting its KV past kv_start cannot supersede)
@@ -214,6 +216,8 @@ class Generation:
         )
         stats["resumed_from"] = len(self.emitted) or None
         stats.update(self.prompt.stats(cached, loan.source if loan else None))
+        if req.prepared is not None:
+            stats.update(req.prepared.stats(stats))
         if req.draft is not None:
             counts = self.drafter.counts if self.drafter else DraftCounts()
             stats.update(counts.stats(req.draft.name, req.num_draft_tokens, self.proposers.draft_fallback))
