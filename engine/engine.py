@@ -126,9 +126,11 @@ class Engine:
         self.kv = KVInspection(find)
         inflight = InflightRecords(self.cache.catalog, legacy_dir=self.cache_dir / "inflight")
         self.admin = CacheAdmin(cache=self.cache, names=names, models=self.models, objects=self.objects,
-                                inflight=inflight, events=self.events, poll=self.poll, flush=self.flush)
+                                inflight=inflight, events=self.events, poll=self.poll, flush=self.flush,
+                                encode=self.encode_prompt)
         self._services = Services(self.cache, inflight, self.memory, self.metrics, self.events,
-                                  AccessTrace(config.trace_path), config.prefill_chunk, on_published=self._published)
+                                  AccessTrace(config.trace_path), config.prefill_chunk, on_published=self._published,
+                                  explain=self.admin.explainer.explain)
         if remote is not None:  # a shared tier below SSD (Redis / Valkey)
             model_of = self.models.by_namespace
             attach_remote(self.cache, remote, publish=config.remote_publish, prefill_rate=self.metrics.prefill_rate.get,
