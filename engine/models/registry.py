@@ -19,7 +19,7 @@ from ..chat.preview import Previews
 from ..kv.caches import hit_summary, kv_scheme, new_caches, unsupported
 from ..kv.quantize_start import QuantizeFrom, check_quantizable
 from ..named.names import check_user_name
-from ..host.system import make_private_dir, write_json_atomic
+from ..host.safe_dirs import make_private_dir, write_json_atomic
 from ..errors import ModelError  # noqa: F401 (raised here; defined in errors.py)
 
 WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf")
@@ -80,7 +80,7 @@ class IdentityMemo:
         if self.path is None:
             return
         try:
-            make_private_dir(self.path.parent)
+            make_private_dir(self.path.parent)  # (the cache directory itself)
             write_json_atomic(self.path, memo, durable=False)  # a lost memo only costs a re-hash
         except OSError:
             pass

@@ -8,12 +8,16 @@ model's, so the output is plain decoding's whatever is proposed.
 
 Whether it pays is measured, not assumed: a verify forward of k+1 tokens costs more than a decode
 step (little more for a plain-KV model on a GPU, about 4x on hybrid models where recurrent layers are
-restored and the kept tokens forwarded again). The proposer keeps the seconds per token of the steps
-where it proposed and of those where it did not (`stepped`, from the loop's own clock); when its
-rounds yield fewer tokens per second than plain steps it stops proposing for a while (doubling the
-pause each time it is still behind), and the loop decodes plainly (pipelined) meanwhile; so it does
-after MISSES steps in a row where nothing matched (text that copies nothing). k follows
-the acceptance: doubled after a round kept every proposal, cut to what was kept (plus one) otherwise.
+restored and the kept tokens forwarded again), and a row that may propose is not pipelined (its next
+step cannot be queued before its token is read). So the proposer compares the seconds per token of
+every step it takes part in (rounds with proposals and the unpipelined steps where nothing matched)
+with those of plain pipelined steps, what the row does without it; it starts paused for PROBE steps
+to learn the latter. When taking part yields fewer tokens a second it stops proposing for a while
+(doubling the pause each time it is still behind), and the loop decodes plainly (pipelined)
+meanwhile; so it does after MISSES steps in a row where nothing matched (text that copies nothing).
+Where the row is never pipelined (batches, a draft model beside it) its unpipelined steps without
+proposals are the reference. k follows the acceptance: doubled after a round kept every proposal,
+cut to what was kept (plus one) otherwise.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from typing import Sequence
 MIN_NGRAM, MAX_NGRAM = 2, 4  # a single token matches everywhere: too weak a signal to pay a verify
 FIRST_K, MAX_K = 4, 16
 EMA = 0.2  # weight of the newest step in the running means
-JUDGE_AFTER = 4  # rounds with proposals before the rates are compared
+JUDGE_AFTER = 6  # steps taken part in before the rates are compared
+PROBE = 3  # plain pipelined steps at the start: the rate to beat
 BEHIND = 0.97  # lookup rounds slower than this fraction of plain steps: pause
 FIRST_PAUSE, MAX_PAUSE = 16, 512  # steps without proposals before trying again
 MISSES = 8  # steps in a row without a match: the text is not copying, decode plainly (pipelined) a while
@@ -50,9 +55,10 @@ class ContextLookup:
         self.index: list[dict] = [dict() for _ in range(MAX_NGRAM + 1)]  # n -> {n tokens: where they ended}
         self.indexed = 0  # context positions whose n-grams are indexed
         self.k = FIRST_K
-        self.paused_until, self.pause = 0, FIRST_PAUSE
+        self.paused_until, self.pause = (0 if forced else PROBE), FIRST_PAUSE
         self.proposed = self.accepted = self.rounds = 0
-        self.plain, self.drafting = _Mean(), _Mean()  # seconds per token, without and with proposals
+        # seconds per token: plain pipelined steps, unpipelined steps without proposals, every step taken part in
+        self.plain, self.unproposed, self.drafting = _Mean(), _Mean(), _Mean()
         self.judged_rounds = 0
         self.misses = 0  # steps in a row where nothing matched
 
@@ -68,7 +74,9 @@ class ContextLookup:
         """Whether it may propose at this step (known before the step's token: the loop pipelines otherwise)."""
         return step >= self.paused_until
 
-    def propose(self, context: Sequence[int], limit: int, params, step: int) -> list:
+    def propose(self, context: Sequence[int], limit: int, params, step: int, constraint=None) -> list:
+        """What followed the latest earlier occurrence of the context's end (a constraint's row cuts it at
+        the first token its grammar forbids)."""
         if not self.wants(step):
             return []
         self._grow(context)
@@ -97,23 +105,30 @@ class ContextLookup:
         self.rounds += 1
         self.k = min(self.k * 2, MAX_K) if accepted == proposed else max(1, accepted + 1)
 
-    def stepped(self, step: int, tokens: int, seconds: float, proposed: int) -> None:
+    def stepped(self, step: int, tokens: int, seconds: float, proposed: int, pipelined: bool = False) -> None:
         """A step of the row took `seconds` and yielded `tokens` (`proposed` drafts were verified)."""
         if tokens < 1 or seconds <= 0:
             return
-        (self.drafting if proposed else self.plain).add(seconds / tokens)
-        if not proposed or self.forced:
+        if pipelined:
+            self.plain.add(seconds / tokens)
+            return
+        self.drafting.add(seconds / tokens)
+        if not proposed:
+            self.unproposed.add(seconds / tokens)
+        if self.forced:
             return
         self.judged_rounds += 1
-        if (self.judged_rounds >= JUDGE_AFTER and self.plain.value is not None
-                and self.drafting.value * BEHIND > self.plain.value):  # fewer tokens a second than plain steps
+        reference = self.plain.value if self.plain.value is not None else self.unproposed.value
+        if (self.judged_rounds >= JUDGE_AFTER and reference is not None
+                and self.drafting.value * BEHIND > reference):  # fewer tokens a second than plain steps
             self._pause(step)
 
     def speedup(self) -> float | None:
         """Measured tokens a second with proposals against without, or None before both are known."""
-        if self.plain.value is None or self.drafting.value is None:
+        reference = self.plain.value if self.plain.value is not None else self.unproposed.value
+        if reference is None or self.drafting.value is None:
             return None
-        return round(self.plain.value / self.drafting.value, 3)
+        return round(reference / self.drafting.value, 3)
 
     def stats(self) -> dict:
         return {"lookup_drafts_proposed": self.proposed, "lookup_drafts_accepted": self.accepted,

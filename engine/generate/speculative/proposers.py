@@ -26,10 +26,10 @@ class BestOf:
     def wants(self, step: int) -> bool:
         return any([p.wants(step) for p in self.proposers])  # (each asked: a draft notes its first step)
 
-    def propose(self, context: Sequence[int], limit: int, params, step: int) -> list:
+    def propose(self, context: Sequence[int], limit: int, params, step: int, constraint=None) -> list:
         for p in sorted(self.proposers, key=self._rate, reverse=True):
             if p.wants(step):
-                drafts = p.propose(context, limit, params, step)
+                drafts = p.propose(context, limit, params, step, constraint)
                 if drafts:
                     self.last = p
                     return drafts
@@ -38,9 +38,9 @@ class BestOf:
     def judged(self, proposed: int, accepted: int) -> None:
         self.last.judged(proposed, accepted)
 
-    def stepped(self, step: int, tokens: int, seconds: float, proposed: int) -> None:
+    def stepped(self, step: int, tokens: int, seconds: float, proposed: int, pipelined: bool = False) -> None:
         for p in self.proposers:
-            p.stepped(step, tokens, seconds, proposed if p is self.last else 0)
+            p.stepped(step, tokens, seconds, proposed if p is self.last else 0, pipelined)
 
 
 def _counts(p) -> tuple:
