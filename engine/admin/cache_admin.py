@@ -9,6 +9,7 @@ from typing import Callable
 from ..cache.objects.cache import ObjectCache, is_object_namespace
 from ..cache.tiered import TieredPromptCache
 from ..cache.why import Explainer, Why
+from ..chat.prompts import encode_prompt
 from ..events import EventBus
 from ..generate.resume import InflightRecords
 from ..kv.tokens import parting_points
@@ -19,11 +20,10 @@ from ..named.checkpoints import NamedCheckpoints
 class CacheAdmin:
     def __init__(self, *, cache: TieredPromptCache, names: NamedCheckpoints, models: ModelRegistry,
                  objects: ObjectCache, inflight: InflightRecords, events: EventBus,
-                 poll: Callable[[], None], flush: Callable[..., dict], encode: Callable[..., list]):
-        """poll, flush and encode: the engine's (apply finished background work; wait for durable
-        writes; a prompt's token ids)."""
+                 poll: Callable[[], None], flush: Callable[..., dict]):
+        """poll and flush: the engine's (apply finished background work; wait for durable writes)."""
         self.cache, self.names, self.models, self.objects = cache, names, models, objects
-        self.inflight, self.events, self.poll, self.flush, self.encode = inflight, events, poll, flush, encode
+        self.inflight, self.events, self.poll, self.flush = inflight, events, poll, flush
         self.explainer = Explainer(cache.prefixes, cache.departures, cache.identities.get, self._decode,
                                    lambda ns: getattr(models.by_namespace(ns), "name", None))
 
@@ -35,7 +35,7 @@ class CacheAdmin:
             return self.explainer.last
         self.poll()
         m = self.models.get(model)
-        return self.explainer.explain(self.encode(prompt, model=m.name, system=system, raw=raw), m.namespace)
+        return self.explainer.explain(encode_prompt(m.tokenizer, prompt, system=system, raw=raw), m.namespace)
 
     def _decode(self, ns: str, tokens: list) -> str | None:
         m = self.models.by_namespace(ns)
