@@ -70,12 +70,11 @@ REQUEST_OPTIONS = frozenset({f.name for f in fields(Request)} - {"model", "token
 class Engine:
     def __init__(self, cache_dir: str | os.PathLike | None = _UNSET, ram_budget_bytes: int | None = _UNSET,
                  ssd_budget_bytes: int | None = _UNSET, *, config: EngineConfig | None = None, **options):
-        """Options (config.py, `EngineConfig`): each keyword, else its environment variable, else
-        its default; `config` instead of the environment. E.g. ram_budget_bytes (None: adapt to the
-        machine's memory), ssd=False, prefill_chunk, prefetch_budget_bytes (0: no prefetch after a
-        model load), retention ("lru" | "cost"), remote_url with remote_secret (a team secret of 16+
-        bytes, or several: the first seals) unless remote_insecure=True; remote_tls={"ca_file",
-        "cert_file", "key_file"} for rediss://."""
+        """Options (config.py, `EngineConfig`): each keyword, else its environment variable, else its default;
+        `config` instead of the environment. E.g. ram_budget_bytes (None: adapt to the machine's memory),
+        ssd=False, prefill_chunk, prefetch_budget_bytes (0: no prefetch after a model load), retention ("lru" |
+        "cost"), remote_url with remote_secret (a team secret of 16+ bytes, or several: the first seals)
+        unless remote_insecure=True; remote_tls={"ca_file", "cert_file", "key_file"} for rediss://."""
         hide_credentials(options)  # first: a traceback's frames show them redacted from here on
         for name, value in (("cache_dir", cache_dir), ("ram_budget_bytes", ram_budget_bytes),
                             ("ssd_budget_bytes", ssd_budget_bytes)):
@@ -131,7 +130,8 @@ class Engine:
         self.admin = CacheAdmin(cache=self.cache, names=names, models=self.models, objects=self.objects,
                                 inflight=inflight, events=self.events, poll=self.poll, flush=self.flush)
         self._services = Services(self.cache, inflight, self.memory, self.metrics, self.events,
-                                  AccessTrace(config.trace_path), config.prefill_chunk, on_published=self._published)
+                                  AccessTrace(config.trace_path), config.prefill_chunk, on_published=self._published,
+                                  explain=self.admin.explainer.explain)
         if remote is not None:  # a shared tier below SSD (Redis / Valkey)
             model_of = self.models.by_namespace
             attach_remote(self.cache, remote, publish=config.remote_publish, prefill_rate=self.metrics.prefill_rate.get,

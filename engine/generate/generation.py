@@ -54,6 +54,7 @@ class Services:
     trace: AccessTrace
     prefill_chunk: int
     on_published: Callable[[tuple], None]  # (namespace, tokens) of a generation's final checkpoint
+    explain: Callable | None = None  # (prompt, namespace, tokens reused) -> cache/why.py's Why
 
 
 @dataclass
@@ -162,6 +163,8 @@ class Generation:
                               move=not (crosses or shared))
         caches = loan.caches if loan else req.model.new_caches()
         cached = min(loan.length, len(req.tokens)) if loan else 0
+        why = (self.services.explain(req.tokens, req.ns, cached)
+               if req.use_cache and not self.emitted and self.services.explain else None)
         t_lookup = time.perf_counter() - t0
         head = [] if self.emitted else req.tokens[cached:]  # what the caches do not hold yet
         # A short rest of the prompt goes in one forward with the first token's (the prompt's last
@@ -215,6 +218,9 @@ class Generation:
             peak_memory=int(mx.get_peak_memory()) if hasattr(mx, "get_peak_memory") else None,
         )
         stats["resumed_from"] = len(self.emitted) or None
+        stats["context_window"] = req.model.context_window
+        if why is not None:  # why the cache served no more (the footer says it where a user would wonder)
+            stats.update(cache_why=why.line if why.surprising else None, cache_why_cause=why.cause)
         stats.update(self.prompt.stats(cached, loan.source if loan else None))
         if req.prepared is not None:
             stats.update(req.prepared.stats(stats))
