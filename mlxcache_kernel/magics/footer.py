@@ -150,14 +150,12 @@ class CellResult:
             f"TTFT {fmt_s(s.get('ttft_s'))}",
             f"{decoded} tokens at {tps:.1f} tok/s" if tps else f"{decoded} tokens",
             STOPS.get(s.get("finish_reason"), f"finish: {s.get('finish_reason', '?')}"),
-        ]
+        ] + [p for p in (constraint_phrase(s),) if p]  # right after why it ended: "incomplete JSON (max tokens)"
         parts += [p for p in (context_phrase(n, decoded, s.get("context_window")), speed_phrase(s)) if p]
         if s.get("draft"):
             parts.insert(-1, draft_phrase(s))
         if lookup_phrase(s):
             parts.insert(-1, lookup_phrase(s))
-        if constraint_phrase(s):
-            parts.insert(-1, constraint_phrase(s))
         if s.get("audio_sources"):
             parts.insert(1, images_phrase(s["audio_sources"], "recording"))
         if s.get("video_sources"):

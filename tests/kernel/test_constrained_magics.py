@@ -33,7 +33,7 @@ def test_each_option_gives_a_parsed_answer_and_says_so_in_the_footer(ip, capsys)
         assert res.success, (option, err)
         r = ip.user_ns["r"]
         assert check(r), (option, r.text)
-        assert r.text in out and " complete · finish: eos" in r.footer(), r.footer()
+        assert r.text in out and "ended (end-of-sequence token) · " in r.footer() and " complete · " in r.footer(), r.footer()
     res, _, err = run(ip, capsys, "%%generate --max-tokens 3 --json Pet --out r\nDescribe a pet.")
     assert res.success, err
     assert ip.user_ns["r"].parsed is None and "incomplete JSON (max tokens)" in ip.user_ns["r"].footer()
