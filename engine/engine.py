@@ -51,28 +51,30 @@ from .models.registry import IdentityMemo, ModelRegistry
 from .named.checkpoints import NamedCheckpoints
 from .chat.prompts import encode_prompt
 from .generate.scoring import ScoreResult, score
+from .generate.passages.run import with_passages
 from .generate.score_groups import score_groups
 from .generate.generation import Generation, GenerationResult, Request, Services
 from .chat.sessions import Sessions
 from .generate.speculative.draft import load_with_draft, resolve_draft
 from .generate.speculative.proposers import check_lookup
+from .generate.grammars import OPTIONS as CONSTRAINT_OPTIONS, constraint_of, constraints_of
 from .named.states import Checkpoints, KVInspection, StateFinder
-from .host.system import make_private_dir
+from .host.safe_dirs import found as links_under, make_private_dir
 
 _UNSET = object()  # a keyword not given: the environment's value, else the default
 REMOTE_CLOSE_S = 5.0  # close() waits this long for remote publications, then says what was not published
-REQUEST_OPTIONS = frozenset(f.name for f in fields(Request)) - {"model", "tokens", "params"}  # besides sampling
+REQUEST_OPTIONS = frozenset({f.name for f in fields(Request)} - {"model", "tokens", "params", "constraint"}
+                            | set(CONSTRAINT_OPTIONS))  # besides sampling (a constraint: by its four keywords)
 
 
 class Engine:
     def __init__(self, cache_dir: str | os.PathLike | None = _UNSET, ram_budget_bytes: int | None = _UNSET,
                  ssd_budget_bytes: int | None = _UNSET, *, config: EngineConfig | None = None, **options):
-        """Options (config.py, `EngineConfig`): each keyword, else its environment variable, else
-        its default; `config` instead of the environment. E.g. ram_budget_bytes (None: adapt to the
-        machine's memory), ssd=False, prefill_chunk, prefetch_budget_bytes (0: no prefetch after a
-        model load), retention ("lru" | "cost"), remote_url with remote_secret (a team secret of 16+
-        bytes, or several: the first seals) unless remote_insecure=True; remote_tls={"ca_file",
-        "cert_file", "key_file"} for rediss://."""
+        """Options (config.py, `EngineConfig`): each keyword, else its environment variable, else its default;
+        `config` instead of the environment. E.g. ram_budget_bytes (None: adapt to the machine's memory),
+        ssd=False, prefill_chunk, prefetch_budget_bytes (0: no prefetch after a model load), retention ("lru" |
+        "cost"), remote_url with remote_secret (a team secret of 16+ bytes, or several: the first seals)
+        unless remote_insecure=True; remote_tls={"ca_file", "cert_file", "key_file"} for rediss://."""
         hide_credentials(options)  # first: a traceback's frames show them redacted from here on
         for name, value in (("cache_dir", cache_dir), ("ram_budget_bytes", ram_budget_bytes),
                             ("ssd_budget_bytes", ssd_budget_bytes)):
@@ -128,7 +130,8 @@ class Engine:
         self.admin = CacheAdmin(cache=self.cache, names=names, models=self.models, objects=self.objects,
                                 inflight=inflight, events=self.events, poll=self.poll, flush=self.flush)
         self._services = Services(self.cache, inflight, self.memory, self.metrics, self.events,
-                                  AccessTrace(config.trace_path), config.prefill_chunk, on_published=self._published)
+                                  AccessTrace(config.trace_path), config.prefill_chunk, on_published=self._published,
+                                  explain=self.admin.explainer.explain)
         if remote is not None:  # a shared tier below SSD (Redis / Valkey)
             model_of = self.models.by_namespace
             attach_remote(self.cache, remote, publish=config.remote_publish, prefill_rate=self.metrics.prefill_rate.get,
@@ -196,7 +199,8 @@ class Engine:
                  checkpoint_every: int | None = None, images: Sequence | None = None, videos: Sequence | None = None,
                  fps: float | None = None, max_frames: int | None = None, audios: Sequence | None = None,
                  draft: str | bool | None = None, num_draft_tokens: int | None = None, lookup: bool | None = None,
-                 params: SamplingParams | None = None, **sampling) -> GenerationResult:
+                 response_format=None, regex=None, choices=None, grammar=None, params: SamplingParams | None = None,
+                 passages: Sequence[str] | None = None, recompute: float | None = None, **sampling) -> GenerationResult:
         """sampling: SamplingParams's options (max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop=(),
         logprobs=None), or params=SamplingParams(...).
         images (paths, PIL images, (H, W, 3) arrays), videos (paths, (T, C, H, W) arrays, sampled at fps, up to
@@ -204,12 +208,22 @@ class Engine:
         text in the user turn (a session keeps them). draft: a loaded model proposing num_draft_tokens
         (default 4) per verify forward (default: the model's default draft; False: none). lookup: drafts from
         the prompt and the text so far (generate/speculative/lookup.py): None proposes them where they pay,
-        True always, False never; the tokens are plain decoding's either way."""
+        True always, False never; the tokens are plain decoding's either way. response_format (a Pydantic model
+        class, a JSON Schema dict), regex, choices or grammar (Lark, GBNF): the answer follows it and `.parsed`
+        holds it parsed, None when incomplete (docs/constrained.md). passages: texts before the prompt, each placed
+        from its own cached KV with a `recompute` fraction of its tokens recomputed (default: the passage_recompute
+        option): approximate, labelled so in the stats (generate/passages/)."""
         self._check_open()
         self.poll(prepare=False)  # no buffers allocated for prefetches on the way to the first token
         params = SamplingParams.from_call(params, sampling)
         m = self.models.get(model)
         params.validate(m.config.get("vocab_size"))
+        constraint = constraint_of(m, response_format, regex, choices, grammar)  # refused before any work
+        run = dict(session=session, use_cache=use_cache, on_text=on_text, on_progress=on_progress, draft=draft,
+                   checkpoint_every=checkpoint_every, num_draft_tokens=num_draft_tokens, lookup=lookup, constraint=constraint)
+        if passages is not None:  # placed from their cached KV: approximate, opt-in (generate/passages/run.py)
+            return with_passages(self, m, params, prompt, passages, recompute, system=system, raw=raw, run=run,
+                                 media=images or videos or audios)
         media = media_prompt(self, m, prompt, images, system=system, raw=raw, session=session, use_cache=use_cache,
                              videos=videos, fps=fps, max_frames=max_frames, audios=audios) if m.vision else None
         if media is not None:  # the model's processor; cache keys carry each media item's identity
@@ -218,10 +232,7 @@ class Engine:
             raise GenerationError(f"model {m.name!r} is not a vision-language model: it takes no images, videos or audio")
         else:
             tokens = self.encode_prompt(prompt, model=m.name, system=system, raw=raw, session=session)
-        result = self.generate_tokens(
-            tokens, params=params, model=m.name, session=session, use_cache=use_cache, on_text=on_text,
-            on_progress=on_progress, checkpoint_every=checkpoint_every, media=media,
-            draft=draft, num_draft_tokens=num_draft_tokens, lookup=lookup)
+        result = self._generate(m, tokens, params, dict(run, media=media))
         if session is not None:
             self.sessions.get(session).record_turn(prompt, result.text, tokens, result.tokens,
                                                    images=media.images if media else ())
@@ -231,11 +242,12 @@ class Engine:
                        system: str | None = None, raw: bool = False, use_cache: bool = True,
                        batch_size: int = DEFAULT_BATCH_SIZE, lookup: bool | None = None,
                        on_progress: Callable[[str, int, int], None] | None = None,
-                       on_row: Callable[[int, GenerationResult], None] | None = None,
-                       **sampling) -> list[GenerationResult]:
+                       on_row: Callable[[int, GenerationResult], None] | None = None, response_format=None,
+                       regex=None, choices=None, grammar=None, **sampling) -> list[GenerationResult]:
         """One GenerationResult per prompt (a string or token ids), in order: shared prefixes prefilled
         once, rows decoded together (generate/batch/run.py). sampling: SamplingParams's options, for every row; row i
-        samples with seed + i (or seed[i] from a list).
+        samples with seed + i (or seed[i] from a list). response_format, regex, choices, grammar as `generate`
+        takes them, for every row, or a list with one per row (None: that row free).
         on_progress(phase, done, total): "restore"/"prefill" in tokens, "decode" in tokens generated;
         on_row(index, result) as each row finishes."""
         self._check_open()
@@ -244,10 +256,11 @@ class Engine:
         vocab = m.config.get("vocab_size")
         rows = row_tokens(prompts, lambda p: self.encode_prompt(p, model=m.name, system=system, raw=raw), vocab)
         params = [SamplingParams.of(**sampling, seed=s).validate(vocab) for s in batch_seeds(seed, len(rows))]
+        constraints = constraints_of(m, len(rows), response_format, regex, choices, grammar)
         if not rows:
             return []
         results = BatchRun(self._services, m, rows, params, use_cache=use_cache, batch_size=batch_size,
-                           lookup=check_lookup(lookup),
+                           lookup=check_lookup(lookup), constraints=constraints,
                            on_progress=on_progress, on_row=on_row).run()
         self.last_result = results[-1]
         return results
@@ -278,27 +291,23 @@ class Engine:
                         params: SamplingParams | None = None, **options) -> GenerationResult:
         """Generate from prompt token ids: resume or cache lookup, prefill, decode, publish (generate/generation.py).
 
-        options: the sampling options of `generate` (or params=SamplingParams(...)), and session,
-        use_cache, on_text, on_progress, checkpoint_every, draft, num_draft_tokens, lookup (see `generate`).
-        """
+        options: the sampling options of `generate` (or params=SamplingParams(...)), and session, use_cache, on_text,
+        on_progress, checkpoint_every, draft, num_draft_tokens, lookup, response_format, regex, choices, grammar."""
         self._check_open()
         m = self.models.get(model)
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise GenerationError("empty prompt: no tokens to generate from")
         params = SamplingParams.from_call(params, options, REQUEST_OPTIONS).validate(m.config.get("vocab_size"))
-        check_lookup(options.get("lookup"))
+        options["constraint"] = constraint_of(m, *(options.pop(k, None) for k in CONSTRAINT_OPTIONS))
+        return self._generate(m, tokens, params, options)
+
+    def _generate(self, m, tokens: list, params: SamplingParams, options: dict) -> GenerationResult:
+        """One generation of `m` from prompt tokens; options: a Request's fields (the constraint compiled)."""
         options["draft"], options["num_draft_tokens"] = resolve_draft(self.models, m, options.get("draft"),
                                                                       options.pop("num_draft_tokens", None))
-        req = Request(m, tokens, params, **options)
+        req = Request(m, tokens, params, **options).check(self.cache.has_ssd)
         req.use_cache = req.use_cache and m.cache_notice is None  # an unknown cache class: uncached, never wrong
-        every = req.checkpoint_every
-        if every is not None and (not isinstance(every, int) or every < 1):
-            raise GenerationError(f"checkpoint_every must be an integer >= 1, got {every!r}")
-        if every is not None and params.logprobs is not None:
-            raise GenerationError("logprobs are not kept by in-flight checkpoints: use checkpoint_every or logprobs")
-        if every is not None and not self.cache.has_ssd:
-            raise GenerationError("checkpoint_every needs the SSD tier (the engine was started with ssd=False)")
         self.last_result = Generation(self._services, req).run()
         self.cache.loading.prepare_reads()  # prefetching goes on after the generation (it yielded meanwhile)
         stats = self.last_result.stats
@@ -324,19 +333,11 @@ class Engine:
 
     def stats(self) -> dict:
         """Plain numbers; never touches MLX arrays."""
-        return {
-            "blas": blas.active_blas(),
-            "models": self.models.names(),
-            "default_model": self.models.default,
-            "sessions": len(self.sessions.list()),
-            "cache_dir": str(self.cache_dir),
-            "ssd_disabled_reason": self._ssd_disabled_reason,
-            **self.metrics.as_stats(),
-            **self.memory.stats(),
-            **self.cache.stats(),
-            **self.objects.stats(),
-            **self.vision_counters,
-        }
+        return {"blas": blas.active_blas(), "models": self.models.names(), "default_model": self.models.default,
+                "sessions": len(self.sessions.list()), "cache_dir": str(self.cache_dir),
+                "ssd_disabled_reason": self._ssd_disabled_reason, "cache_links": links_under(self.cache_dir),
+                **self.metrics.as_stats(), **self.memory.stats(), **self.cache.stats(), **self.objects.stats(),
+                **self.vision_counters}
 
     def close(self) -> dict | None:
         if self._closed:

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from ..cache.objects.naming import is_object_namespace
-from ..kv.tokens import token_key
-from ..host.system import make_private_dir, unlink_quietly, write_json_atomic
+from ..kv.tokens import parting_points, token_key
+from ..host import safe_dirs
 
 DIRNAME = "processes"
 MIN_INTERVAL_S = 1.0
@@ -63,20 +63,21 @@ class ProcessReport:
             "ram": {"used_bytes": cache.ram.used_bytes, "budget_bytes": cache.ram.budget_bytes, "entries": len(entries),
                     "high_water_bytes": memory["memory_high_water_bytes"],
                     "working_bytes": memory["memory_working_bytes"]},
-            "entries": [self._entry(e, state) for e, state in zip(entries[:MAX_ENTRIES], states)],
+            "entries": [self._entry(e, state, at) for e, state, at in zip(entries[:MAX_ENTRIES], states,
+                                                                          parting_points([e.tokens for e in entries]))],
             "writes": {"pending": pending[0], "pending_bytes": pending[1], "dirty": states.count("dirty"),
                        "failed": states.count("failed"), "error": cache.durability.write_error},
             "ssd_budget_bytes": eng.config.ssd_budget_bytes, "late_reason": cache.catalog.late,
             "remote": {k[len("remote_"):]: remote.get(k) for k in REMOTE_KEYS} if remote else None,
         }
 
-    def _entry(self, e, state) -> dict:
+    def _entry(self, e, state, parts_at: int) -> dict:
         obj = is_object_namespace(e.ns)
         return {"namespace": e.ns, "key": token_key(e.tokens), "tokens": len(e.tokens), "ram_bytes": e.nbytes,
                 "write_state": state, "sessions": sorted(e.sessions), "pinned": sorted(e.pinned), "hits": e.hits,
                 "last_used": e.last_used_time, "kind": "object" if obj else "prefix",
                 "preview": (self.engine.objects.label(e.ns) or "object") if obj
-                else self.engine.models.preview(e.ns, e.tokens)}
+                else self.engine.models.preview(e.ns, e.tokens, parts_at)}
 
     def maybe_write(self) -> bool:
         """Write the report if it changed and MIN_INTERVAL_S passed; True if written. A
@@ -89,8 +90,8 @@ class ProcessReport:
         if body == self._last_body:
             return False
         try:
-            make_private_dir(self.path.parent)
-            write_json_atomic(self.path, {**report, "time": time.time()}, durable=False)
+            safe_dirs.make_private_dir(self.path.parent, self.engine.cache_dir)
+            safe_dirs.write_json_atomic(self.path, {**report, "time": time.time()}, durable=False, root=self.engine.cache_dir)
         except OSError:
             return False
         if self._last_body is None:
@@ -102,17 +103,17 @@ class ProcessReport:
         """At our first report: those of processes no longer on the directory go (a killed
         kernel's report outlives it until then), unless young (a peer just starting)."""
         live = {p["owner"] for p in self.engine.cache.catalog.processes()}
-        for owner in set(read_reports(self.path.parent.parent)) - live - {self.owner}:
-            path = self.path.parent / f"{owner}.json"
-            try:
-                if time.time() - os.stat(path).st_mtime > KEEP_DEAD_S:
-                    os.unlink(path)
-            except OSError:
-                pass
+        try:
+            with safe_dirs.Dir(self.path.parent, self.engine.cache_dir) as d:  # (never through a link)
+                for owner in set(read_reports(self.engine.cache_dir)) - live - {self.owner}:
+                    if time.time() - d.lstat(f"{owner}.json").st_mtime > KEEP_DEAD_S:
+                        d.unlink(f"{owner}.json")
+        except OSError:
+            pass
 
     def remove(self) -> None:
         if self.path is not None:
-            unlink_quietly(self.path)
+            safe_dirs.unlink(self.path, self.engine.cache_dir)
 
 
 def read_reports(cache_dir: Path, max_bytes: int = 4 << 20) -> dict[str, dict]:
