@@ -33,6 +33,7 @@ class Codec:
     hit = "a copy of the cached state"  # what a borrower of this kind holds after a hit (%model info)
     shares_prefix = False  # batch rows over one lent prefix of this kind attend to it once (kv/cascade.py)
     segmented = False  # its state is segments along the token axis, lent ones kept shared (Checkpoint.sharing)
+    grows_in_place = False  # restored with room (layers.growth_room): the borrower taking it over appends there
     unmovable = "its cache kind"  # why its keys cannot be rotated to other positions (passages); "": they can
 
     def capture(self, c: Any, copy: bool = False) -> LayerState:
@@ -71,9 +72,10 @@ class Codec:
     def can_hand_over(self, layer: LayerState) -> bool:
         return False
 
-    def rebuilt(self, arrays: tuple, meta: dict) -> LayerState:
-        """A layer from arrays read back from storage: whole buffers nothing else holds."""
-        return LayerState.whole(self.kind, arrays, meta)
+    def rebuilt(self, arrays: tuple, meta: dict, parents: tuple = ()) -> LayerState:
+        """A layer from arrays read back from storage: whole buffers nothing else holds (or the first
+        positions of `parents`, buffers with room)."""
+        return LayerState.whole(self.kind, arrays, meta, parents)
 
     def hand_over(self, layer: LayerState, n: int, in_place: bool) -> Any:
         raise ValueError(f"{self.kind} cannot hand over its buffers")
@@ -107,9 +109,10 @@ class PlainKV(Codec):
     the prefix into the borrower's own buffer; what it publishes shares the lent segments."""
 
     kind, roles = "KVCache", ("keys", "values")
-    always_cuttable = segmented = True
+    always_cuttable = segmented = grows_in_place = True
     hit = ("the cached prefix shared, copied once into a buffer of its own at its first append (none when "
-           "a rerun takes the entry's place); then mlx-lm's KVCache and the model's own attention")
+           "it takes the entry's place: a rerun, or a restore from SSD); then mlx-lm's KVCache and the model's "
+           "own attention")
     shares_prefix = True
     unmovable = ""
 
@@ -156,7 +159,8 @@ class QuantizedKV(Codec):
     kind, roles = "QuantizedKVCache", ("keys", "keys_scales", "keys_biases", "values", "values_scales", "values_biases")
     unmovable = "quantized KV (kv_bits)"
     always_cuttable = segmented = True
-    hit = PlainKV.hit.replace("KVCache", "QuantizedKVCache")
+    hit = ("the cached prefix shared, copied once into a buffer of its own at its first append; then mlx-lm's "
+           "QuantizedKVCache and its quantized attention")
 
     def capture(self, c, copy=False):
         n = int(c.offset)
@@ -317,7 +321,7 @@ class Composite(Codec):
         return [b for x in c.caches for b in (CODECS[kind_of(x)].batch_blockers(x) if kind_of(x) in CODECS
                                               else [kind_of(x)])]
 
-    def rebuilt(self, arrays, meta):
+    def rebuilt(self, arrays, meta, parents=()):
         parts, i = [], 0
         for spec in meta["parts"]:
             k = int(spec["arrays"])
