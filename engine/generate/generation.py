@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import mlx.core as mx
 
 from ..cache.tiered import TieredPromptCache
 from .prefill import prefill
 from .text import TextStream
+from .window import check_truncate, fit
 from .constrain import Constraint
 from .grammars import Compiled
 from .loop import DecodeResult, OneRow, Row, run as run_rows
@@ -84,6 +85,8 @@ class Request:
     num_draft_tokens: int = 0
     lookup: bool | None = None  # drafts from the context (speculative/lookup.py): None where they pay
     constraint: Compiled | None = None  # the grammar the answer follows (grammars.py, constrain.py)
+    truncate: str | None = None  # a prompt past the model's window: refused, or cut "left" / "middle" (window.py)
+    truncated: ClassVar[int] = 0  # prompt tokens `check` dropped
 
     @property
     def ns(self) -> str:
@@ -99,6 +102,9 @@ class Request:
             raise GenerationError("logprobs are not kept by in-flight checkpoints: use checkpoint_every or logprobs")
         if every is not None and not has_ssd:
             raise GenerationError("checkpoint_every needs the SSD tier (the engine was started with ssd=False)")
+        self.tokens, self.truncated = fit(self.model, self.tokens, self.params.max_tokens,
+                                          check_truncate(self.truncate) if self.media is None else None,
+                                          session=self.session)
         return self
 
 
@@ -213,6 +219,8 @@ class Generation:
             peak_memory=int(mx.get_peak_memory()) if hasattr(mx, "get_peak_memory") else None,
         )
         stats["resumed_from"] = len(self.emitted) or None
+        if req.truncate is not None:
+            stats["truncated_tokens"] = req.truncated
         stats.update(self.prompt.stats(cached, loan.source if loan else None))
         if req.draft is not None:
             counts = self.drafter.counts if self.drafter else DraftCounts()
