@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import math
 
+from .constrain import constraint_phrase
 from .tables import fmt_s, format_bytes
 
 __all__ = ["CellResult", "SPANS", "footer_spans", "footer_html"]
@@ -112,9 +113,9 @@ def lookup_phrase(s: dict) -> str | None:
 class CellResult:
     """What ``%%generate`` returns (and stores in ``--out``).
 
-    ``.text``, ``.tokens`` (generated ids), ``.stats`` (dict), ``.prompt`` (the
-    interpolated cell), ``.model``, ``.session``. Displays as the cell footer;
-    ``str()`` is the text.
+    ``.text``, ``.tokens`` (generated ids), ``.stats`` (dict), ``.parsed`` (with --json, --regex,
+    --choice or --grammar: the answer parsed, None when incomplete), ``.prompt`` (the interpolated
+    cell), ``.model``, ``.session``. Displays as the cell footer; ``str()`` is the text.
     """
 
     def __init__(self, result, *, prompt: str, model: str | None, session: str | None, use_cache: bool,
@@ -124,6 +125,7 @@ class CellResult:
         self.tokens = list(result.tokens)
         self.stats = dict(result.stats)
         self.logprobs = result.logprobs  # TokenLogprob per token with --logprobs, else None
+        self.parsed = getattr(result, "parsed", None)
         self._pieces = logprob_pieces(tokenizer, self.logprobs) if self.logprobs and tokenizer else []
         self.prompt = prompt
         self.model = model
@@ -148,7 +150,7 @@ class CellResult:
             f"TTFT {fmt_s(s.get('ttft_s'))}",
             f"{decoded} tokens at {tps:.1f} tok/s" if tps else f"{decoded} tokens",
             STOPS.get(s.get("finish_reason"), f"finish: {s.get('finish_reason', '?')}"),
-        ]
+        ] + [p for p in (constraint_phrase(s),) if p]  # right after why it ended: "incomplete JSON (max tokens)"
         parts += [p for p in (context_phrase(n, decoded, s.get("context_window")), speed_phrase(s)) if p]
         if s.get("draft"):
             parts.insert(-1, draft_phrase(s))
@@ -171,7 +173,8 @@ class CellResult:
         return self.footer()
 
     def _repr_pretty_(self, p, cycle) -> None:
-        p.text(logprob_text(self._pieces) + self.footer() if self._pieces else self.footer())
+        constrained = bool(self.stats.get("constraint"))
+        p.text(logprob_text(self._pieces, constrained) + self.footer() if self._pieces else self.footer())
 
     def _repr_html_(self) -> str:
         return (logprob_html(self._pieces) if self._pieces else "") + footer_html(self.stats, self.footer())
@@ -186,9 +189,10 @@ def logprob_pieces(tokenizer, logprobs: list) -> list[dict]:
              "top": [(text(t), math.exp(v)) for t, v in lp.top]} for lp in logprobs]
 
 
-def logprob_text(pieces: list[dict]) -> str:
-    """A table: each token, its log-probability and probability, and its most likely alternatives."""
-    lines = ["token                 logprob      p   alternatives"]
+def logprob_text(pieces: list[dict], constrained: bool = False) -> str:
+    """A table: each token, its log-probability and probability, and its most likely alternatives (under a
+    constraint: of the constrained distribution, the alternatives the grammar allowed)."""
+    lines = ["token                 logprob      p   alternatives" + ("   (constrained)" if constrained else "")]
     for r in pieces:
         alts = ", ".join(f"{t!r} {p:.0%}" for t, p in r["top"][:5])
         lines.append(f"{r['text']!r:20.20}  {r['logprob']:8.3f}  {r['p']:5.0%}   {alts}")
