@@ -63,7 +63,7 @@ def fit(model, tokens: list, room: int, truncate: str | None, *, what: str = "pr
         session: str | None = None, room_name: str = "max_tokens") -> tuple[list, int]:
     """(tokens, how many were dropped): `tokens` and `room` more positions (max_tokens) fit the
     window of `model` (a LoadedModel), else GenerationError, or cut as `truncate` says."""
-    window = window_of(model.config)
+    window = model.context_window
     if window is None or len(tokens) + room <= window:
         return tokens, 0
     if check_truncate(truncate) is not None and window - room > 0:
@@ -83,5 +83,5 @@ def fit(model, tokens: list, room: int, truncate: str | None, *, what: str = "pr
 
 def max_chars(model) -> int | None:
     """The longest text a `{var}` may hold for `model` (None: its window is unknown)."""
-    window = window_of(model.config)
+    window = model.context_window
     return None if window is None else window * MAX_CHARS_PER_TOKEN

@@ -109,7 +109,7 @@ class MediaItem:
 @dataclass
 class MediaPrompt:
     """One prompt with images: real token ids for the model, key ids for the cache. A generation sees it
-    as it sees a text prompt (generate/generation.py's TextPrompt): forward, prefill, cut, stats."""
+    as it sees a text prompt (generate/prefill.py's TextPrompt): forward, prefill, cut, stats."""
 
     joins_first_step: ClassVar[bool] = False  # image tokens need their features merged in: prefilled apart
 

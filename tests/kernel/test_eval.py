@@ -156,3 +156,35 @@ def test_bad_model_arguments_are_clear_errors(tiny_model_dir, tmp_path):
         CachedLM.create_from_arg_string(f"pretrained={tiny_model_dir},adapter={tmp_path},cache_dir={tmp_path / 'd'}")
     with pytest.raises(TypeError, match="unexpected keyword argument 'temperture'"):
         CachedLM.create_from_arg_string(f"pretrained={tiny_model_dir},temperture=0")
+
+
+def test_the_command_line_runs_the_harness_with_the_cached_engine(tiny_model_dir, tmp_path, tasks):
+    import json
+    import subprocess
+    import sys
+
+    folder = tmp_path / "tasks"
+    names = write_tasks(folder, suffix="_cli")
+    from pathlib import Path
+
+    command = str(Path(sys.executable).parent / "mlxcache-kernel")  # the installed console script
+    cli = [command, "eval", "--tasks", names["mc"], "--include_path", str(folder)]
+    model_args = ["--model_args", f"pretrained={tiny_model_dir},cache_dir={tmp_path / 'c'}"]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([*cli, *model_args, "--output_path", str(tmp_path / "out")], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "mlxcache" in done.stdout and "acc" in done.stdout  # the harness's table
+    [saved] = (tmp_path / "out").rglob("results_*.json")
+    acc = json.loads(saved.read_text())["results"][names["mc"]]["acc,none"]
+    lm = CachedLM(pretrained=str(tiny_model_dir), cache_dir=str(tmp_path / "c"))
+    try:
+        assert metrics(evaluate(lm, (names, TaskManager(include_path=str(folder), include_defaults=False)),
+                                ["mc"]))[names["mc"]]["acc,none"] == acc
+        assert prefilled(lm.engine) == 0  # the command's engine wrote every context to the shared directory
+    finally:
+        lm.close()
+    bad = subprocess.run([command, "eval", "--tasks", "no_such_task", *model_args], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
+        "mlxcache-kernel eval: ValueError: Tasks not found: no_such_task")

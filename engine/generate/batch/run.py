@@ -360,8 +360,7 @@ class BatchRun:
         stats.update(batch_index=row.index, batch_rows=len(self.rows), batch_shared_tokens=row.shared,
                      batch_mode=self.mode, **(g.proposers if self.mode == "serial" else row.drafts).lookup_stats(
                          g.req.lookup))
-        if g.req.truncate is not None:
-            stats["truncated_tokens"] = g.req.truncated
+        stats["truncated_tokens"] = g.req.truncated
         parsed = g.constrained(stats)
         self.services.metrics.record(self.ns, stats)
         logprobs = g.decoded.logprobs if g.req.params.logprobs is not None else None
