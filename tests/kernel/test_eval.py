@@ -185,8 +185,8 @@ def test_the_command_line_runs_the_harness_with_the_cached_engine(tiny_model_dir
         assert prefilled(lm.engine) == 0  # the command's engine wrote every context to the shared directory
     finally:
         lm.close()
-    bad = subprocess.run([command, "eval", "--tasks", "no_such_task", *model_args], capture_output=True, text=True, env=env,
-                         timeout=600)
+    bad = subprocess.run([command, "eval", "--tasks", "no_such_task", *model_args], capture_output=True, text=True,
+                         env=env, timeout=600)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
         "mlxcache-kernel eval: ValueError: Tasks not found: no_such_task")
 
@@ -207,3 +207,23 @@ def test_generations_keep_their_leading_space_as_mlx_lm_evaluate_does(default_mo
     theirs = evaluate(MLXLM(str(default_model_dir), use_chat_template=False), (names, manager), ["gen"])
     got = responses(ours, names["gen"])
     assert got == responses(theirs, names["gen"]) and any(g[0][0].startswith(" ") for g in got)
+
+
+def test_the_eval_magic_runs_tasks_on_the_kernels_engine(ip, capsys, tmp_path):
+    from magics_shell import engine, run, usage_error
+
+    folder = tmp_path / "tasks"
+    names = write_tasks(folder, suffix="_magic")
+    res, out, err = run(ip, capsys, f"%eval {names['mc']} --include-path {folder} --limit 6 --out r")
+    assert res.success, err
+    lines = out.strip().splitlines()
+    table = lines[next(i for i, line in enumerate(lines) if line.startswith("task")):]
+    assert table[0].split() == ["task", "metric", "filter", "value", "stderr"] and table[2].split()[:3] == [
+        names["mc"], "acc", "none"]
+    acc = ip.user_ns["r"]["results"][names["mc"]]["acc,none"]
+    assert f"{acc:.4f}" in table[2]
+    before = prefilled(engine(ip))
+    run(ip, capsys, f"%eval {names['mc']} --include-path {folder} --limit 6")
+    assert prefilled(engine(ip)) == before  # the rerun: every context from the kernel's cache
+    assert "could not run no_such_task" in usage_error(ip, capsys, f"%eval no_such_task --include-path {folder}")
+    assert "--out needs a variable name" in usage_error(ip, capsys, f"%eval {names['mc']} --out 1x")
