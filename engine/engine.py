@@ -51,6 +51,7 @@ from .models.registry import IdentityMemo, ModelRegistry
 from .named.checkpoints import NamedCheckpoints
 from .chat.prompts import encode_prompt
 from .generate.scoring import ScoreResult, score
+from .generate.passages.run import with_passages
 from .generate.score_groups import score_groups
 from .generate.generation import Generation, GenerationResult, Request, Services
 from .chat.sessions import Sessions
@@ -69,12 +70,11 @@ REQUEST_OPTIONS = frozenset({f.name for f in fields(Request)} - {"model", "token
 class Engine:
     def __init__(self, cache_dir: str | os.PathLike | None = _UNSET, ram_budget_bytes: int | None = _UNSET,
                  ssd_budget_bytes: int | None = _UNSET, *, config: EngineConfig | None = None, **options):
-        """Options (config.py, `EngineConfig`): each keyword, else its environment variable, else
-        its default; `config` instead of the environment. E.g. ram_budget_bytes (None: adapt to the
-        machine's memory), ssd=False, prefill_chunk, prefetch_budget_bytes (0: no prefetch after a
-        model load), retention ("lru" | "cost"), remote_url with remote_secret (a team secret of 16+
-        bytes, or several: the first seals) unless remote_insecure=True; remote_tls={"ca_file",
-        "cert_file", "key_file"} for rediss://."""
+        """Options (config.py, `EngineConfig`): each keyword, else its environment variable, else its default;
+        `config` instead of the environment. E.g. ram_budget_bytes (None: adapt to the machine's memory),
+        ssd=False, prefill_chunk, prefetch_budget_bytes (0: no prefetch after a model load), retention ("lru" |
+        "cost"), remote_url with remote_secret (a team secret of 16+ bytes, or several: the first seals)
+        unless remote_insecure=True; remote_tls={"ca_file", "cert_file", "key_file"} for rediss://."""
         hide_credentials(options)  # first: a traceback's frames show them redacted from here on
         for name, value in (("cache_dir", cache_dir), ("ram_budget_bytes", ram_budget_bytes),
                             ("ssd_budget_bytes", ssd_budget_bytes)):
@@ -130,7 +130,8 @@ class Engine:
         self.admin = CacheAdmin(cache=self.cache, names=names, models=self.models, objects=self.objects,
                                 inflight=inflight, events=self.events, poll=self.poll, flush=self.flush)
         self._services = Services(self.cache, inflight, self.memory, self.metrics, self.events,
-                                  AccessTrace(config.trace_path), config.prefill_chunk, on_published=self._published)
+                                  AccessTrace(config.trace_path), config.prefill_chunk, on_published=self._published,
+                                  explain=self.admin.explainer.explain)
         if remote is not None:  # a shared tier below SSD (Redis / Valkey)
             model_of = self.models.by_namespace
             attach_remote(self.cache, remote, publish=config.remote_publish, prefill_rate=self.metrics.prefill_rate.get,
@@ -199,7 +200,7 @@ class Engine:
                  fps: float | None = None, max_frames: int | None = None, audios: Sequence | None = None,
                  draft: str | bool | None = None, num_draft_tokens: int | None = None, lookup: bool | None = None,
                  response_format=None, regex=None, choices=None, grammar=None, params: SamplingParams | None = None,
-                 **sampling) -> GenerationResult:
+                 passages: Sequence[str] | None = None, recompute: float | None = None, **sampling) -> GenerationResult:
         """sampling: SamplingParams's options (max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop=(),
         logprobs=None), or params=SamplingParams(...).
         images (paths, PIL images, (H, W, 3) arrays), videos (paths, (T, C, H, W) arrays, sampled at fps, up to
@@ -209,13 +210,20 @@ class Engine:
         the prompt and the text so far (generate/speculative/lookup.py): None proposes them where they pay,
         True always, False never; the tokens are plain decoding's either way. response_format (a Pydantic model
         class, a JSON Schema dict), regex, choices or grammar (Lark, GBNF): the answer follows it and `.parsed`
-        holds it parsed, None when incomplete (docs/constrained.md)."""
+        holds it parsed, None when incomplete (docs/constrained.md). passages: texts before the prompt, each placed
+        from its own cached KV with a `recompute` fraction of its tokens recomputed (default: the passage_recompute
+        option): approximate, labelled so in the stats (generate/passages/)."""
         self._check_open()
         self.poll(prepare=False)  # no buffers allocated for prefetches on the way to the first token
         params = SamplingParams.from_call(params, sampling)
         m = self.models.get(model)
         params.validate(m.config.get("vocab_size"))
         constraint = constraint_of(m, response_format, regex, choices, grammar)  # refused before any work
+        run = dict(session=session, use_cache=use_cache, on_text=on_text, on_progress=on_progress, draft=draft,
+                   checkpoint_every=checkpoint_every, num_draft_tokens=num_draft_tokens, lookup=lookup, constraint=constraint)
+        if passages is not None:  # placed from their cached KV: approximate, opt-in (generate/passages/run.py)
+            return with_passages(self, m, params, prompt, passages, recompute, system=system, raw=raw, run=run,
+                                 media=images or videos or audios)
         media = media_prompt(self, m, prompt, images, system=system, raw=raw, session=session, use_cache=use_cache,
                              videos=videos, fps=fps, max_frames=max_frames, audios=audios) if m.vision else None
         if media is not None:  # the model's processor; cache keys carry each media item's identity
@@ -224,9 +232,7 @@ class Engine:
             raise GenerationError(f"model {m.name!r} is not a vision-language model: it takes no images, videos or audio")
         else:
             tokens = self.encode_prompt(prompt, model=m.name, system=system, raw=raw, session=session)
-        result = self._generate(m, tokens, params, dict(session=session, use_cache=use_cache, on_text=on_text,
-            on_progress=on_progress, checkpoint_every=checkpoint_every, media=media, draft=draft,
-            num_draft_tokens=num_draft_tokens, lookup=lookup, constraint=constraint))
+        result = self._generate(m, tokens, params, dict(run, media=media))
         if session is not None:
             self.sessions.get(session).record_turn(prompt, result.text, tokens, result.tokens,
                                                    images=media.images if media else ())
@@ -327,19 +333,11 @@ class Engine:
 
     def stats(self) -> dict:
         """Plain numbers; never touches MLX arrays."""
-        return {
-            "blas": blas.active_blas(),
-            "models": self.models.names(),
-            "default_model": self.models.default,
-            "sessions": len(self.sessions.list()),
-            "cache_dir": str(self.cache_dir),
-            "ssd_disabled_reason": self._ssd_disabled_reason, "cache_links": links_under(self.cache_dir),
-            **self.metrics.as_stats(),
-            **self.memory.stats(),
-            **self.cache.stats(),
-            **self.objects.stats(),
-            **self.vision_counters,
-        }
+        return {"blas": blas.active_blas(), "models": self.models.names(), "default_model": self.models.default,
+                "sessions": len(self.sessions.list()), "cache_dir": str(self.cache_dir),
+                "ssd_disabled_reason": self._ssd_disabled_reason, "cache_links": links_under(self.cache_dir),
+                **self.metrics.as_stats(), **self.memory.stats(), **self.cache.stats(), **self.objects.stats(),
+                **self.vision_counters}
 
     def close(self) -> dict | None:
         if self._closed:

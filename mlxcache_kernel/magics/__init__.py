@@ -7,7 +7,7 @@ model or empty cell ends in one UsageError line; the engine keeps working.
 
 ``generate.py`` owns ``%%generate``, ``batch.py`` its ``--batch``/``--n`` rows, ``prompt.py``
 the interpolation both use, ``output.py`` their streaming and progress, ``footer.py``
-its result and footer (words and bar), ``admin.py`` the other magics,
+its result and footer (words and bar), ``cache.py`` ``%cache``, ``admin.py`` the other magics,
 ``score.py`` ``%%score``, ``evaluate.py`` ``%eval``, ``memo.py`` ``%memo`` (the results of ``@memo``), ``help.py`` their examples
 and the cheat sheet, ``tables.py`` how they show rows, ``base.py`` the Engine they share. ``MLXCacheMagics`` is all of them on one Engine.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from .admin import AdminMagics
 from .base import combined_magics
+from .cache import CacheMagics
 from .footer import CellResult
 from .generate import GenerateMagics
 from .prompt import interpolate
@@ -28,5 +29,5 @@ __all__ = ["MLXCacheMagics", "CellResult", "interpolate"]
 
 
 @combined_magics
-class MLXCacheMagics(GenerateMagics, ScoreMagics, EvalMagics, AdminMagics, MemoMagics, HelpMagics):
+class MLXCacheMagics(GenerateMagics, ScoreMagics, EvalMagics, AdminMagics, CacheMagics, MemoMagics, HelpMagics):
     """Every mlxcache magic over one Engine, created on first use from the ``MLXCache`` settings."""
