@@ -266,16 +266,17 @@ class Engine:
         return results
 
     def score(self, context, continuations: Sequence, *, model: str | None = None, raw: bool = True,
-              system: str | None = None, use_cache: bool = True) -> list[ScoreResult]:
+              system: str | None = None, use_cache: bool = True, on_progress=None) -> list[ScoreResult]:
         """The log-likelihood of each continuation given the context, in order (lm-eval's
         loglikelihood: `.logprob`, `.token_logprobs`, `.greedy`). Strings are tokenized as lm-eval
         does; token ids pass through. raw=False: the context is a chat turn (the template with its
         generation prompt) and each continuation the assistant's reply. The context comes from the
-        cache (or is prefilled once) and every continuation goes in one batch over it (generate/scoring.py)."""
+        cache (or is prefilled once: on_progress as generate's) and every continuation goes in one batch
+        over it (generate/scoring.py)."""
         self._check_open()
         self.poll(prepare=False)
         return score(self._services, self.models.get(model), context, continuations, raw=raw, system=system,
-                     use_cache=use_cache)
+                     use_cache=use_cache, on_progress=on_progress)
 
     def score_groups(self, pairs: Sequence, *, model: str | None = None, use_cache: bool = True,
                      on_progress: Callable[[str, int, int], None] | None = None) -> list[ScoreResult]:
