@@ -48,6 +48,14 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%%generate --batch df --json Invoice", "one answer per row; the table gets a column per field"),
         ("%%generate --lookup / --no-lookup", "drafts from the prompt itself, verified (same text): always / never (default: where they pay)"),
     ],
+    "eval": [
+        ("%eval mmlu --num-fewshot 5", "lm-evaluation-harness's MMLU, 5-shot, on the default model (-k 5)"),
+        ("%eval hellaswag,arc_easy --limit 100", "two tasks, 100 documents each (-l 100; 0.1: a tenth)"),
+        ("%eval my_task --include-path tasks/", "a task YAML of your own, in folder tasks/"),
+        ("%eval gsm8k --model small --chat", "the model loaded as 'small', prompts in its chat template"),
+        ("%eval mmlu --seed 1", "the harness's seeds (which few-shot examples it samples)"),
+        ("%eval mmlu --out results", "keep the harness's results dict (results['results'][task])"),
+    ],
     "score": [
         ("%%score options", "the cell is the context; rank the strings of list `options` by log-likelihood"),
         ("%%score options --out ranked", "keep the ranked results (.logprob, .token_logprobs, .greedy)"),
@@ -148,6 +156,7 @@ mlxcache: a resident model and a RAM/SSD prompt cache. Add ? to any magic for ev
       the footer: tokens from RAM / SSD / prefilled, TTFT, tok/s, context used, why a prefix missed
 
   %%score OPTIONS [--chat] [--out r]              rank list OPTIONS as continuations of the cell
+  %eval TASKS [--num-fewshot K] [--limit N]      lm-evaluation-harness tasks over the cache
   %session new|list|show|switch|reset|close ID    multi-turn chats (%%generate --session ID)
   %checkpoint save|list|restore|rm NAME           named states no budget evicts
   %cache stats|ls [--all] [--model M] [--session S] | why | flush | clear [--ssd] | gc | verify
