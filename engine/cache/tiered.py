@@ -179,7 +179,7 @@ class TieredPromptCache:
             t0 = time.perf_counter()
             if progress is not None:
                 progress("restore", 0, len(handle.tokens))
-            cp, job = self.loading.read_now(handle)
+            cp, job = self.loading.read_now(handle, progress and (lambda done, total: progress("restore", done, total)))
             if cp is not None:
                 break
             if self.store.contains(handle.tokens, ns):  # still there: a passing failure, prefill this time
