@@ -73,8 +73,7 @@ class Codec:
         return False
 
     def rebuilt(self, arrays: tuple, meta: dict, parents: tuple = ()) -> LayerState:
-        """A layer from arrays read back from storage: whole buffers nothing else holds (or the first
-        positions of `parents`, buffers with room)."""
+        """A layer from arrays read back from storage (the first positions of `parents`, if given)."""
         return LayerState.whole(self.kind, arrays, meta, parents)
 
     def hand_over(self, layer: LayerState, n: int, in_place: bool) -> Any:
@@ -110,9 +109,8 @@ class PlainKV(Codec):
 
     kind, roles = "KVCache", ("keys", "values")
     always_cuttable = segmented = grows_in_place = True
-    hit = ("the cached prefix shared, copied once into a buffer of its own at its first append (none when "
-           "it takes the entry's place: a rerun, or a restore from SSD); then mlx-lm's KVCache and the model's "
-           "own attention")
+    hit = ("the cached prefix shared, copied once into a buffer of its own at its first append (none when it takes "
+           "the entry's place: a rerun, a restore); then mlx-lm's KVCache and the model's own attention")
     shares_prefix = True
     unmovable = ""
 
@@ -159,8 +157,7 @@ class QuantizedKV(Codec):
     kind, roles = "QuantizedKVCache", ("keys", "keys_scales", "keys_biases", "values", "values_scales", "values_biases")
     unmovable = "quantized KV (kv_bits)"
     always_cuttable = segmented = True
-    hit = ("the cached prefix shared, copied once into a buffer of its own at its first append; then mlx-lm's "
-           "QuantizedKVCache and its quantized attention")
+    hit = "the cached prefix shared, copied once into a buffer of its own at its first append; then QuantizedKVCache"
 
     def capture(self, c, copy=False):
         n = int(c.offset)
