@@ -83,7 +83,7 @@ def test_generate_result_has_bar_in_html(ip, capsys):
 
 MAGICS = {"generate": "find_cell_magic", "model": "find_line_magic", "session": "find_line_magic",
           "checkpoint": "find_line_magic", "cache": "find_line_magic", "kv": "find_line_magic",
-          "memo": "find_line_magic"}
+          "memo": "find_line_magic", "eval": "find_line_magic"}
 
 
 @pytest.mark.parametrize("name", sorted(MAGICS))
