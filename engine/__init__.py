@@ -19,6 +19,7 @@ _EXPORTS = {
     "VisionUnavailable": ".errors",
     "GenerationError": ".errors",
     "SessionError": ".errors",
+    "ToolError": ".errors",
     "CheckpointNameError": ".errors",
     "UnsupportedCache": ".errors",
     "Unkeyable": ".errors",
@@ -39,6 +40,7 @@ _EXPORTS = {
     "SamplingParams": ".generate.sampling",
     "ScoreResult": ".generate.scoring",
     "TokenLogprob": ".generate.logprobs",
+    "ToolCall": ".chat.tools",
     "default_cache_dir": ".config",
     "default_ram_budget": ".host.memory",
 }

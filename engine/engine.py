@@ -54,6 +54,9 @@ from .generate.scoring import ScoreResult, score
 from .generate.score_groups import score_groups
 from .generate.generation import Generation, GenerationResult, Request, Services
 from .chat.sessions import Sessions
+from .chat.loops import LoopRecords
+from .chat.templates import read_template
+from .chat.turn import ChatOptions, run_turn
 from .generate.speculative.draft import load_with_draft, resolve_draft
 from .generate.speculative.proposers import check_lookup
 from .named.states import Checkpoints, KVInspection, StateFinder
@@ -124,6 +127,7 @@ class Engine:
         self.checkpoints = Checkpoints(cache=self.cache, names=names, sessions=self.sessions, models=self.models,
                                        events=self.events, poll=self.poll, find=find)
         self.kv = KVInspection(find)
+        self._loops = LoopRecords(self.cache_dir / "loops" if usable and self.cache.has_ssd else None)
         inflight = InflightRecords(self.cache.catalog, legacy_dir=self.cache_dir / "inflight")
         self.admin = CacheAdmin(cache=self.cache, names=names, models=self.models, objects=self.objects,
                                 inflight=inflight, events=self.events, poll=self.poll, flush=self.flush)
@@ -153,24 +157,22 @@ class Engine:
 
     # --- models ---
 
-    def load_model(self, path_or_id, name: str = "default", *, kv_bits: int | None = None,
-                   kv_group_size: int = 64, adapter_path=None, image_attention: str | None = None,
-                   kv_start: int | None = None, draft: str | None = None) -> dict:
-        """Load a model; kv_bits (4 or 8) quantizes its KV cache (RAM and SSD hold the quantized bytes)
-        once a sequence passes kv_start tokens (default 5000, as mlx-lm's --quantized-kv-start; 0:
-        from the first token). A checkpoint past the start serves only prompts at least that long.
-        adapter_path: an mlx-lm LoRA adapter directory applied to it; its weights and config are part
-        of the cache namespace (the base model and each adapter keep caches of their own).
-
-        A vision-language model (a config with a vision tower) loads through mlx-vlm
-        (`pip install 'mlxcache-kernel[vision]'`); image_attention picks how its image
-        tokens attend ("bidirectional" or "causal" for Gemma 3; None: the model's default).
-        draft: a loaded model's name, the default draft of this model's generations (generate/speculative/draft.py).
-
-        Then its most recently used SSD checkpoints start loading into RAM in the background
-        (up to the prefetch budget); "prefetch" in the result says how many."""
+    def load_model(self, path_or_id, name: str = "default", *, kv_bits: int | None = None, kv_group_size: int = 64,
+                   adapter_path=None, image_attention: str | None = None, kv_start: int | None = None,
+                   draft: str | None = None, chat_template=None) -> dict:
+        """Load a model; kv_bits (4 or 8) quantizes its KV cache (RAM and SSD hold the quantized bytes) once a
+        sequence passes kv_start tokens (default 5000, as mlx-lm's --quantized-kv-start; 0: from the first
+        token). adapter_path: an mlx-lm LoRA adapter directory (a cache namespace of its own). A vision-language
+        model loads through mlx-vlm (the [vision] extra); image_attention: how its image tokens attend
+        ("bidirectional" or "causal" for Gemma 3). draft: a loaded model's name, the default draft of this
+        model's generations. chat_template: a template file or text used instead of the model's own (as
+        mlx-lm's --chat-template). Then its most recently used SSD checkpoints start loading into RAM in the
+        background (up to the prefetch budget); "prefetch" in the result says how many."""
+        template = read_template(chat_template) if chat_template is not None else None  # refused before loading
         loaded = load_with_draft(self.models, draft, path_or_id, name, kv_bits=kv_bits, kv_group_size=kv_group_size,
                                  adapter_path=adapter_path, image_attention=image_attention, kv_start=kv_start)
+        if template is not None:
+            loaded.tokenizer.chat_template = template
         self.cache.register_namespace(loaded.namespace, loaded.identity)
         self.events.emit("model_loaded", name=name, path=str(loaded.path), namespace=loaded.namespace)
         if loaded.cache_notice:
@@ -189,27 +191,37 @@ class Engine:
 
     # --- generation ---
 
-    def generate(self, prompt: str, *, session: str | None = None, model: str | None = None,
-                 system: str | None = None, raw: bool = False, use_cache: bool = True,
-                 on_text: Callable[[str], None] | None = None,
-                 on_progress: Callable[[str, int, int], None] | None = None,
-                 checkpoint_every: int | None = None, images: Sequence | None = None, videos: Sequence | None = None,
-                 fps: float | None = None, max_frames: int | None = None, audios: Sequence | None = None,
-                 draft: str | bool | None = None, num_draft_tokens: int | None = None, lookup: bool | None = None,
-                 params: SamplingParams | None = None, **sampling) -> GenerationResult:
+    def generate(self, prompt: str, *, session: str | None = None, model: str | None = None, system: str | None = None,
+                 raw: bool = False, use_cache: bool = True, on_text: Callable[[str], None] | None = None,
+                 on_progress: Callable[[str, int, int], None] | None = None, checkpoint_every: int | None = None,
+                 images: Sequence | None = None, videos: Sequence | None = None, fps: float | None = None,
+                 max_frames: int | None = None, audios: Sequence | None = None, draft: str | bool | None = None,
+                 num_draft_tokens: int | None = None, lookup: bool | None = None, template_args: dict | None = None,
+                 think: bool | None = None, tools: Sequence | None = None, tool_choice: str | None = None,
+                 max_steps: int | None = None, confirm: Callable | None = None, on_reasoning: Callable | None = None,
+                 on_step: Callable | None = None, params: SamplingParams | None = None, **sampling) -> GenerationResult:
         """sampling: SamplingParams's options (max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop=(),
-        logprobs=None), or params=SamplingParams(...).
-        images (paths, PIL images, (H, W, 3) arrays), videos (paths, (T, C, H, W) arrays, sampled at fps, up to
-        max_frames: media/video.py), audios (paths, 1-D waveforms: media/audio.py) for a VLM come before the
-        text in the user turn (a session keeps them). draft: a loaded model proposing num_draft_tokens
-        (default 4) per verify forward (default: the model's default draft; False: none). lookup: drafts from
-        the prompt and the text so far (generate/speculative/lookup.py): None proposes them where they pay,
-        True always, False never; the tokens are plain decoding's either way."""
+        logprobs=None), or params=SamplingParams(...). images (paths, PIL images, (H, W, 3) arrays), videos (paths,
+        (T, C, H, W) arrays, sampled at fps, up to max_frames), audios (paths, 1-D waveforms) for a VLM come before
+        the text in the user turn (media/). draft: a loaded model proposing num_draft_tokens (default 4) per verify
+        forward (default: the model's own; False: none). lookup: drafts from the context (None: where they pay).
+        A chat turn (chat/turn.py): template_args (the template's keywords), think (its thinking switch); .reasoning
+        apart from .text (on_reasoning streams it); tools: functions the model may call (tool_choice "auto",
+        "required", "none"; up to max_steps steps; confirm(call) -> bool first), each step in .steps (on_step)."""
         self._check_open()
         self.poll(prepare=False)  # no buffers allocated for prefetches on the way to the first token
         params = SamplingParams.from_call(params, sampling)
         m = self.models.get(model)
         params.validate(m.config.get("vocab_size"))
+        chat = ChatOptions(template_args, think, tools, tool_choice, max_steps, confirm, on_reasoning, on_step).check()
+        run = dict(params=params, model=m.name, session=session, use_cache=use_cache, on_progress=on_progress,
+                   checkpoint_every=checkpoint_every, draft=draft, num_draft_tokens=num_draft_tokens, lookup=lookup)
+        if not (raw or m.vision):  # through the chat template, reasoning apart, tools called
+            return run_turn(self.sessions, m, prompt, chat, system=system, session=session, on_text=on_text,
+                            records=self._loops.opener(m.namespace, params.as_dict()),
+                            generate=lambda ids, shown, grammar: self.generate_tokens(ids, on_text=shown, **run))
+        if chat.used:
+            raise GenerationError("template options and tools go with a text model's chat template (not raw=True)")
         media = media_prompt(self, m, prompt, images, system=system, raw=raw, session=session, use_cache=use_cache,
                              videos=videos, fps=fps, max_frames=max_frames, audios=audios) if m.vision else None
         if media is not None:  # the model's processor; cache keys carry each media item's identity
@@ -218,10 +230,7 @@ class Engine:
             raise GenerationError(f"model {m.name!r} is not a vision-language model: it takes no images, videos or audio")
         else:
             tokens = self.encode_prompt(prompt, model=m.name, system=system, raw=raw, session=session)
-        result = self.generate_tokens(
-            tokens, params=params, model=m.name, session=session, use_cache=use_cache, on_text=on_text,
-            on_progress=on_progress, checkpoint_every=checkpoint_every, media=media,
-            draft=draft, num_draft_tokens=num_draft_tokens, lookup=lookup)
+        result = self.generate_tokens(tokens, on_text=on_text, media=media, **run)
         if session is not None:
             self.sessions.get(session).record_turn(prompt, result.text, tokens, result.tokens,
                                                    images=media.images if media else ())
@@ -324,19 +333,10 @@ class Engine:
 
     def stats(self) -> dict:
         """Plain numbers; never touches MLX arrays."""
-        return {
-            "blas": blas.active_blas(),
-            "models": self.models.names(),
-            "default_model": self.models.default,
-            "sessions": len(self.sessions.list()),
-            "cache_dir": str(self.cache_dir),
-            "ssd_disabled_reason": self._ssd_disabled_reason,
-            **self.metrics.as_stats(),
-            **self.memory.stats(),
-            **self.cache.stats(),
-            **self.objects.stats(),
-            **self.vision_counters,
-        }
+        return {"blas": blas.active_blas(), "models": self.models.names(), "default_model": self.models.default,
+                "sessions": len(self.sessions.list()), "cache_dir": str(self.cache_dir),
+                "ssd_disabled_reason": self._ssd_disabled_reason, **self.metrics.as_stats(), **self.memory.stats(),
+                **self.cache.stats(), **self.objects.stats(), **self.vision_counters}
 
     def close(self) -> dict | None:
         if self._closed:
@@ -395,3 +395,4 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+

@@ -1,9 +1,11 @@
 """A prompt as token ids: sent as it is (raw), one user turn through the model's chat template,
-or a chat session's next turn (keeping the ids the model generated for earlier replies)."""
+or a chat session's next turn (keeping the ids the model generated for earlier replies). A whole
+chat turn, with template options, reasoning and tools, is turn.py's."""
 
 from __future__ import annotations
 
 from ..generate.sampling import GenerationError
+from .templates import render
 
 
 def encode_prompt(tok, prompt: str, *, system: str | None = None, raw: bool = False, session=None) -> list[int]:
@@ -14,20 +16,12 @@ def encode_prompt(tok, prompt: str, *, system: str | None = None, raw: bool = Fa
         bos = getattr(tok, "bos_token", None)
         return list(tok.encode(prompt, add_special_tokens=not (bos and prompt.startswith(bos))))
     if session is not None:
-        messages = session.render_messages(prompt, system)
-    else:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    if not getattr(tok, "chat_template", None):
-        return list(tok.encode("\n".join(msg["content"] for msg in messages)))
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    if session is not None:  # keep the ids the model generated for earlier replies
-        return session.encode_rendered(text, tok)
-    return list(tok.encode(text, add_special_tokens=False))
+        text = render(tok, session.render_messages(prompt, system), options=session.template_args, clock=session.clock)
+        return session.encode_rendered(text, tok)  # keep the ids the model generated for earlier replies
+    # (without a template the text is plain, and takes the tokenizer's special tokens)
+    return list(tok.encode(render_turn(tok, prompt, system=system), add_special_tokens=not getattr(tok, "chat_template", None)))
 
 
 def render_turn(tok, prompt: str, *, system: str | None = None) -> str:
     """One user turn through the chat template, up to where the assistant's reply begins (text)."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    if not getattr(tok, "chat_template", None):
-        return "\n".join(msg["content"] for msg in messages)
-    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return render(tok, ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}])
