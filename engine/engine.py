@@ -55,16 +55,17 @@ from .generate.score_groups import score_groups
 from .generate.generation import Generation, GenerationResult, Request, Services
 from .chat.sessions import Sessions
 from .chat.loops import LoopRecords
-from .chat.templates import read_template
 from .chat.turn import ChatOptions, run_turn
 from .generate.speculative.draft import load_with_draft, resolve_draft
 from .generate.speculative.proposers import check_lookup
+from .generate.grammars import OPTIONS as CONSTRAINT_OPTIONS, constraint_of, constraints_of
 from .named.states import Checkpoints, KVInspection, StateFinder
-from .host.system import make_private_dir
+from .host.safe_dirs import found as links_under, make_private_dir
 
 _UNSET = object()  # a keyword not given: the environment's value, else the default
 REMOTE_CLOSE_S = 5.0  # close() waits this long for remote publications, then says what was not published
-REQUEST_OPTIONS = frozenset(f.name for f in fields(Request)) - {"model", "tokens", "params"}  # besides sampling
+REQUEST_OPTIONS = frozenset({f.name for f in fields(Request)} - {"model", "tokens", "params", "constraint"}
+                            | set(CONSTRAINT_OPTIONS))  # besides sampling (a constraint: by its four keywords)
 
 
 class Engine:
@@ -168,11 +169,9 @@ class Engine:
         model's generations. chat_template: a template file or text used instead of the model's own (as
         mlx-lm's --chat-template). Then its most recently used SSD checkpoints start loading into RAM in the
         background (up to the prefetch budget); "prefetch" in the result says how many."""
-        template = read_template(chat_template) if chat_template is not None else None  # refused before loading
         loaded = load_with_draft(self.models, draft, path_or_id, name, kv_bits=kv_bits, kv_group_size=kv_group_size,
-                                 adapter_path=adapter_path, image_attention=image_attention, kv_start=kv_start)
-        if template is not None:
-            loaded.tokenizer.chat_template = template
+                                 adapter_path=adapter_path, image_attention=image_attention, kv_start=kv_start,
+                                 chat_template=chat_template)
         self.cache.register_namespace(loaded.namespace, loaded.identity)
         self.events.emit("model_loaded", name=name, path=str(loaded.path), namespace=loaded.namespace)
         if loaded.cache_notice:
@@ -196,41 +195,45 @@ class Engine:
                  on_progress: Callable[[str, int, int], None] | None = None, checkpoint_every: int | None = None,
                  images: Sequence | None = None, videos: Sequence | None = None, fps: float | None = None,
                  max_frames: int | None = None, audios: Sequence | None = None, draft: str | bool | None = None,
-                 num_draft_tokens: int | None = None, lookup: bool | None = None, template_args: dict | None = None,
-                 think: bool | None = None, tools: Sequence | None = None, tool_choice: str | None = None,
-                 max_steps: int | None = None, confirm: Callable | None = None, on_reasoning: Callable | None = None,
-                 on_step: Callable | None = None, params: SamplingParams | None = None, **sampling) -> GenerationResult:
+                 num_draft_tokens: int | None = None, lookup: bool | None = None, response_format=None, regex=None,
+                 choices=None, grammar=None, template_args: dict | None = None, think: bool | None = None,
+                 tools: Sequence | None = None, tool_choice: str | None = None, max_steps: int | None = None,
+                 confirm: Callable | None = None, on_reasoning: Callable | None = None, on_step: Callable | None = None,
+                 params: SamplingParams | None = None, **sampling) -> GenerationResult:
         """sampling: SamplingParams's options (max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop=(),
-        logprobs=None), or params=SamplingParams(...). images (paths, PIL images, (H, W, 3) arrays), videos (paths,
-        (T, C, H, W) arrays, sampled at fps, up to max_frames), audios (paths, 1-D waveforms) for a VLM come before
-        the text in the user turn (media/). draft: a loaded model proposing num_draft_tokens (default 4) per verify
-        forward (default: the model's own; False: none). lookup: drafts from the context (None: where they pay).
-        A chat turn (chat/turn.py): template_args (the template's keywords), think (its thinking switch); .reasoning
-        apart from .text (on_reasoning streams it); tools: functions the model may call (tool_choice "auto",
-        "required", "none"; up to max_steps steps; confirm(call) -> bool first), each step in .steps (on_step)."""
+        logprobs=None), or params=SamplingParams(...). images, videos (sampled at fps, up to max_frames), audios: for
+        a VLM, before the text of the user turn (media/). draft: a loaded model proposing num_draft_tokens (4) per
+        verify forward (default: the model's own; False: none); lookup: drafts from the context (None: where they
+        pay). response_format (Pydantic, JSON Schema), regex, choices or grammar (Lark, GBNF): the answer follows it,
+        `.parsed` holds it parsed (docs/constrained.md). A chat turn (chat/turn.py): template_args (the template's
+        keywords), think (its thinking switch); .reasoning apart from .text (on_reasoning streams it); tools:
+        functions the model may call (tool_choice "auto", "required", "none"; up to max_steps steps;
+        confirm(call) -> bool first), each step in .steps (on_step)."""
         self._check_open()
         self.poll(prepare=False)  # no buffers allocated for prefetches on the way to the first token
         params = SamplingParams.from_call(params, sampling)
         m = self.models.get(model)
         params.validate(m.config.get("vocab_size"))
-        chat = ChatOptions(template_args, think, tools, tool_choice, max_steps, confirm, on_reasoning, on_step).check()
-        run = dict(params=params, model=m.name, session=session, use_cache=use_cache, on_progress=on_progress,
-                   checkpoint_every=checkpoint_every, draft=draft, num_draft_tokens=num_draft_tokens, lookup=lookup)
-        if not (raw or m.vision):  # through the chat template, reasoning apart, tools called
+        constraint = constraint_of(m, response_format, regex, choices, grammar)  # refused before any work
+        chat = ChatOptions(template_args, think, tools, tool_choice, max_steps, confirm, on_reasoning, on_step).check(
+            constrained=constraint is not None)
+        if (images or videos or audios) and not m.vision:
+            raise GenerationError(f"model {m.name!r} is not a vision-language model: it takes no images, videos or audio")
+        run = dict(session=session, use_cache=use_cache, on_progress=on_progress, checkpoint_every=checkpoint_every,
+                   draft=draft, num_draft_tokens=num_draft_tokens, lookup=lookup)
+        if not (raw or m.vision):  # through the chat template, reasoning apart, tools called (a call's grammar)
+            step = lambda ids, shown, call: self._generate(m, ids, params, dict(run, on_text=shown, constraint=(  # noqa: E731
+                constraint_of(m, None, None, None, call) if call else constraint)))
             return run_turn(self.sessions, m, prompt, chat, system=system, session=session, on_text=on_text,
-                            records=self._loops.opener(m.namespace, params.as_dict()),
-                            generate=lambda ids, shown, grammar: self.generate_tokens(ids, on_text=shown, **run))
+                            records=self._loops.opener(m.namespace, params.as_dict()), generate=step)
         if chat.used:
             raise GenerationError("template options and tools go with a text model's chat template (not raw=True)")
         media = media_prompt(self, m, prompt, images, system=system, raw=raw, session=session, use_cache=use_cache,
                              videos=videos, fps=fps, max_frames=max_frames, audios=audios) if m.vision else None
-        if media is not None:  # the model's processor; cache keys carry each media item's identity
-            tokens = media.keys
-        elif images or videos or audios:
-            raise GenerationError(f"model {m.name!r} is not a vision-language model: it takes no images, videos or audio")
-        else:
-            tokens = self.encode_prompt(prompt, model=m.name, system=system, raw=raw, session=session)
-        result = self.generate_tokens(tokens, on_text=on_text, media=media, **run)
+        # (a media prompt's cache keys carry each item's identity)
+        tokens = media.keys if media is not None else self.encode_prompt(prompt, model=m.name, system=system, raw=raw,
+                                                                         session=session)
+        result = self._generate(m, tokens, params, dict(run, on_text=on_text, media=media, constraint=constraint))
         if session is not None:
             self.sessions.get(session).record_turn(prompt, result.text, tokens, result.tokens,
                                                    images=media.images if media else ())
@@ -240,11 +243,12 @@ class Engine:
                        system: str | None = None, raw: bool = False, use_cache: bool = True,
                        batch_size: int = DEFAULT_BATCH_SIZE, lookup: bool | None = None,
                        on_progress: Callable[[str, int, int], None] | None = None,
-                       on_row: Callable[[int, GenerationResult], None] | None = None,
-                       **sampling) -> list[GenerationResult]:
+                       on_row: Callable[[int, GenerationResult], None] | None = None, response_format=None,
+                       regex=None, choices=None, grammar=None, **sampling) -> list[GenerationResult]:
         """One GenerationResult per prompt (a string or token ids), in order: shared prefixes prefilled
         once, rows decoded together (generate/batch/run.py). sampling: SamplingParams's options, for every row; row i
-        samples with seed + i (or seed[i] from a list).
+        samples with seed + i (or seed[i] from a list). response_format, regex, choices, grammar as `generate`
+        takes them, for every row, or a list with one per row (None: that row free).
         on_progress(phase, done, total): "restore"/"prefill" in tokens, "decode" in tokens generated;
         on_row(index, result) as each row finishes."""
         self._check_open()
@@ -253,10 +257,11 @@ class Engine:
         vocab = m.config.get("vocab_size")
         rows = row_tokens(prompts, lambda p: self.encode_prompt(p, model=m.name, system=system, raw=raw), vocab)
         params = [SamplingParams.of(**sampling, seed=s).validate(vocab) for s in batch_seeds(seed, len(rows))]
+        constraints = constraints_of(m, len(rows), response_format, regex, choices, grammar)
         if not rows:
             return []
         results = BatchRun(self._services, m, rows, params, use_cache=use_cache, batch_size=batch_size,
-                           lookup=check_lookup(lookup),
+                           lookup=check_lookup(lookup), constraints=constraints,
                            on_progress=on_progress, on_row=on_row).run()
         self.last_result = results[-1]
         return results
@@ -287,27 +292,23 @@ class Engine:
                         params: SamplingParams | None = None, **options) -> GenerationResult:
         """Generate from prompt token ids: resume or cache lookup, prefill, decode, publish (generate/generation.py).
 
-        options: the sampling options of `generate` (or params=SamplingParams(...)), and session,
-        use_cache, on_text, on_progress, checkpoint_every, draft, num_draft_tokens, lookup (see `generate`).
-        """
+        options: the sampling options of `generate` (or params=SamplingParams(...)), and session, use_cache, on_text,
+        on_progress, checkpoint_every, draft, num_draft_tokens, lookup, response_format, regex, choices, grammar."""
         self._check_open()
         m = self.models.get(model)
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise GenerationError("empty prompt: no tokens to generate from")
         params = SamplingParams.from_call(params, options, REQUEST_OPTIONS).validate(m.config.get("vocab_size"))
-        check_lookup(options.get("lookup"))
+        options["constraint"] = constraint_of(m, *(options.pop(k, None) for k in CONSTRAINT_OPTIONS))
+        return self._generate(m, tokens, params, options)
+
+    def _generate(self, m, tokens: list, params: SamplingParams, options: dict) -> GenerationResult:
+        """One generation of `m` from prompt tokens; options: a Request's fields (the constraint compiled)."""
         options["draft"], options["num_draft_tokens"] = resolve_draft(self.models, m, options.get("draft"),
                                                                       options.pop("num_draft_tokens", None))
-        req = Request(m, tokens, params, **options)
+        req = Request(m, tokens, params, **options).check(self.cache.has_ssd)
         req.use_cache = req.use_cache and m.cache_notice is None  # an unknown cache class: uncached, never wrong
-        every = req.checkpoint_every
-        if every is not None and (not isinstance(every, int) or every < 1):
-            raise GenerationError(f"checkpoint_every must be an integer >= 1, got {every!r}")
-        if every is not None and params.logprobs is not None:
-            raise GenerationError("logprobs are not kept by in-flight checkpoints: use checkpoint_every or logprobs")
-        if every is not None and not self.cache.has_ssd:
-            raise GenerationError("checkpoint_every needs the SSD tier (the engine was started with ssd=False)")
         self.last_result = Generation(self._services, req).run()
         self.cache.loading.prepare_reads()  # prefetching goes on after the generation (it yielded meanwhile)
         stats = self.last_result.stats
@@ -335,8 +336,9 @@ class Engine:
         """Plain numbers; never touches MLX arrays."""
         return {"blas": blas.active_blas(), "models": self.models.names(), "default_model": self.models.default,
                 "sessions": len(self.sessions.list()), "cache_dir": str(self.cache_dir),
-                "ssd_disabled_reason": self._ssd_disabled_reason, **self.metrics.as_stats(), **self.memory.stats(),
-                **self.cache.stats(), **self.objects.stats(), **self.vision_counters}
+                "ssd_disabled_reason": self._ssd_disabled_reason, "cache_links": links_under(self.cache_dir),
+                **self.metrics.as_stats(), **self.memory.stats(), **self.cache.stats(), **self.objects.stats(),
+                **self.vision_counters}
 
     def close(self) -> dict | None:
         if self._closed:

@@ -10,6 +10,7 @@ Internal signals stay beside the code that raises and catches them: `kv.cascade.
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 
@@ -31,6 +32,11 @@ class VisionUnavailable(ImportError):
 
 class GenerationError(ValueError):
     """Bad generation input, with a message naming the problem."""
+
+
+class ConstraintError(GenerationError):
+    """A constraint (JSON Schema, Pydantic model, regex, choices, grammar) that cannot be compiled, or a
+    model whose tokenizer the grammar library cannot read; the message names the part refused."""
 
 
 class SessionError(ValueError):
@@ -101,6 +107,18 @@ class CorruptBlock(Exception):
 class UnsupportedFilesystem(OSError):
     """The directory is not on a filesystem known to be local (system.LOCAL_FILESYSTEMS) and the
     user did not name its type: SQLite's WAL needs a local disk."""
+
+
+class LinkedDirectory(OSError):
+    """A directory inside the cache directory is a symbolic link (or not a directory): the cache
+    runs without it and touches nothing in it or behind it (host/safe_dirs.py)."""
+
+    def __init__(self, path: str, why: str):
+        super().__init__(errno.ELOOP, why, path)
+        self.path, self.why = path, why
+
+    def __str__(self) -> str:
+        return f"{self.path} is {self.why}: the cache does not use it and touches nothing behind it"
 
 
 class CheckpointUnavailable(Exception):

@@ -26,6 +26,8 @@ SCHEMA = {
     "sessions": "open chat sessions",
     "cache_dir": "the cache directory",
     "ssd_disabled_reason": "why the SSD tier is off though it was asked for (None: it is on, or was not asked for)",
+    "cache_links": "directories inside the cache directory found to be symbolic links (or not directories), each "
+                   "with what it is: not used, nothing behind them touched (the cache runs without them)",
     "engine_generations": "generations run",
     "engine_prompt_tokens": "prompt tokens over all generations",
     "engine_cached_tokens": "prompt tokens served from the cache (RAM or SSD)",

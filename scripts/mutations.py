@@ -56,6 +56,16 @@ MUTATIONS = [
      "old": "        store.catalog.later(retry)",
      "new": "        raise",
      "tests": ["tests/engine/cache/test_fencing.py"]},
+    {"name": "directories inside the cache opened through symbolic links",
+     "file": "engine/host/safe_dirs.py",
+     "old": "NOFOLLOW = os.O_NOFOLLOW | os.O_DIRECTORY",
+     "new": "NOFOLLOW = os.O_DIRECTORY",
+     "tests": ["tests/engine/cache/test_links.py"]},
+    {"name": "a sweep that unlinks by path, not in the directory it listed",
+     "file": "engine/cache/ssd/upkeep.py",
+     "old": "                    d.unlink(name)\n",
+     "new": "                    os.unlink(d.path / name)\n",
+     "tests": ["tests/engine/cache/test_links.py"]},
 ]
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..cache.objects.naming import is_object_namespace
 from ..kv.tokens import token_key
-from ..host.system import make_private_dir, unlink_quietly, write_json_atomic
+from ..host import safe_dirs
 
 DIRNAME = "processes"
 MIN_INTERVAL_S = 1.0
@@ -89,8 +89,8 @@ class ProcessReport:
         if body == self._last_body:
             return False
         try:
-            make_private_dir(self.path.parent)
-            write_json_atomic(self.path, {**report, "time": time.time()}, durable=False)
+            safe_dirs.make_private_dir(self.path.parent, self.engine.cache_dir)
+            safe_dirs.write_json_atomic(self.path, {**report, "time": time.time()}, durable=False, root=self.engine.cache_dir)
         except OSError:
             return False
         if self._last_body is None:
@@ -102,17 +102,17 @@ class ProcessReport:
         """At our first report: those of processes no longer on the directory go (a killed
         kernel's report outlives it until then), unless young (a peer just starting)."""
         live = {p["owner"] for p in self.engine.cache.catalog.processes()}
-        for owner in set(read_reports(self.path.parent.parent)) - live - {self.owner}:
-            path = self.path.parent / f"{owner}.json"
-            try:
-                if time.time() - os.stat(path).st_mtime > KEEP_DEAD_S:
-                    os.unlink(path)
-            except OSError:
-                pass
+        try:
+            with safe_dirs.Dir(self.path.parent, self.engine.cache_dir) as d:  # (never through a link)
+                for owner in set(read_reports(self.engine.cache_dir)) - live - {self.owner}:
+                    if time.time() - d.lstat(f"{owner}.json").st_mtime > KEEP_DEAD_S:
+                        d.unlink(f"{owner}.json")
+        except OSError:
+            pass
 
     def remove(self) -> None:
         if self.path is not None:
-            unlink_quietly(self.path)
+            safe_dirs.unlink(self.path, self.engine.cache_dir)
 
 
 def read_reports(cache_dir: Path, max_bytes: int = 4 << 20) -> dict[str, dict]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import blake3
 
 from ..generate.generation import GenerationResult
-from ..host.system import make_private_dir, unlink_quietly, write_json_atomic
+from ..host import safe_dirs
 from .tools import ToolCall
 
 
@@ -30,8 +30,8 @@ class Replay:
 
 
 class LoopRecord:
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, root: Path):
+        self.path, self.root = path, root  # root: the cache directory (nothing written through a link)
         try:
             self.steps = json.loads(path.read_text())["steps"]
         except (OSError, ValueError, KeyError, TypeError):
@@ -55,17 +55,25 @@ class LoopRecord:
             "stats": {k: v for k, v in result.stats.items() if isinstance(v, (int, float, str, bool, type(None)))},
             "calls": [{"name": c.name, "arguments": c.arguments, "id": c.id, "result": _json(c.result),
                        "error": c.error} for c in calls]})
-        write_json_atomic(self.path, {"steps": self.steps})
+        try:
+            safe_dirs.write_json_atomic(self.path, {"steps": self.steps}, root=self.root)
+        except OSError:  # a full disk, a link: the loop goes on unrecorded (a rerun runs its tools again)
+            pass
 
     def finish(self) -> None:
-        unlink_quietly(self.path)
+        safe_dirs.unlink(self.path, self.root)
 
 
 class LoopRecords:
-    """The records under `directory` (None: no SSD tier, no records)."""
+    """The records under `directory`, inside the cache directory (None: no SSD tier, no records)."""
 
     def __init__(self, directory: Path | None):
-        self.directory = directory
+        self.directory = None
+        if directory is not None:
+            try:
+                self.directory = safe_dirs.make_private_dir(directory, Path(directory).parent)
+            except OSError:  # (a link: reported by safe_dirs; no records then)
+                pass
 
     def opener(self, namespace: str, params: dict):
         """records(ids, schemas, choice, max_steps) for a turn (chat/turn.py), or None."""
@@ -75,8 +83,8 @@ class LoopRecords:
         def open_record(ids: list, schemas: list, choice: str, max_steps: int) -> LoopRecord:
             key = json.dumps([namespace, [int(t) for t in ids], params, schemas, choice, max_steps], sort_keys=True,
                              default=str)
-            make_private_dir(self.directory)
-            return LoopRecord(self.directory / f"{blake3.blake3(key.encode()).hexdigest()[:32]}.json")
+            name = f"{blake3.blake3(key.encode()).hexdigest()[:32]}.json"
+            return LoopRecord(self.directory / name, self.directory.parent)
 
         return open_record
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from ..errors import GenerationError
+from ..errors import GenerationError, ModelError
 
 THINK_KEYWORDS = ("enable_thinking", "thinking")  # the templates' on/off switches, first found wins
 
@@ -29,7 +29,7 @@ def read_template(path_or_text) -> str:
         return text
     path = Path(text).expanduser()
     if not path.is_file():
-        raise GenerationError(f"chat_template: {text!r} is neither a file nor a Jinja template")
+        raise ModelError(f"chat_template: {text!r} is neither a file nor a Jinja template")
     body = path.read_text()
     if path.suffix == ".json":
         import json
@@ -38,7 +38,7 @@ def read_template(path_or_text) -> str:
         if isinstance(body, list):  # [{"name": "default", "template": ...}, ...]
             body = next((t["template"] for t in body if t.get("name") == "default"), body[0]["template"])
         if not isinstance(body, str):
-            raise GenerationError(f"chat_template: {path} has no chat_template")
+            raise ModelError(f"chat_template: {path} has no chat_template")
     return body
 
 

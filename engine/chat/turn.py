@@ -73,7 +73,7 @@ class ChatOptions:
     def used(self) -> bool:
         return self.template_args is not None or self.think is not None or self.tools is not None
 
-    def check(self) -> "ChatOptions":
+    def check(self, constrained: bool = False) -> "ChatOptions":
         if self.tools is not None:
             self.toolbox = Toolbox(self.tools)
         if self.tool_choice is not None and self.tool_choice not in CHOICES:
@@ -81,8 +81,9 @@ class ChatOptions:
         if self.toolbox is None and (self.tool_choice not in (None, "none") or self.max_steps is not None
                                      or self.confirm is not None):
             raise ToolError("tool_choice, max_steps and confirm go with tools=[...]")
-        if self.tool_choice == "required":
-            raise ToolError("tool_choice='required' needs constrained generation, which this build lacks")
+        if constrained and self.toolbox is not None and self.tool_choice != "none":
+            raise ToolError("a constrained answer (response_format, regex, choices, grammar) goes with tools only "
+                            "under tool_choice='none' (a step that may call a tool follows the call's format)")
         if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 0):
             raise ToolError(f"max_steps must be an integer >= 0, got {self.max_steps!r}")
         return self

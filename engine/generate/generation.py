@@ -23,7 +23,10 @@ import mlx.core as mx
 from ..cache.tiered import TieredPromptCache
 from .prefill import prefill
 from .text import TextStream
+from .constrain import Constraint
+from .grammars import Compiled
 from .loop import DecodeResult, OneRow, Row, run as run_rows
+from ..errors import GenerationError
 from ..events import EventBus
 from .resume import InflightRecords, request_id
 from ..kv.caches import always_cuttable
@@ -34,7 +37,7 @@ from ..metrics import AccessTrace, GenerationMetrics, generation_stats
 from ..models.registry import LoadedModel
 from .sampling import SamplingParams
 from .speculative.draft import DraftCounts, Drafter
-from .speculative.proposers import Choice, choose_proposers
+from .speculative.proposers import Choice, check_lookup, choose_proposers
 
 ONE_PASS_TOKENS = 64  # a rest of the prompt up to this long is forwarded with the first decode step
 
@@ -60,6 +63,7 @@ class GenerationResult:
     stats: dict
     prompt_tokens: list = field(default_factory=list, repr=False)
     logprobs: list | None = field(default=None, repr=False)  # TokenLogprob per token, with logprobs=K
+    parsed: Any = None  # under a constraint: the answer parsed (a Pydantic object, a dict, the text), None if incomplete
     reasoning: str = ""  # a chat reply's reasoning (thinking), apart from its answer in .text (chat/turn.py)
     steps: list = field(default_factory=list, repr=False)  # an agent loop's tool steps before the answer
 
@@ -81,10 +85,23 @@ class Request:
     draft: LoadedModel | None = None  # speculative decoding with this draft model (speculative/draft.py)
     num_draft_tokens: int = 0
     lookup: bool | None = None  # drafts from the context (speculative/lookup.py): None where they pay
+    constraint: Compiled | None = None  # the grammar the answer follows (grammars.py, constrain.py)
 
     @property
     def ns(self) -> str:
         return self.model.namespace
+
+    def check(self, has_ssd: bool) -> "Request":
+        """Options that cannot be used (together), refused before any work."""
+        check_lookup(self.lookup)
+        every = self.checkpoint_every
+        if every is not None and (not isinstance(every, int) or every < 1):
+            raise GenerationError(f"checkpoint_every must be an integer >= 1, got {every!r}")
+        if every is not None and self.params.logprobs is not None:
+            raise GenerationError("logprobs are not kept by in-flight checkpoints: use checkpoint_every or logprobs")
+        if every is not None and not has_ssd:
+            raise GenerationError("checkpoint_every needs the SSD tier (the engine was started with ssd=False)")
+        return self
 
 
 class TextPrompt:
@@ -113,7 +130,10 @@ class Generation:
         self.services, self.req = services, req
         self.cache = services.cache
         self.prompt = req.media if req.media is not None else TextPrompt(req.model, req.tokens)
-        self.rid = request_id(req.ns, req.tokens, req.params.as_dict())
+        identity = req.params.as_dict()
+        if req.constraint is not None:  # a run under another grammar (or none) is another request
+            identity["constraint"] = req.constraint.spec.key
+        self.rid = request_id(req.ns, req.tokens, identity)
         self.emitted: list[int] = []  # tokens a resumed run had already emitted
         self.decoded = DecodeResult()  # what this run decodes (after `emitted`)
         self.decode_ran = False  # a resumed run whose record already held every token decodes nothing
@@ -123,6 +143,7 @@ class Generation:
         self.converts_in_decode = False  # (set by run)
         self.drafter: Drafter | None = None  # with a draft that can roll back exactly
         self.proposers = Choice()  # where drafts came from (set when decoding starts)
+        self.constraint: Constraint | None = None  # the row's grammar state (set when decoding starts)
         self.loop_t0 = 0.0  # when the token loop started (a short rest of the prompt goes in its first forward)
 
     def run(self) -> GenerationResult:
@@ -199,9 +220,11 @@ class Generation:
             counts = self.drafter.counts if self.drafter else DraftCounts()
             stats.update(counts.stats(req.draft.name, req.num_draft_tokens, self.proposers.draft_fallback))
         stats.update(self.proposers.lookup_stats(req.lookup))
+        parsed = self.constrained(stats)
         self.services.metrics.record(req.ns, stats)
         logprobs = self.decoded.logprobs if req.params.logprobs is not None else None
-        return GenerationResult(self.stream.text, self.emitted + self.decoded.tokens, stats, list(req.tokens), logprobs)
+        return GenerationResult(self.stream.text, self.emitted + self.decoded.tokens, stats, list(req.tokens), logprobs,
+                                parsed)
 
     # --- steps ---
 
@@ -224,6 +247,9 @@ class Generation:
         req, emitted = self.req, self.emitted
         for token in emitted:  # a resumed generation shows what it had already said
             self._show(self.stream.add(token))
+        if req.constraint is not None:  # the grammar's state is the tokens it accepted: replayed after a resume
+            self.constraint = Constraint(req.constraint)
+            self.constraint.accept(emitted)
         every = req.checkpoint_every
         seen = list(emitted)  # every emitted token so far, resumed ones included
 
@@ -259,11 +285,19 @@ class Generation:
         self.drafter = self.proposers.drafter
         row = Row(req.params, pending, eos_ids=req.model.eos_token_ids, first_step=len(emitted),
                   context=req.tokens + emitted, proposer=self.proposers.proposer, on_token=on_token,
-                  sync_at=boundary_due, into=self.decoded)
+                  sync_at=boundary_due, into=self.decoded, constraint=self.constraint)
         self.times = row.times
         self.loop_t0 = time.perf_counter()
         run_rows([row], OneRow(self.prompt.forward, caches))
         self._show(self.stream.finish())
+
+    def constrained(self, stats: dict):
+        """The parsed answer under a constraint (None without one, or when incomplete); its stats added."""
+        if self.constraint is None:
+            return None
+        parsed, note = self.constraint.outcome(self.stream.text, self.decoded.finish_reason)
+        stats.update(self.constraint.stats(note))
+        return parsed
 
     def _publish_draft(self) -> None:
         """The draft's state over the tokens decided (also after an interrupt); never masks an error."""

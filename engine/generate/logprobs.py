@@ -4,6 +4,7 @@ with the K most likely alternatives."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -44,4 +45,6 @@ def read(tokens: list[int], picked: tuple) -> list[TokenLogprob]:
     chosen = chosen.tolist()
     if ids is None:
         return [TokenLogprob(t, lp) for t, lp in zip(tokens, chosen)]
-    return [TokenLogprob(t, lp, list(zip(i, v))) for t, lp, i, v in zip(tokens, chosen, ids.tolist(), vals.tolist())]
+    # (a constraint's forbidden tokens, at -inf, are no alternatives)
+    return [TokenLogprob(t, lp, [(a, b) for a, b in zip(i, v) if b > -math.inf])
+            for t, lp, i, v in zip(tokens, chosen, ids.tolist(), vals.tolist())]

@@ -1,8 +1,8 @@
 """The token loop: every way of generating advances its rows here.
 
 A `Row` is one sequence: the tokens its caches do not hold yet (`pending`), how its next tokens
-are chosen (its sampler's (seed, step) state, a `proposer` of drafts, forced tokens for scoring)
-and when it stops (end tokens, `max_tokens`, its `on_token` callback). A `Forward` holds the
+are chosen (its sampler's (seed, step) state, a `proposer` of drafts, a `constraint` masking what a
+grammar forbids (constrain.py), forced tokens for scoring) and when it stops (end tokens, `max_tokens`, its `on_token` callback). A `Forward` holds the
 caches of the rows that advance together: one row's own caches (`OneRow`), rows over shared
 prefixes (batch/shared.py), rows merged in mlx-lm's batch caches (batch/merged.py).
 
@@ -10,9 +10,12 @@ Each step the rows propose drafts (most propose none), the forward runs every ro
 tokens and drafts at once, each position is sampled with its step's sampler, and a row keeps its
 samples up to the first that differs from its draft: the draft only decides how many samples one
 forward yields, never which, so output is what plain decoding gives. Rejected positions are cut
-back (`Forward.keep`). A row that proposes nothing, alone in its forward, is pipelined as mlx-lm
-does: step i+1 is queued before token i is read (not for the first token: on a CPU queueing a
-step costs most of a step, and the first token would pay it).
+back (`Forward.keep`). Under a constraint each position is masked before it is sampled (after
+the drafts before it) and a draft the grammar forbids is never forwarded. A row that proposes
+nothing, alone in its forward, is pipelined as mlx-lm does: step i+1 is queued before token i is
+read (not for the first token: on a CPU queueing a step costs most of a step, and the first token
+would pay it); under a constraint its forward is queued, and its token sampled once token i is
+accepted (the mask depends on it).
 
 Forced rows (scoring) feed given tokens and keep them all; each position's log-probability and
 whether it was the argmax are read, in column chunks.
@@ -22,13 +25,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import mlx.core as mx
 
 from .logprobs import TokenLogprob, log_softmax, pick, read
 from .rewind import Rewind
 from .sampling import SamplingParams, sample
+
+if TYPE_CHECKING:
+    from .constrain import Constraint
 
 
 @dataclass
@@ -48,8 +54,10 @@ class Proposer(Protocol):
         """Whether it may propose at this step; decided before the step's token is known (the loop
         decodes plainly, pipelined, at steps where it does not)."""
 
-    def propose(self, context: Sequence[int], limit: int, params: SamplingParams, step: int) -> list[int]:
-        """Up to `limit` tokens likely to follow `context` (every token decided so far)."""
+    def propose(self, context: Sequence[int], limit: int, params: SamplingParams, step: int,
+                constraint: "Constraint | None" = None) -> list[int]:
+        """Up to `limit` tokens likely to follow `context` (every token decided so far), under the row's
+        constraint if it can (its state is the row's: a proposer that advances it rolls it back)."""
 
     def judged(self, proposed: int, accepted: int) -> None:
         """How many of the last proposals were compared with the target's samples, and kept."""
@@ -86,8 +94,9 @@ class Row:
     def __init__(self, params: SamplingParams, pending: Sequence[int], *, eos_ids: set, first_step: int = 0,
                  context: Sequence[int] = (), proposer: Proposer | None = None,
                  on_token: Callable[[int, int], bool] | None = None, sync_at: Callable[[int], bool] | None = None,
-                 into: DecodeResult | None = None, forced: Sequence[int] | None = None):
-        self.params, self.eos_ids, self.proposer = params, eos_ids, proposer
+                 into: DecodeResult | None = None, forced: Sequence[int] | None = None,
+                 constraint: "Constraint | None" = None):
+        self.params, self.eos_ids, self.proposer, self.constraint = params, eos_ids, proposer, constraint
         self.pending = list(pending)  # tokens the caches do not hold yet
         self.context = list(context)  # every token decided (the prompt, emitted ones, pending ones)
         self.step = first_step  # the sampler step of the next token
@@ -109,12 +118,20 @@ class Row:
     def drafts(self) -> list:
         if not self.wants():
             return []
-        return list(self.proposer.propose(self.context, self.left - 1, self.params, self.step))[: self.left - 1]
+        proposals = self.proposer.propose(self.context, self.left - 1, self.params, self.step, self.constraint)
+        return list(proposals)[: self.left - 1]
 
-    def sample(self, logits: mx.array, n: int, step: int) -> tuple:
+    def allowed(self, proposals: list) -> list:
+        """The proposals to forward: up to the first one its constraint forbids."""
+        return proposals if self.constraint is None or not proposals else self.constraint.allowed(proposals)
+
+    def sample(self, logits: mx.array, n: int, step: int, drafts: Sequence[int] = ()) -> tuple:
         """Lazy (token per position, picked log-probabilities) of the last n of `logits` (L, vocab),
-        the first drawn with the sampler of `step`."""
+        the first drawn with the sampler of `step`; under a constraint position i is masked after the
+        first i drafts."""
         logits = logits[-n:]
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits, drafts[: n - 1])
         ys = mx.concatenate([sample(logits[i : i + 1], self.params, step + i) for i in range(n)])
         picked = pick(log_softmax(logits), ys, self.params.logprobs) if self.params.logprobs is not None else None
         return ys, picked
@@ -134,6 +151,8 @@ class Row:
             kept += 1
             if token in self.eos_ids:  # an end token: not shown
                 return self._finish("eos", kept)
+            if self.constraint is not None:
+                self.constraint.accept([token])
             if self.on_token is not None and self.on_token(token, self.step + i):
                 return self._finish("stop", kept)
             if self.left <= 0:
@@ -195,10 +214,11 @@ def _verify(active: list, forward: Forward) -> None:
     """One step of every row: its pending tokens and drafts forwarded at once, samples kept up to the
     first that differs from its draft, rejected positions cut back."""
     t0 = time.perf_counter()
-    drafts = [r.drafts() for r in active]
+    proposals = [r.drafts() for r in active]
+    drafts = [r.allowed(p) for r, p in zip(active, proposals)]  # (a forbidden one is judged, not forwarded)
     feeds = [r.pending + d for r, d in zip(active, drafts)]
     logits = forward(feeds, [len(d) for d in drafts])
-    chosen = [r.sample(logits[b], len(d) + 1, r.step) for b, (r, d) in enumerate(zip(active, drafts))]
+    chosen = [r.sample(logits[b], len(d) + 1, r.step, d) for b, (r, d) in enumerate(zip(active, drafts))]
     mx.eval([a for c in chosen for a in _arrays(c)])
     now, steps = time.perf_counter(), []
     for pos, (row, d, (ys, picked)) in enumerate(zip(active, drafts, chosen)):
@@ -206,13 +226,13 @@ def _verify(active: list, forward: Forward) -> None:
         agreed = 0
         while agreed < len(d) and d[agreed] == samples[agreed]:
             agreed += 1
-        emit, judged = samples[: agreed + 1], len(d)
+        emit, judged = samples[: agreed + 1], len(proposals[pos])
         for i, token in enumerate(emit):  # a round ends at an end token or where a boundary is captured
             if token in row.eos_ids or row.boundary(row.step + i):
                 if i < agreed:  # the proposals after it were never judged
                     emit, judged = emit[: i + 1], i
                 break
-        if d:
+        if proposals[pos]:
             row.proposer.judged(judged, len(emit) - 1)
         before, fed, timed = len(row.out.tokens), len(feeds[pos]), len(row.pending) == 1
         forward.keep(pos, len(row.pending) + len(emit) - 1, fed)  # cut back before on_token sees a token
@@ -248,8 +268,7 @@ def _pipelined(row: Row, forward: Forward) -> None:
         proposes = row.proposer is not None and row.proposer.wants(step + 1)  # then the next step is verified
         ahead = None
         if row.out.tokens and row.left > 1 and not row.boundary(step) and not proposes:
-            ahead = row.sample(forward(y[:, None])[0], 1, step + 1)
-            mx.async_eval(_arrays(ahead))
+            ahead = _queue(row, forward(y[:, None])[0], step + 1)
             row.out.forwarded += 1
         token = y.item()
         row.context.append(token)
@@ -263,11 +282,28 @@ def _pipelined(row: Row, forward: Forward) -> None:
             row.step = step + 1
             return
         if ahead is None:
-            ahead = row.sample(forward(y[:, None])[0], 1, step + 1)
-            mx.async_eval(_arrays(ahead))
+            ahead = _queue(row, forward(y[:, None])[0], step + 1)
             row.out.forwarded += 1
-        chosen, step, t, timed = ahead, step + 1, now, True
+        chosen, step, t, timed = _sampled(row, ahead, step + 1), step + 1, now, True
         row.step, row.pending = step, []
+
+
+def _queue(row: Row, logits: mx.array, step: int):
+    """Step `step` queued: its token sampled at once, or under a constraint (whose mask needs the
+    token before it) the logits alone, sampled by `_sampled` once that token is accepted."""
+    if row.constraint is None:
+        chosen = row.sample(logits, 1, step)
+        mx.async_eval(_arrays(chosen))
+        return chosen
+    mx.async_eval(logits)
+    return logits
+
+
+def _sampled(row: Row, ahead, step: int) -> tuple:
+    if isinstance(ahead, mx.array):
+        ahead = row.sample(ahead, 1, step)
+        mx.async_eval(_arrays(ahead))
+    return ahead
 
 
 def _forced(active: list, forward: Forward, chunk: int) -> None:

@@ -21,6 +21,7 @@ from typing import Sequence
 
 from ..cache.catalog.tables import Catalog
 from ..cache.catalog.database import CatalogBusy
+from ..host import safe_dirs
 
 
 def request_id(namespace: str, tokens: Sequence[int], params: dict) -> str:
@@ -33,20 +34,26 @@ class InflightRecords:
         self.catalog = catalog
         self._lock = threading.Lock()
         self._finished: set[str] = set()  # requests whose late writes must not re-create a record
-        if catalog is not None and legacy_dir is not None and legacy_dir.is_dir():
-            self._migrate(legacy_dir)
+        if catalog is not None and legacy_dir is not None:
+            self._migrate(Path(legacy_dir))
 
     def _migrate(self, legacy_dir: Path) -> None:
-        """Records of builds that kept them as JSON files move into the catalogue."""
-        for p in legacy_dir.glob("*.json"):
-            try:
-                record = json.loads(p.read_text())
-                self.catalog.inflight_put(record["request"], record)
-            except CatalogBusy:
-                return  # the rest next time
-            except (OSError, ValueError, KeyError, TypeError):
-                pass
-            p.unlink(missing_ok=True)
+        """Records of builds that kept them as JSON files move into the catalogue (the directory
+        opened from its parent, never through a link: host/safe_dirs.py)."""
+        try:
+            d = safe_dirs.Dir(legacy_dir, legacy_dir.parent)
+        except OSError:  # none (the usual case), or a link (reported)
+            return
+        with d:
+            for name in sorted(n for n in d.names() if n.endswith(".json") and not n.startswith(".")):
+                try:
+                    record = json.loads((legacy_dir / name).read_text())
+                    self.catalog.inflight_put(record["request"], record)
+                except CatalogBusy:
+                    return  # the rest next time
+                except (OSError, ValueError, KeyError, TypeError):
+                    pass
+                d.unlink(name)
 
     def load(self, rid: str) -> dict | None:
         record = self.catalog.inflight_get(rid) if self.catalog is not None else None

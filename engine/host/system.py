@@ -1,14 +1,11 @@
-"""What the engine needs from the machine: private directories, atomic JSON
-files, durable fsyncs, the filesystem a directory is on, physical memory.
-Cache files hold people's prompts, so every directory is 0700 and every
-file 0600."""
+"""What the engine needs from the machine: durable fsyncs, the filesystem a directory is
+on, physical memory, process tags. Directories and files inside the cache (0700 and 0600:
+they hold people's prompts) are safe_dirs.py's."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import threading
 from pathlib import Path
 
 import psutil
@@ -51,51 +48,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_new_tag)
 
 
-def make_private_dir(path) -> Path:
-    """Create (or tighten) a directory readable by its owner only.
-
-    Another user's directory is refused (PermissionError), even where we
-    could write to it: its owner could read the prompts we would put there.
-    A directory created here is made durable in its parent.
-    """
-    path = Path(path).expanduser()
-    created = []
-    p = path
-    while not p.exists() and p != p.parent:
-        created.append(p)
-        p = p.parent
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
-    owner = os.stat(path).st_uid
-    if hasattr(os, "geteuid") and owner != os.geteuid():
-        raise PermissionError(f"{path} belongs to another user (uid {owner})")
-    os.chmod(path, 0o700)
-    for d in reversed(created):
-        fsync_dir(d.parent)
-    return path
-
-
-def write_json_atomic(path, obj, *, durable: bool = True) -> None:
-    """Replace `path` with `obj` as JSON (0600): a temp file, fsync, rename.
-
-    A reader sees the old record or the new one, never half of one.
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f)
-            if durable:
-                f.flush()
-                fsync_file(f.fileno())
-        os.replace(tmp, path)
-        if durable:
-            fsync_dir(path.parent)
-    except BaseException:
-        unlink_quietly(tmp)
-        raise
-
-
 def fsync_file(fd: int) -> None:
     """Make a file's data durable (on macOS through the drive's cache: F_FULLFSYNC)."""
     if _FULLFSYNC is not None:
@@ -115,14 +67,6 @@ def fsync_dir(path, point: str = "dir.fsync") -> None:
         fsync_file(fd)
     finally:
         os.close(fd)
-
-
-def unlink_quietly(path) -> None:
-    """Remove a file that may already be gone (a temp file after a failed write)."""
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def mount_of(path, partitions=None):

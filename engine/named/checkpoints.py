@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from .names import check_user_name
-from ..host.system import make_private_dir, write_json_atomic
-from ..errors import CheckpointNameError  # noqa: F401 (raised here; defined in errors.py)
+from ..host import safe_dirs
+from ..errors import CheckpointNameError, LinkedDirectory  # noqa: F401 (raised here; defined in errors.py)
 
 
 
@@ -25,10 +25,17 @@ def check_name(name: str) -> str:
 
 
 class NamedCheckpoints:
-    """Records in `directory`; None when the cache directory cannot be written (no names then)."""
+    """Records in `directory`; None when the cache directory cannot be written (no names then).
+    The directory is opened from its parent without following links: one that is a link is
+    reported (host/safe_dirs.py) and names are off, nothing behind it touched."""
 
     def __init__(self, directory: Path | None):
-        self.dir = make_private_dir(directory) if directory is not None else None
+        self.dir = None
+        if directory is not None:
+            try:
+                self.dir = safe_dirs.make_private_dir(directory, Path(directory).parent)
+            except LinkedDirectory:
+                pass
 
     @classmethod
     def reading(cls, directory: Path) -> "NamedCheckpoints":
@@ -44,7 +51,7 @@ class NamedCheckpoints:
 
     def save(self, name: str, record: dict) -> dict:
         record = {**record, "name": name, "saved": time.time()}
-        write_json_atomic(self._path(name), record)
+        safe_dirs.write_json_atomic(self._path(name), record, root=self.dir.parent)
         return record
 
     def get(self, name: str) -> dict:
@@ -60,14 +67,19 @@ class NamedCheckpoints:
 
     def remove(self, name: str) -> dict:
         record = self.get(name)
-        self._path(name).unlink()
+        if not safe_dirs.unlink(self._path(name), self.dir.parent):
+            raise CheckpointNameError(f"checkpoint record {name!r} could not be removed (see %cache stats)")
         return record
 
     def list(self) -> list[dict]:
         out = []
-        for path in sorted(self.dir.glob("*.json")) if self.dir is not None else ():
+        try:
+            names = sorted(safe_dirs.listdir(self.dir, self.dir.parent)) if self.dir is not None else []
+        except OSError:  # (a link now: reported)
+            names = []
+        for name in (n for n in names if n.endswith(".json") and not n.startswith(".")):
             try:
-                out.append(json.loads(path.read_text()))
+                out.append(json.loads((self.dir / name).read_text()))
             except (OSError, ValueError):
                 continue  # a damaged record is skipped, not fatal
         return out

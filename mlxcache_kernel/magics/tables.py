@@ -113,7 +113,8 @@ def kv_row(r: dict) -> dict:
 # %cache stats: every key of Engine.stats() in one group, by its prefix (the first match; "engine" takes
 # the rest). Order: what a reader looks for first.
 STAT_GROUPS = (
-    ("engine", ("blas", "models", "default_model", "sessions", "cache_dir", "ssd_disabled_reason", "engine_")),
+    ("engine", ("blas", "models", "default_model", "sessions", "cache_dir", "ssd_disabled_reason", "cache_links",
+                "engine_")),
     ("RAM", ("ram_", "memory_", "pressure_", "hits", "misses", "evictions", "supersessions", "oversized",
              "handovers", "demotions")),
     ("SSD", ("ssd_", "prefetch")),
@@ -131,6 +132,8 @@ def stat_group(key: str) -> str:
 def _stat_value(k: str, v):
     if isinstance(v, bool) or v is None:
         return v
+    if isinstance(v, dict):  # cache_links: path -> what it is
+        return "; ".join(f"{p} is {why}" for p, why in v.items()) or "none"
     if k.endswith("_bytes") or k == "bytes_written":
         return f"{format_bytes(v)} ({v})"
     if isinstance(v, float):

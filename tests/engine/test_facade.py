@@ -89,7 +89,7 @@ def test_sampling_options_one_way_with_clear_errors(eng):
     with pytest.raises(TypeError, match="params must be a SamplingParams, got dict"):
         eng.generate_tokens(tokens, params={"max_tokens": 2})
     with pytest.raises(TypeError, match=r"unknown option\(s\) max_token; the sampling options are max_tokens, "
-                                        r"temperature.*; the others checkpoint_every, draft"):
+                                        r"temperature.*; the others checkpoint_every, choices, draft, grammar"):
         eng.generate_tokens(tokens, max_token=2)
     with pytest.raises(TypeError, match=r"unknown option\(s\) tempreature; the sampling options are max_tokens"):
         eng.generate(PROMPT, tempreature=0.5)

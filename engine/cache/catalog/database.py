@@ -20,6 +20,7 @@ what a busy or a corrupt database means. (Its rows: tables.py.)
 
 from __future__ import annotations
 
+import errno
 import os
 import sqlite3
 import sys
@@ -93,7 +94,7 @@ class Database:
         try:
             db = self.connection()
             self._wait(db, left)  # journal mode and schema take the lock only on a new or older catalogue
-            os.chmod(self.path, 0o600)
+            _private(self.path)
             self._inode = os.stat(self.path).st_ino
             db.execute("PRAGMA journal_mode=WAL")
             if db.execute("PRAGMA quick_check").fetchone()[0] != "ok":
@@ -278,3 +279,17 @@ class Database:
     def close(self) -> None:
         self.closed = True
         self._close_connections()
+
+
+def _private(path: Path) -> None:
+    """0600, never through a link (a catalogue file that is a link keeps its target's mode)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return
+        raise
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)

@@ -37,6 +37,8 @@ from typing import Callable
 
 import psutil
 
+from ...host import safe_dirs
+
 HEARTBEAT_S = 1.0
 DEAD_AFTER_S = 30.0
 MISSES = 5
@@ -138,15 +140,20 @@ class Heart:
     """This catalogue's heartbeat: a counter in a file, bumped every HEARTBEAT_S by a thread
     of its own (so no slow disk or catalogue work delays it)."""
 
-    def __init__(self, directory: Path, owner: str):
-        directory.mkdir(mode=0o700, exist_ok=True)
+    def __init__(self, directory: Path, owner: str, anchor: Path | None = None):
+        """anchor: below it no link is followed (host/safe_dirs.py; default: directory's parent)."""
+        self.anchor = directory.parent if anchor is None else anchor
         self.path = directory / owner
         self.count = 0
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._fd = self._create()
         self._stop = threading.Event()
         self.beat()
         self._thread = threading.Thread(target=self._run, name="catalog-heartbeat", daemon=True)
         self._thread.start()
+
+    def _create(self) -> int:
+        with safe_dirs.Dir(self.path.parent, self.anchor, create=True) as d:
+            return d.open(self.path.name, os.O_RDWR | os.O_CREAT)
 
     def _run(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
@@ -155,9 +162,12 @@ class Heart:
     def beat(self) -> None:
         self.count += 1
         try:
-            if not self.path.exists():  # removed by a peer that took us for dead: back again
-                os.close(self._fd)
-                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            if not safe_dirs.exists(self.path, self.anchor):  # removed by a peer that took us for dead: back again
+                fd, self._fd = self._fd, self._create()
+                os.close(fd)
+        except OSError:
+            pass  # (its directory a link now: reported; the counter goes on in our file)
+        try:
             os.pwrite(self._fd, struct.pack("<Q", self.count), 0)
         except OSError:
             pass  # a full or failing disk: peers in our PID namespace still see our pid
@@ -167,9 +177,9 @@ class Heart:
         self._thread.join(5)
         try:
             os.close(self._fd)
-            os.unlink(self.path)
         except OSError:
             pass
+        safe_dirs.unlink(self.path, self.anchor)
 
 
 def read_beat(directory: Path, owner: str) -> int | None:

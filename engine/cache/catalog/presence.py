@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from ...host import safe_dirs
 from ...host.system import process_tag
 from .database import CatalogBusy, Database
 from .liveness import HEARTBEAT_S, STOPPED, Heart, Identity, Keeper, Peers, process_state
@@ -38,6 +39,7 @@ class Presence(Database):
         self.tag = process_tag()  # this process: its temp files
         self.identity = identity or Identity.current()
         self.root = Path(path).parent
+        self.anchor = self.root.parent  # below it no link is followed (host/safe_dirs.py)
         self.beats = self.root / ".heartbeats"
         self.peers = Peers(self.identity, self.owner, self.beats, clock)
         self.pending = (0, 0)  # (writes, bytes) this process has queued: the keeper records it
@@ -46,7 +48,7 @@ class Presence(Database):
         self._later: collections.deque = collections.deque()
         self._next_sweep = 0.0
         self._holder_fd: int | None = None
-        self.heart = Heart(self.beats, self.owner)
+        self.heart = Heart(self.beats, self.owner, self.anchor)
         try:
             super().__init__(path)
         except BaseException:
@@ -70,7 +72,7 @@ class Presence(Database):
                              "pidns": me.pidns, "since": time.time()}).encode()
         try:
             if self._holder_fd is None:
-                self._holder_fd = os.open(self.root / HOLDER, os.O_RDWR | os.O_CREAT, 0o600)
+                self._holder_fd = os.open(self.root / HOLDER, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
             os.pwrite(self._holder_fd, record.ljust(HOLDER_BYTES), 0)
         except OSError:
             pass  # (a full disk: the wait is reported without the holder)
@@ -157,8 +159,9 @@ class Presence(Database):
         owned = "SELECT owner FROM claims UNION SELECT owner FROM leases UNION SELECT owner FROM freeing"
         orphans = [r[0] for r in self.query(f"SELECT owner FROM ({owned}) WHERE owner NOT IN (SELECT owner FROM procs)")]
         try:
-            unregistered = set(os.listdir(self.beats)) - {r["owner"] for r in procs} - {self.owner} - set(orphans)
-        except OSError:
+            unregistered = set(safe_dirs.listdir(self.beats, self.anchor)) - {r["owner"] for r in procs} - {
+                self.owner} - set(orphans)
+        except OSError:  # (a link, reported: no one is judged from what it holds)
             unregistered = set()
         return dead, orphans + sorted(o for o in unregistered if not self.peers.beating(o))
 
@@ -176,10 +179,7 @@ class Presence(Database):
         """Dead owners are swept: their heartbeat files go, and what we saw of them."""
         for owner in owners:
             self.peers.forget(owner)
-            try:
-                os.unlink(self.beats / owner)
-            except OSError:
-                pass
+        safe_dirs.unlink_all([self.beats / owner for owner in owners], self.anchor)
 
     def close(self) -> None:
         """Leave: our row, leases and claims go (blocks only they kept are the next sweep's or gc's)."""

@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 
 import blake3
 
-from ...host.system import make_private_dir, write_json_atomic
+from ...host import safe_dirs
 from ...kv.tokens import token_key
 
 MAX_ORIGIN_FILE_BYTES = 8 << 20
@@ -45,16 +45,28 @@ class Origin:
 
 class Origins:
     def __init__(self, root: Path | None):
-        self.root = None if root is None else make_private_dir(Path(root))
+        self.root = None
         self._lock = threading.Lock()
         self._by_ns: dict[str, list[Origin]] = {}
+        if root is None:
+            return
+        try:  # from the SSD tier's root, never through a link (one is reported: origins kept in RAM)
+            self.root = safe_dirs.make_private_dir(root, Path(root).parent)
+            names = sorted(n for n in safe_dirs.listdir(self.root, self.root.parent) if n.endswith(".json")
+                           and not n.startswith("."))
+        except OSError:
+            self.root = None
+            return
+        for name in names:
+            o = _load(self.root / name)
+            if o is None:
+                self._remove([self.root / name])  # unreadable: its entry may stay, but nothing is lost that mattered
+            else:
+                self._by_ns.setdefault(o.namespace, []).append(o)
+
+    def _remove(self, paths: list) -> None:
         if self.root is not None:
-            for path in sorted(self.root.glob("*.json")):
-                o = _load(path)
-                if o is None:
-                    path.unlink(missing_ok=True)  # unreadable: its entry may stay, but nothing is lost that mattered
-                else:
-                    self._by_ns.setdefault(o.namespace, []).append(o)
+            safe_dirs.unlink_all(paths, self.root.parent)
 
     def add(self, namespace: str, tokens: Sequence[int], writer: str, key_id: str) -> Origin:
         o = Origin(namespace, tuple(int(t) for t in tokens), writer, key_id)
@@ -63,8 +75,9 @@ class Origins:
                 return o
             self._by_ns.setdefault(namespace, []).append(o)
         if self.root is not None:
-            write_json_atomic(self.root / f"{_name(namespace, o.tokens)}.json",
-                              {"ns": namespace, "tokens": list(o.tokens), "writer": writer, "kid": key_id})
+            safe_dirs.write_json_atomic(self.root / f"{_name(namespace, o.tokens)}.json",
+                              {"ns": namespace, "tokens": list(o.tokens), "writer": writer, "kid": key_id},
+                              root=self.root.parent)
         return o
 
     def discard(self, namespace: str, tokens: Sequence[int]) -> None:
@@ -76,7 +89,7 @@ class Origins:
                 return
             self._by_ns[namespace] = kept
         if self.root is not None:
-            (self.root / f"{_name(namespace, tokens)}.json").unlink(missing_ok=True)
+            self._remove([self.root / f"{_name(namespace, tokens)}.json"])
 
     def of(self, namespace: str, tokens: Sequence[int]) -> Origin | None:
         """The origin of a checkpoint of `tokens`: its own, or that of a remote entry it extends."""
@@ -102,8 +115,7 @@ class Origins:
         if gone and remove is not None:
             remove([(o.namespace, token_key(o.tokens)) for o in gone])
         if self.root is not None:
-            for o in gone:
-                (self.root / f"{_name(o.namespace, o.tokens)}.json").unlink(missing_ok=True)
+            self._remove([self.root / f"{_name(o.namespace, o.tokens)}.json" for o in gone])
         return len(gone)
 
     def __len__(self) -> int:

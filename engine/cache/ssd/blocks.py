@@ -37,7 +37,8 @@ from typing import Callable, Sequence
 import blake3
 import numpy as np
 
-from ...host.system import fsync_file, make_private_dir, process_tag, unlink_quietly
+from ...host.safe_dirs import Dir
+from ...host.system import fsync_file, process_tag
 from ..faults import fault
 from ...errors import CorruptBlock  # noqa: F401 (raised here; defined in errors.py)
 
@@ -149,28 +150,30 @@ def name_of(head: bytes, data: Sequence[memoryview]) -> str:
     return h.hexdigest()
 
 
-def write(path: Path, head: bytes, data: Sequence[memoryview], pause: Callable[[], None] | None = None) -> int:
+def write(path: Path, head: bytes, data: Sequence[memoryview], pause: Callable[[], None] | None = None,
+          root: Path | None = None) -> int:
     """Write one block atomically (temp, fsync, rename; the caller fsyncs the directory).
 
     Returns its size. Replacing an existing block is harmless: same name, same bytes.
+    root: where links stop being followed (default: above the blocks directory, host/safe_dirs.py).
     """
-    make_private_dir(path.parent)
-    tmp = path.with_name(f".{path.name}.{process_tag()}.{os.urandom(4).hex()}.tmp")  # the tag: whose it is
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        _writev_all(fd, [memoryview(head)] + list(data), pause)
-        fault("block.written")
-        fsync_file(fd)
-        os.close(fd)
-        fd = -1
-        fault("block.synced")
-        os.replace(tmp, path)
-        fault("block.renamed")
-    except BaseException:
-        if fd >= 0:
+    with Dir(path.parent, path.parent.parent if root is None else root, create=True) as d:
+        tmp = f".{path.name}.{process_tag()}.{os.urandom(4).hex()}.tmp"  # the tag: whose it is
+        fd = d.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            _writev_all(fd, [memoryview(head)] + list(data), pause)
+            fault("block.written")
+            fsync_file(fd)
             os.close(fd)
-        unlink_quietly(tmp)
-        raise
+            fd = -1
+            fault("block.synced")
+            d.replace(tmp, d, path.name)
+            fault("block.renamed")
+        except BaseException:
+            if fd >= 0:
+                os.close(fd)
+            d.unlink(tmp)
+            raise
     return len(head) + sum(len(mv) for mv in data)
 
 

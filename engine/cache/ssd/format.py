@@ -14,7 +14,8 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from ...host.system import fsync_dir, fsync_file, process_tag, unlink_quietly
+from ...host import safe_dirs
+from ...host.system import fsync_dir, fsync_file, process_tag
 from ..faults import fault
 from .blocks import BlockRef
 from .header import (  # noqa: F401  (re-exported: callers use fmt.<name>)
@@ -34,8 +35,8 @@ def temp_path_for(path: Path) -> Path:
     return path.with_name(f".{path.name}.{process_tag()}.{time.monotonic_ns()}.tmp")
 
 
-def _rename_durably(tmp: Path, info: "FileInfo") -> None:
-    os.replace(tmp, info.path)
+def _rename_durably(tmp: Path, info: "FileInfo", root: Path) -> None:
+    safe_dirs.replace(tmp, info.path, root)
     fsync_dir(Path(info.path).parent)
 
 
@@ -58,6 +59,7 @@ def write_checkpoint(
     commit: Callable[[Path, "FileInfo"], None] | None = None,
     blocks: Sequence[BlockRef] = (),
     version: int = FORMAT_VERSION,
+    root: Path | None = None,
 ) -> FileInfo:
     """Write one checkpoint atomically (temp file, fsync, rename, dir fsync).
 
@@ -71,7 +73,8 @@ def write_checkpoint(
     error the temp file is removed and the exception propagates; the final
     path is untouched. `commit(temp, info)` renames the finished temp file to
     `info.path` and makes that durable (default: rename, fsync the directory;
-    the store records it in the same catalogue transaction).
+    the store records it in the same catalogue transaction). root: the directory below
+    which no link is followed (default: above the namespace's directory).
     """
     if codec not in CODECS:
         raise ValueError(f"unknown codec {codec!r}")
@@ -79,6 +82,7 @@ def write_checkpoint(
         raise ValueError(f"cannot write format version {version}")
     t0 = time.perf_counter()
     path = Path(path)
+    root = path.parent.parent if root is None else root  # links below it are never followed (host/safe_dirs.py)
     attachments = [h.name.removeprefix("attachments.") for h in host_tensors if h.name.startswith("attachments.")]
     fields = {
         "identity": dict(identity),
@@ -108,7 +112,8 @@ def write_checkpoint(
     done = 0
 
     tmp = temp_path_for(path)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with safe_dirs.Dir(path.parent, root) as d:
+        fd = d.open(tmp.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
     try:
         with os.fdopen(fd, "wb", buffering=0) as f:
             entries = []
@@ -176,9 +181,9 @@ def write_checkpoint(
         fault("manifest.synced")
         header = _parse_header(dict(fields, tensors=[e.to_json(version) for e in entries]), version, end)
         info = FileInfo(path, header, end, header.raw_bytes, time.perf_counter() - t0)
-        (commit or _rename_durably)(tmp, info)
+        (commit or (lambda t, i: _rename_durably(t, i, root)))(tmp, info)
     except BaseException:
-        unlink_quietly(tmp)
+        safe_dirs.unlink(tmp, root)
         raise
     return info
 

@@ -105,7 +105,7 @@ def persist(store: CheckpointStore, job, *, pause: Callable[[], None] | None = N
         inline_bytes = sum(h.nbytes for h in job.host_tensors if not getattr(h, "span", False))
         done = 0
         for r, head, data in to_write.values():
-            blocks.write(blocks.block_path(store.blocks_root, r.name), head, data, pause)
+            blocks.write(blocks.block_path(store.blocks_root, r.name), head, data, pause, store.anchor)
             done += r.nbytes
             if progress is not None:
                 progress(done, total + inline_bytes)
@@ -121,7 +121,7 @@ def persist(store: CheckpointStore, job, *, pause: Callable[[], None] | None = N
             path,
             identity=job.identity, namespace=job.namespace, tokens=job.tokens, layout=job.layout,
             min_reusable_offset=job.min_reusable_offset, host_tensors=job.host_tensors, codec=job.codec,
-            trimmable=job.trimmable, pause=pause, blocks=refs,
+            trimmable=job.trimmable, pause=pause, blocks=refs, root=store.anchor,
             progress=None if progress is None else (lambda d, _t: progress(total + d, total + inline_bytes)),
             commit=lambda tmp, info: store.commit(tmp, info, write_id, names),
         )

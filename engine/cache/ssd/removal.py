@@ -31,12 +31,12 @@ blocks wait for itself).
 
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from ...host.system import fsync_dir, unlink_quietly
+from ...host import safe_dirs
+from ...host.system import fsync_dir
 from ..catalog.database import CatalogBusy
 from ..faults import fault
 from . import blocks
@@ -69,9 +69,7 @@ class AfterCommit:
                 if Path(path) not in indexed:
                     self._move(path, dest, reason)
             fault(f"{self.label}.unlink")
-            for p in self.files:
-                if Path(p) not in indexed:
-                    unlink_quietly(p)
+            safe_dirs.unlink_all([local(store, p) for p in self.files if Path(p) not in indexed], store.anchor)
             self._finish(chunks, block_moves, names)
         except Exception:
             if not chunks:
@@ -121,12 +119,12 @@ class AfterCommit:
                     continue  # taken over (we were swept as dead): the peer did it, and may have written it again
                 if name in block_moves:
                     self._move(*block_moves[name])
-                unlink_quietly(blocks.block_path(store.blocks_root, name))
+                safe_dirs.unlink(blocks.block_path(store.blocks_root, name), store.anchor)
 
     def _move(self, path: Path, dest: Path, reason: str) -> None:
         fault(f"{self.label}.rename")
         try:
-            os.replace(path, dest)
+            safe_dirs.replace(local(self.store, path), dest, self.store.anchor)
         except FileNotFoundError:
             return  # another process moved or removed it first
         except OSError as exc:
@@ -134,6 +132,13 @@ class AfterCommit:
             return
         self.dirs |= {Path(path).parent, Path(dest).parent}
         self.store._report_quarantine(path, reason)
+
+
+def local(store: RemovalSide, path) -> Path:
+    """A catalogued file's path under this process's root: a row names it as its writer spelled
+    the root, perhaps through a link to the same directory; files lie at <root>/<dir>/<name>."""
+    p = Path(path)
+    return store.root / p.parent.name / p.name
 
 
 def unfree(store: RemovalSide, names: list[str]) -> None:

@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from ...kv.tokens import token_key
-from ...host.system import fsync_dir, make_private_dir, unlink_quietly, unsupported_filesystem
+from ...host import safe_dirs
+from ...host.safe_dirs import make_private_dir
+from ...host.system import fsync_dir, unsupported_filesystem
 from ..catalog.tables import Catalog, FileRow
 from ..catalog.database import CatalogBusy, CatalogCorrupt
 from ..faults import fault
@@ -45,7 +47,7 @@ from .removal import AfterCommit, changing
 from .leases import Reads
 from .layout import BLOCKS, HEARTBEATS, NAMESPACE_RE, QUARANTINE, SUFFIX
 from .upkeep import Upkeep
-from ...errors import UnsupportedFilesystem  # noqa: F401 (raised here; defined in errors.py)
+from ...errors import LinkedDirectory, UnsupportedFilesystem  # noqa: F401 (raised here; defined in errors.py)
 
 __all__ = ["CheckpointStore", "CheckpointUnavailable", "LostClaims", "PendingRead", "validate_namespace"]
 
@@ -80,10 +82,17 @@ class CheckpointStore(Reads, Upkeep):
             raise UnsupportedFilesystem(f"{root} is on {why}; the SSD tier needs a local disk (SQLite's WAL shares "
                                         "memory between processes): name the type in ssd_filesystems to use it "
                                         "knowingly")
-        self.root = make_private_dir(root)
-        make_private_dir(self.root / QUARANTINE)
-        make_private_dir(self.root / HEARTBEATS)
-        self.blocks_root = make_private_dir(self.root / BLOCKS)
+        self.root = Path(root).expanduser()
+        # Links are never followed below `anchor`: the root is one of the cache directory's own
+        # (`checkpoints`); without its heartbeats or blocks the tier does not open (LinkedDirectory).
+        self.anchor = self.root.parent
+        make_private_dir(self.root, self.anchor)
+        make_private_dir(self.root / HEARTBEATS, self.anchor)
+        self.blocks_root = make_private_dir(self.root / BLOCKS, self.anchor)
+        try:
+            make_private_dir(self.root / QUARANTINE, self.anchor)
+        except LinkedDirectory:
+            pass  # reported: the tier runs without it (a bad file stays where it is, not served)
         self.ssd_budget_bytes = ssd_budget_bytes
         self.on_event, self.on_removed = on_event, on_removed
         self.index = FileIndex()
@@ -236,7 +245,7 @@ class CheckpointStore(Reads, Upkeep):
     def prepare_path(self, namespace: str, tokens: Sequence[int]) -> Path:
         """A new final path for a checkpoint of `tokens` (a fresh tag: no write replaces a
         file in place, so a failed commit leaves the old version whole); creates the namespace dir."""
-        d = make_private_dir(self.root / validate_namespace(namespace))
+        d = make_private_dir(self.root / validate_namespace(namespace), self.anchor)
         return d / f"{token_key(tokens)}.{os.urandom(4).hex()}{SUFFIX}"
 
     def commit(self, tmp: Path, info: FileInfo, write_id: int | None = None, blocks: Sequence[str] = ()) -> None:
@@ -259,13 +268,13 @@ class CheckpointStore(Reads, Upkeep):
                 if old is not None and old.path != str(path):
                     after.files.append(Path(old.path))
                 fault("commit.rename")
-                os.replace(tmp, path)
+                safe_dirs.replace(tmp, path, self.anchor)
                 renamed = True
                 after.dirs.add(path.parent)
                 fault("commit.renamed")
         except BaseException:
             if renamed:  # the COMMIT failed: nothing may point at the new file
-                unlink_quietly(path)
+                safe_dirs.unlink(path, self.anchor)
             raise
         after.run()
 

@@ -26,6 +26,8 @@ class ReadSide(Protocol):
 
 
 class RemovalSide(Protocol):
+    root: Path
+    anchor: Path
     blocks_root: Path
     catalog: Catalog
     _lock: threading.RLock

@@ -22,7 +22,8 @@ import numpy as np
 import psutil
 
 from ...kv.tokens import legacy_token_key, token_key
-from ...host.system import fsync_dir
+from ...host import safe_dirs
+from ...host.safe_dirs import Dir
 from ..catalog.database import CatalogBusy
 from ..faults import fault
 from . import blocks
@@ -39,8 +40,17 @@ CHUNK = 64  # files or blocks decided per transaction: the write lock is held br
 
 class Upkeep:
     def _namespace_dirs(self) -> list[Path]:
-        return [d for d in sorted(self.root.iterdir())
-                if d.is_dir() and d.name not in (QUARANTINE, BLOCKS) and NAMESPACE_RE.fullmatch(d.name)]
+        """The namespaces' directories; one that is a link is reported and left out (host/safe_dirs.py)."""
+        with Dir(self.root, self.anchor) as d:
+            return [self.root / n for n in d.subdirs(lambda n: n not in (QUARANTINE, BLOCKS)
+                                                     and NAMESPACE_RE.fullmatch(n) is not None)]
+
+    def _listing(self, d: Path) -> list[str] | None:
+        """The names in directory `d`, never through a link (None: a link, or unreadable)."""
+        try:
+            return safe_dirs.listdir(d, self.anchor)
+        except OSError:
+            return None
 
     # --- reconciliation ---
 
@@ -51,12 +61,21 @@ class Upkeep:
         lost to another, quarantine files with a bad header, and free recorded blocks no one
         uses. remove_broken (gc): files that reference a lost block are removed too.
         Returns the paths removed."""
+        try:
+            dirs = self._namespace_dirs()
+        except OSError:  # the root is gone or was swapped for a link: nothing to reconcile with
+            return []
         unknown = self._reconcile_blocks()
         headers: dict[tuple, list] = defaultdict(list)  # (ns, key) -> [(path, header)]
         newer = set()  # files of a newer format: no row (not served), left alone
-        for d in self._namespace_dirs():
+        listed = set()  # the namespaces whose files were seen: rows elsewhere are not judged
+        for d in dirs:
             self._clean_stale_temps(d)
-            for name in os.listdir(d):
+            names = self._listing(d)
+            if names is None:
+                continue
+            listed.add(d.name)
+            for name in names:
                 if name.endswith(SUFFIX) and not name.startswith("."):
                     found = self._read_named(d / name, d.name)
                     if found == "newer":
@@ -65,7 +84,8 @@ class Upkeep:
                         headers[(found[1].namespace, token_key(found[1].tokens))].append(found)
         on_disk = {(k, str(p)) for k, files in headers.items() for p, _ in files}
         with self._lock:
-            unserved = [(k, e.path) for k, e in self._entries.items() if (k, str(e.path)) not in on_disk]
+            unserved = [(k, e.path) for k, e in self._entries.items()
+                        if (k, str(e.path)) not in on_disk and Path(e.path).parent.name in listed]
         removed = []
         for k, path in unserved:
             self._drop_vanished(k, path, unreadable=str(path) in newer)
@@ -121,8 +141,10 @@ class Upkeep:
         names recorded (free them with `_free_unused` once the files are indexed)."""
         known = self.catalog.blocks()
         self._clean_stale_temps(self.blocks_root)
-        on_disk = {n[: -len(blocks.SUFFIX)] for n in os.listdir(self.blocks_root)
-                   if n.endswith(blocks.SUFFIX) and not n.startswith(".")}
+        names = self._listing(self.blocks_root)
+        if names is None:  # a link (reported) or unreadable: no block is judged lost from it
+            return []
+        on_disk = {n[: -len(blocks.SUFFIX)] for n in names if n.endswith(blocks.SUFFIX) and not n.startswith(".")}
         unknown = {}
         for name in on_disk - set(known):
             try:
@@ -154,15 +176,29 @@ class Upkeep:
             after.blocks = freed
             after.run()
         if died:
-            for d in self._namespace_dirs() + [self.blocks_root]:
+            for d in self._swept_dirs():
                 self._clean_stale_temps(d)
         return freed
 
+    def _swept_dirs(self) -> list[Path]:
+        try:
+            return self._namespace_dirs() + [self.blocks_root]
+        except OSError:
+            return []
+
     def _clean_stale_temps(self, d: Path, dry_run: bool = False) -> list[Path]:
         """Temp files no live process will finish (named by a dead process's tag; an older
-        build's, by a dead pid or after an hour)."""
+        build's, by a dead pid or after an hour). Listed and removed through one descriptor of
+        `d`: a directory that is (or becomes) a link loses nothing behind it."""
+        try:
+            with Dir(d, self.anchor) as opened:
+                return self._stale_temps(opened, dry_run)
+        except OSError:  # a link (reported) or gone: nothing to clean
+            return []
+
+    def _stale_temps(self, d: Dir, dry_run: bool) -> list[Path]:
         stale, live, now = [], None, time.time()
-        for name in os.listdir(d):
+        for name in d.names():
             if not (name.startswith(".") and name.endswith(".tmp")):
                 continue
             writer = name.split(".")[-3] if name.count(".") >= 3 else ""
@@ -170,25 +206,21 @@ class Upkeep:
                 if re.fullmatch(r"[0-9a-f]{12}", writer):
                     live = self.catalog.live_tags() if live is None else live
                     if writer not in live:
-                        stale.append(d / name)
+                        stale.append(name)
                 elif (writer.isdigit() and not psutil.pid_exists(int(writer))
-                      or now - os.stat(d / name).st_mtime > STALE_TEMP_S):
-                    stale.append(d / name)
+                      or now - d.lstat(name).st_mtime > STALE_TEMP_S):
+                    stale.append(name)
             except OSError:
                 pass
-        if not stale or dry_run:
-            return stale
-        try:  # best effort: a temp file left, or a removal a power cut undoes, is found stale again
-            fault("stale.unlink")
-            for p in stale:
-                try:
-                    os.unlink(p)
-                except OSError:
-                    pass
-            fsync_dir(d)
-        except OSError:
-            pass
-        return stale
+        if stale and not dry_run:
+            try:  # best effort: a temp file left, or a removal a power cut undoes, is found stale again
+                fault("stale.unlink")
+                for name in stale:
+                    d.unlink(name)
+                d.fsync()
+            except OSError:
+                pass
+        return [d.path / name for name in stale]
 
     def _drop_vanished(self, k: tuple, path, unreadable: bool = False) -> None:
         """A catalogued file that is gone (removed behind the catalogue's back), or that this
@@ -315,9 +347,9 @@ class Upkeep:
         file references and no one claims, remove temp files of dead writers: what goes,
         listed. Quarantined files are evidence of corruption: kept (counted in
         `quarantine_kept`) unless `quarantine`, the user's word that they may go."""
-        found = sorted((self.root / QUARANTINE).iterdir())
+        found = [self.root / QUARANTINE / n for n in sorted(self._listing(self.root / QUARANTINE) or [])]
         quarantined = found if quarantine else []
-        temps = [p for d in self._namespace_dirs() + [self.blocks_root] for p in self._clean_stale_temps(d, dry_run=True)]
+        temps = [p for d in self._swept_dirs() for p in self._clean_stale_temps(d, dry_run=True)]
         if dry_run:
             unused = self.catalog.unreferenced_blocks(ignoring=sum(self.catalog.dead_owners(), []))
             sizes = self.catalog.blocks()
@@ -331,11 +363,7 @@ class Upkeep:
                 with changing(self, "gc") as (db, after):
                     after.blocks = self.catalog.free_blocks(db, batch)
                 freed += after.blocks
-            for p in quarantined + temps:
-                try:
-                    os.unlink(p)
-                except OSError:
-                    pass
+            safe_dirs.unlink_all(quarantined + temps, self.anchor)  # (a directory now a link keeps its files)
         return {"quarantine_removed": [str(p) for p in quarantined], "quarantine_kept": len(found) - len(quarantined),
                 "temp_removed": [str(p) for p in temps],
                 "files_removed": files, "blocks_removed": [n for n, _ in freed],

@@ -33,6 +33,7 @@ import mlx.core as mx
 
 from ..sampling import GenerationError
 from ..loop import Row as LoopRow
+from ..constrain import Constraint
 from ..speculative.proposers import Choice, choose_proposers
 from ..prefill import prefill
 from ...host.memory import DECODE_CHECK_EVERY
@@ -118,15 +119,17 @@ class BatchRun:
     """One `generate_batch` call; `run()` once."""
 
     def __init__(self, services: Services, model: LoadedModel, prompts: list, params: list, *, use_cache: bool,
-                 lookup: bool | None = None,
+                 lookup: bool | None = None, constraints: list | None = None,
                  batch_size: int = DEFAULT_BATCH_SIZE, on_progress: Callable[[str, int, int], None] | None = None,
                  on_row: Callable[[int, GenerationResult], None] | None = None):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise GenerationError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         self.services, self.model, self.cache, self.ns = services, model, services.cache, model.namespace
         self.use_cache = use_cache and model.cache_notice is None  # an unknown cache class: uncached, never wrong
-        self.rows = [Row(i, Generation(services, Request(model, t, p, use_cache=self.use_cache, lookup=lookup)))
-                     for i, (t, p) in enumerate(zip(prompts, params))]
+        constraints = constraints or [None] * len(prompts)
+        self.rows = [Row(i, Generation(services, Request(model, t, p, use_cache=self.use_cache, lookup=lookup,
+                                                         constraint=c)))
+                     for i, (t, p, c) in enumerate(zip(prompts, params, constraints))]
         self.batch_size, self.on_progress, self.on_row = batch_size, on_progress, on_row
         self.branches: list[Branch] = []
         self.loans: list = []  # held until the run ends: nothing hands their buffers to another borrower meanwhile
@@ -327,8 +330,9 @@ class BatchRun:
         else:
             row.drafts = Choice(lookup_fallback="rows merged in mlx-lm's batch caches cannot cut rejected drafts "
                                                 "back one by one: decoding without drafts from the context")
+        g.constraint = Constraint(g.req.constraint) if g.req.constraint is not None else None
         loop_row = LoopRow(g.req.params, row.tokens[-1:], eos_ids=self.model.eos_token_ids, context=row.tokens,
-                           on_token=on_token, into=g.decoded, proposer=row.drafts.proposer)
+                           on_token=on_token, into=g.decoded, proposer=row.drafts.proposer, constraint=g.constraint)
         g.times = loop_row.times
         return loop_row
 
@@ -351,9 +355,10 @@ class BatchRun:
         stats.update(batch_index=row.index, batch_rows=len(self.rows), batch_shared_tokens=row.shared,
                      batch_mode=self.mode, **(g.proposers if self.mode == "serial" else row.drafts).lookup_stats(
                          g.req.lookup))
+        parsed = g.constrained(stats)
         self.services.metrics.record(self.ns, stats)
         logprobs = g.decoded.logprobs if g.req.params.logprobs is not None else None
-        row.result = GenerationResult(g.stream.text, list(g.decoded.tokens), stats, list(row.tokens), logprobs)
+        row.result = GenerationResult(g.stream.text, list(g.decoded.tokens), stats, list(row.tokens), logprobs, parsed)
         self.services.events.emit("generation", **{k: v for k, v in stats.items() if not isinstance(v, (list, dict))})
         if self.on_row is not None:
             self.on_row(row.index, row.result)

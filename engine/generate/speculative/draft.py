@@ -198,10 +198,12 @@ class Drafter:
             del self.held[n:]
         return list(truth[n:])
 
-    def propose(self, truth: Sequence[int], limit: int, params: SamplingParams, step: int) -> list:
+    def propose(self, truth: Sequence[int], limit: int, params: SamplingParams, step: int, constraint=None) -> list:
         """Up to K draft tokens after `truth` (the loop's proposer, loop.py); the i-th drawn with the
-        sampler of step + i (as the target's). The first round proposes nothing: the first token
-        comes as fast as without a draft (`wants`: the draft's lookup and prefill come after it)."""
+        sampler of step + i (as the target's), under the row's constraint where it has one (then the
+        target's masked samples agree as often as unconstrained ones do). The first round proposes
+        nothing: the first token comes as fast as without a draft (`wants`: the draft's lookup and
+        prefill come after it)."""
         k = min(self.k, limit)
         if k < 1:
             return []
@@ -211,13 +213,24 @@ class Drafter:
         self.rewind.mark(())
         self.marked = len(self.held)
         out: list = []
-        inputs = missing
-        for i in range(k):
-            logits = self.model.forward(mx.array(inputs)[None], cache=self.caches)[:, -1, :]
-            self.held += inputs
-            token = sample(logits, params, step + i).item()
-            out.append(token)
-            inputs = [token]
+        inputs, accepted = missing, 0
+        try:
+            for i in range(k):
+                logits = self.model.forward(mx.array(inputs)[None], cache=self.caches)[:, -1, :]
+                self.held += inputs
+                if constraint is not None:
+                    logits = constraint.mask(logits)
+                token = sample(logits, params, step + i).item()
+                out.append(token)
+                if constraint is not None:
+                    if token in self.model.eos_token_ids:  # the answer ends there
+                        break
+                    constraint.accept([token])
+                    accepted += 1
+                inputs = [token]
+        finally:
+            if constraint is not None:  # proposals are not the row's: the loop accepts what it keeps
+                constraint.rollback(accepted)
         return out
 
     def wants(self, step: int) -> bool:

@@ -74,7 +74,9 @@ class ContextLookup:
         """Whether it may propose at this step (known before the step's token: the loop pipelines otherwise)."""
         return step >= self.paused_until
 
-    def propose(self, context: Sequence[int], limit: int, params, step: int) -> list:
+    def propose(self, context: Sequence[int], limit: int, params, step: int, constraint=None) -> list:
+        """What followed the latest earlier occurrence of the context's end (a constraint's row cuts it at
+        the first token its grammar forbids)."""
         if not self.wants(step):
             return []
         self._grow(context)

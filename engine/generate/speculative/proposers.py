@@ -26,10 +26,10 @@ class BestOf:
     def wants(self, step: int) -> bool:
         return any([p.wants(step) for p in self.proposers])  # (each asked: a draft notes its first step)
 
-    def propose(self, context: Sequence[int], limit: int, params, step: int) -> list:
+    def propose(self, context: Sequence[int], limit: int, params, step: int, constraint=None) -> list:
         for p in sorted(self.proposers, key=self._rate, reverse=True):
             if p.wants(step):
-                drafts = p.propose(context, limit, params, step)
+                drafts = p.propose(context, limit, params, step, constraint)
                 if drafts:
                     self.last = p
                     return drafts

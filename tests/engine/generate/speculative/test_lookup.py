@@ -148,7 +148,7 @@ class _Erring:
     def wants(self, step):
         return True
 
-    def propose(self, context, limit, params, step):
+    def propose(self, context, limit, params, step, constraint=None):
         self.rounds += 1
         at = len(context) - self.prompt_len
         out = list(self.answer[at : at + min(4, limit)])

@@ -1,0 +1,89 @@
+"""A row's constraint: one more processor in the token loop (loop.py).
+
+Its state is the grammar matcher over the tokens the row emitted (never the prompt's: a template's
+forced opening, a thinking block or a tool-call opener, is prompt, and the answer starts after it).
+Before sampling, each position's logits are masked to the tokens the grammar allows there (the
+positions after drafts: the drafts consumed, then rolled back); after the loop keeps tokens, they are
+accepted. A draft the grammar forbids ends the row's drafts before the forward (it could never equal
+a masked sample). The state is a function of the accepted tokens, so a resumed run rebuilds it by
+replaying what it had emitted.
+
+The log-probabilities a row records are of the constrained distribution (the mask applied, then the
+log-softmax), as mlx-lm's logits processors feed its logprobs.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import ConstraintError
+from .grammars import Compiled
+
+
+class Constraint:
+    """One row's grammar state (`compiled.matcher`'s own copy) and what it cost."""
+
+    def __init__(self, compiled: Compiled):
+        self.compiled, self.spec = compiled, compiled.spec
+        self.matcher = compiled.matcher.deep_copy()
+        self.words = (compiled.vocab + 31) // 32
+        self.mask_s = 0.0  # seconds spent computing masks
+        self.forbidden = 0  # draft tokens the grammar refused before a forward
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        """The row kept these tokens (or a resumed run replays what it had emitted)."""
+        for t in tokens:
+            if not self.matcher.consume_token(int(t)):
+                raise ConstraintError(f"token {t} breaks the {self.spec.kind} constraint: "
+                                      f"{self.matcher.get_error().splitlines()[0]}")
+
+    def rollback(self, n: int) -> None:
+        """Forget the last n accepted tokens (a draft model's proposals, once proposed)."""
+        if n:
+            self.matcher.rollback(n)
+
+    def allowed(self, drafts: Sequence[int]) -> list:
+        """The drafts up to the first the grammar forbids."""
+        n = self.matcher.validate_tokens(list(drafts)) if drafts else 0
+        self.forbidden += len(drafts) > n
+        return list(drafts[:n])
+
+    def bitmasks(self, drafts: Sequence[int] = ()) -> np.ndarray:
+        """(len(drafts) + 1, words) int32: the allowed tokens' bits now and after each draft (all allowed;
+        after an end token nothing is emitted: no mask there)."""
+        t = time.perf_counter()
+        out = np.full((len(drafts) + 1, self.words), -1, dtype=np.int32)
+        consumed = 0
+        for i in range(len(drafts) + 1):
+            self.matcher.unsafe_compute_mask_ptr(out[i].ctypes.data, out[i].nbytes)
+            if i == len(drafts) or drafts[i] in self.compiled.eos:  # (an end token is never consumed: a
+                break  # rollback does not count it)
+            self.matcher.consume_token(int(drafts[i]))
+            consumed += 1
+        self.rollback(consumed)
+        self.mask_s += time.perf_counter() - t
+        return out
+
+    def mask(self, logits: mx.array, drafts: Sequence[int] = ()) -> mx.array:
+        """`logits` (len(drafts) + 1, vocab) with what the grammar forbids at each position set to -inf."""
+        bits = np.unpackbits(self.bitmasks(drafts).view(np.uint8), axis=1, bitorder="little")
+        vocab = logits.shape[-1]
+        if bits.shape[1] < vocab:  # the model's logits are wider than the tokenizer: those ids never allowed
+            bits = np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
+        return mx.where(mx.array(bits[:, :vocab].astype(np.bool_)), logits, -mx.inf)
+
+    def outcome(self, text: str, finish_reason: str) -> tuple:
+        """(the parsed answer or None, None or why it is missing: 'incomplete JSON (max tokens)')."""
+        if self.matcher.is_accepting() and finish_reason != "stop":  # (a stop string cut the text the grammar saw)
+            return self.spec.parse(text)
+        why = {"length": "max tokens", "stop": "stop string"}.get(finish_reason, finish_reason)
+        return None, f"incomplete {self.spec.what} ({why})"
+
+    def stats(self, note: str | None) -> dict:
+        return {"constraint": self.spec.kind, "constraint_compile_s": round(self.compiled.compile_s, 6),
+                "constraint_cached": self.compiled.cached, "constraint_mask_s": round(self.mask_s, 6),
+                "constraint_drafts_forbidden": self.forbidden, "constraint_incomplete": note}
