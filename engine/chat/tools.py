@@ -17,6 +17,7 @@ from ..errors import ToolError
 from .templates import Family
 
 CHOICES = ("auto", "required", "none")
+CALL_ENDS = {"harmony": "<|call|>", "llama3": "<|eot_id|>"}
 # JSON as the templates' tojson writes it (json.dumps's separators): the call renders back token for token
 JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -145,11 +146,12 @@ def call_grammar(family: Family, schemas: list[dict], vocab: dict, think: bool) 
     rules, names = [], []
     for i, schema in enumerate(schemas):
         name = schema["function"]["name"]
-        params = schema["function"].get("parameters") or {"type": "object", "properties": {}}
+        params = {"additionalProperties": False,  # a function takes the arguments its signature names
+                  **(schema["function"].get("parameters") or {"type": "object", "properties": {}})}
         quoted = json.dumps(name, ensure_ascii=False)
-        if family.name == "harmony":
-            body = [tok("<|channel|>"), lit(f"commentary to=functions.{name} "), tok("<|constrain|>"), lit("json"),
-                    tok("<|message|>"), f"args{i}"]
+        if family.name == "harmony":  # the recipient in the role, as gpt-oss's template renders a call back
+            body = [lit(f" to=functions.{name}"), tok("<|channel|>"), lit("commentary json"), tok("<|message|>"),
+                    f"args{i}"]
         elif family.name == "mistral":
             body = [tok("[TOOL_CALLS]"), lit(name), tok("[ARGS]"), f"args{i}"]
         elif family.name == "llama3":
@@ -160,15 +162,17 @@ def call_grammar(family: Family, schemas: list[dict], vocab: dict, think: bool) 
         rules += [f"call{i}: " + " ".join(body), f"args{i}: %json " + json.dumps({**params, "x-guidance": JSON_FORMAT})]
         names.append(f"call{i}")
     many = {"hermes": 'call (lit_nl call)*', "mistral": "call+"}.get(family.name, "call")
+    end = CALL_ENDS.get(family.name)  # the end token the template renders after a call (of the model's end tokens)
+    many += f" {tok(end)}" if end in vocab else ""
     lines = ["start: think calls" if think else "start: calls", f"calls: {many}", "call: " + " | ".join(names),
              *rules, 'lit_nl: "\\n"']
     if think and family.name == "harmony":
         lines += [f'think: ({tok("<|channel|>")} "analysis" {tok("<|message|>")} REASONING {tok("<|end|>")} '
-                  f'{tok("<|start|>")} "assistant")?', "REASONING: /(?s:.*)/"]
-    elif think and family.think:
+                  f'{tok("<|start|>")} "assistant")?', "REASONING: /(?s:.+)/"]
+    elif think and family.think:  # written as templates render it back: newlines around the reasoning, not in it
         start, end = family.think
-        lines += [f'think: ({tok(start)} REASONING {tok(end)} "\\n\\n")?',
-                  f"REASONING: /(?s:.*)/ & ~/(?s:.*{_escape(end)}.*)/"]
+        lines += [f'think: ({tok(start)} "\\n" REASONING "\\n" {tok(end)} "\\n\\n")?',
+                  f"REASONING: /[^\\n](?s:.*[^\\n])?/ & ~/(?s:.*{_escape(end)}.*)/"]
     else:
         lines[0] = "start: calls"
     return "\n".join(lines) + "\n"
@@ -180,4 +184,5 @@ def lit(text: str) -> str:
 
 
 def _escape(text: str) -> str:
-    return "".join(c if c.isalnum() else "\\" + c for c in text)
+    """`text` literally inside a Lark /regex/ (escaping only regex syntax: \\< is a word boundary there)."""
+    return "".join("\\" + c if c in "\\.+*?()|[]{}^$/&~-" else c for c in text)

@@ -36,6 +36,8 @@ class Step:
     stats: dict
     text: str = ""
     reasoning: str = ""
+    prompt_tokens: list = field(default_factory=list, repr=False)  # the step's prompt, as token ids
+    tokens: list = field(default_factory=list, repr=False)  # what the model generated
 
     @property
     def call(self) -> str:
@@ -146,7 +148,7 @@ class Turn:
                         self._run(call)
                     if record is not None:
                         record.add(result, calls)
-                step = Step(calls, result.stats, split.answer.strip(), reasoning)
+                step = Step(calls, result.stats, split.answer.strip(), reasoning, list(ids), list(result.tokens))
                 steps.append(step)
                 added += [assistant_message(self.family, step.text, reasoning, calls)]
                 added += [result_message(c) for c in calls]

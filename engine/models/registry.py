@@ -248,8 +248,7 @@ def load_model(path_or_id, name: str, memo: IdentityMemo, kv_bits: int | None = 
     """adapter_path: an mlx-lm LoRA adapter directory (text models); image_attention: how a
     vision-language model's image tokens attend (vlm.py); None: its default. kv_start: with kv_bits,
     the KV stays in full precision for this many tokens (default mlx-lm's 5000; 0: none).
-    chat_template: a template file or text its tokenizer renders with instead of its own (text models;
-    the cache keys are tokens, so the identity stays)."""
+    chat_template: a template (file or text) used instead of the tokenizer's own (the identity stays)."""
     import mlx.core as mx
     import mlx_lm
     from mlx.utils import tree_flatten
@@ -266,10 +265,9 @@ def load_model(path_or_id, name: str, memo: IdentityMemo, kv_bits: int | None = 
         raise ModelError("image_attention applies to vision-language models only")
     if is_vlm_config(config) and kv_start:
         raise ModelError("a delayed KV quantization (kv_start > 0) applies to text models; use kv_start=0 here")
-    if is_vlm_config(config) and adapter is not None:
-        raise ModelError("adapters in mlx-lm's format apply to text models, not to vision-language models")
-    if is_vlm_config(config) and chat_template is not None:
-        raise ModelError("chat_template applies to text models (a vision-language model renders with its processor)")
+    if is_vlm_config(config) and (adapter is not None or chat_template is not None):
+        raise ModelError("adapters in mlx-lm's format and chat_template apply to text models, not to vision-language "
+                         "models")
     template = read_template(chat_template) if chat_template is not None else None
     try:
         if is_vlm_config(config):  # mlx-vlm: the model's own processor and chat template
@@ -298,14 +296,10 @@ def load_model(path_or_id, name: str, memo: IdentityMemo, kv_bits: int | None = 
     notice = (f"the prompt cache does not support {', '.join(unknown)}: this model generates uncached"
               if unknown else None)
     info = {
-        "path": str(path),
-        "adapter": str(adapter) if adapter is not None else None,
-        "layers": len(caches),
-        "kv_scheme": scheme,
-        "kv_start": kv_start if kv_bits is not None else None,
+        "path": str(path), "adapter": str(adapter) if adapter is not None else None, "layers": len(caches),
+        "kv_scheme": scheme, "kv_start": kv_start if kv_bits is not None else None,
         "parameters_bytes": sum(int(v.nbytes) for _, v in tree_flatten(model.parameters())),
-        "cache_notice": notice,
-        "cache_hit": hit_summary(caches),
+        "cache_notice": notice, "cache_hit": hit_summary(caches),
         "chat_template": None if chat_template is None else "given" if template == chat_template else str(chat_template),
         **({"vision": {"family": type(vision).__name__, "image_attention": vision.policy}} if vision else {}),
     }
@@ -331,9 +325,7 @@ def _warm_up(model, caches: list) -> None:
 def _weight_dtype(model) -> str:
     from mlx.utils import tree_flatten
 
-    for _, v in tree_flatten(model.parameters()):
-        return str(v.dtype)
-    return "unknown"
+    return next((str(v.dtype) for _, v in tree_flatten(model.parameters())), "unknown")
 
 
 class ModelRegistry:
