@@ -221,11 +221,9 @@ class Engine:
             raise GenerationError(f"model {m.name!r} is not a vision-language model: it takes no images, videos or audio")
         run = dict(session=session, use_cache=use_cache, on_progress=on_progress, checkpoint_every=checkpoint_every,
                    draft=draft, num_draft_tokens=num_draft_tokens, lookup=lookup)
-        if not (raw or m.vision):  # through the chat template, reasoning apart, tools called (a call's grammar)
-            step = lambda ids, shown, call: self._generate(m, ids, params, dict(run, on_text=shown, constraint=(  # noqa: E731
-                constraint_of(m, None, None, None, call) if call else constraint)))
-            return run_turn(self.sessions, m, prompt, chat, system=system, session=session, on_text=on_text,
-                            records=self._loops.opener(m.namespace, params.as_dict()), generate=step)
+        if not (raw or m.vision):  # through the chat template, reasoning apart, tools called (chat/turn.py)
+            return run_turn(self.sessions, self._loops, self._generate, m, prompt, chat, params,
+                            dict(run, on_text=on_text, constraint=constraint), system=system)
         if chat.used:
             raise GenerationError("template options and tools go with a text model's chat template (not raw=True)")
         media = media_prompt(self, m, prompt, images, system=system, raw=raw, session=session, use_cache=use_cache,

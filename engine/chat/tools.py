@@ -135,10 +135,11 @@ def result_message(call: ToolCall) -> dict:
     return {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": call.text}
 
 
-def call_grammar(family: Family, schemas: list[dict], vocab: dict, think: bool) -> str:
-    """A Lark grammar (llguidance's) of one or more calls of these tools in the family's format, the
-    arguments valid for each tool's schema; with `think`, a reasoning block may come first. A marker
-    that is one token of the vocabulary is written as that token."""
+def call_grammar(family: Family, schemas: list[dict], vocab: dict, think: bool, budget: int | None = None) -> str:
+    """A Lark grammar (llguidance's) of one call of one of these tools in the family's format (one call a
+    step: a step's calls run before the next step), the arguments valid for the tool's schema; with
+    `think`, a reasoning block of at most `budget` tokens may come first (a lexeme that cannot roll back:
+    no drafts under it). A marker that is one token of the vocabulary is written as that token."""
 
     def tok(marker: str) -> str:
         return f"<[{vocab[marker]}]>" if marker in vocab else lit(marker)
@@ -161,18 +162,17 @@ def call_grammar(family: Family, schemas: list[dict], vocab: dict, think: bool) 
                     tok("</tool_call>")]
         rules += [f"call{i}: " + " ".join(body), f"args{i}: %json " + json.dumps({**params, "x-guidance": JSON_FORMAT})]
         names.append(f"call{i}")
-    many = {"hermes": 'call (lit_nl call)*', "mistral": "call+"}.get(family.name, "call")
     end = CALL_ENDS.get(family.name)  # the end token the template renders after a call (of the model's end tokens)
-    many += f" {tok(end)}" if end in vocab else ""
-    lines = ["start: think calls" if think else "start: calls", f"calls: {many}", "call: " + " | ".join(names),
-             *rules, 'lit_nl: "\\n"']
+    lines = ["start: think calls" if think else "start: calls", "calls: call" + (f" {tok(end)}" if end in vocab else ""),
+             "call: " + " | ".join(names), *rules]
+    capped = f"reasoning[max_tokens={budget}]: REASONING" if budget else "reasoning: REASONING"
     if think and family.name == "harmony":
-        lines += [f'think: ({tok("<|channel|>")} "analysis" {tok("<|message|>")} REASONING {tok("<|end|>")} '
-                  f'{tok("<|start|>")} "assistant")?', "REASONING: /(?s:.+)/"]
+        lines += [f'think: ({tok("<|channel|>")} "analysis" {tok("<|message|>")} reasoning {tok("<|end|>")} '
+                  f'{tok("<|start|>")} "assistant")?', capped, "REASONING: /(?s:.+)/"]
     elif think and family.think:  # written as templates render it back: newlines around the reasoning, not in it
         start, end = family.think
-        lines += [f'think: ({tok(start)} "\\n" REASONING "\\n" {tok(end)} "\\n\\n")?',
-                  f"REASONING: /[^\\n](?s:.*[^\\n])?/ & ~/(?s:.*{_escape(end)}.*)/"]
+        lines += [f'think: ({tok(start)} reasoning {tok(end)} "\\n\\n")?', capped,  # (one lexeme up to the end marker)
+                  f"REASONING: /\\n[^\\n](?s:.*[^\\n])?\\n/ & ~/(?s:.*{_escape(end)}.*)/"]
     else:
         lines[0] = "start: calls"
     return "\n".join(lines) + "\n"

@@ -25,6 +25,7 @@ from .templates import family_of, render, template_options, thinking_keyword
 from .tools import CHOICES, ToolCall, Toolbox, assistant_message, call_grammar, parse_calls, result_message
 
 DEFAULT_MAX_STEPS = 8
+CALL_ROOM = 128  # tokens a required call's reasoning leaves for the call itself, within max_tokens
 
 
 @dataclass
@@ -38,6 +39,7 @@ class Step:
     reasoning: str = ""
     prompt_tokens: list = field(default_factory=list, repr=False)  # the step's prompt, as token ids
     tokens: list = field(default_factory=list, repr=False)  # what the model generated
+    grammar: str | None = field(default=None, repr=False)  # the call's grammar it followed (tool_choice="required")
 
     @property
     def call(self) -> str:
@@ -97,8 +99,9 @@ class Turn:
     schemas, choice, max_steps), where given, opens the loop's crash record (loops.py)."""
 
     def __init__(self, tok, conv: Session, prompt: str, options: ChatOptions, *, system: str | None = None,
-                 on_text: Callable[[str], None] | None = None, records=None):
+                 on_text: Callable[[str], None] | None = None, records=None, max_tokens: int | None = None):
         self.tok, self.conv, self.prompt, self.options, self.system = tok, conv, prompt, options, system
+        self.max_tokens = max_tokens
         self.on_text, self.records = on_text, records
         self.family = family_of(tok)
         box = options.toolbox
@@ -126,6 +129,7 @@ class Turn:
                     record = self.records(ids, box.schemas, self.choice, self.max_steps)
                 split = Split(self.family, starts_in_reasoning(self.family, text))
                 replay = record.replay(len(steps), ids) if record is not None else None
+                grammar = None
                 if replay is None:
                     grammar = self._grammar() if calling and self.choice == "required" else None
                     result = generate(ids, lambda piece: self._show(split.feed(piece)), grammar)
@@ -133,6 +137,7 @@ class Turn:
                     result = replay.result
                     self._show(split.feed(result.text))
                 self._show(split.finish())
+                shown, (split, raw) = split, self._as_decoded(split, result, text)
                 result.stats["prefill_note"] = conv.note
                 reasoning = split.reasoning
                 conv.remember(ids, result.tokens, turn, reasoning,
@@ -140,7 +145,7 @@ class Turn:
                 calls = [] if not calling else replay.calls if replay is not None else parse_calls(
                     self.family, split.calls, split.answer, self._next_id)
                 if not calls:  # the answer
-                    content = split.answer.lstrip("\n") if self.family.field else result.text
+                    content = split.answer.lstrip("\n") if self.family.field else raw
                     added.append(assistant_message(self.family, content, reasoning, []))
                     break
                 if replay is None:
@@ -148,7 +153,8 @@ class Turn:
                         self._run(call)
                     if record is not None:
                         record.add(result, calls)
-                step = Step(calls, result.stats, split.answer.strip(), reasoning, list(ids), list(result.tokens))
+                step = Step(calls, result.stats, split.answer.strip(), reasoning.strip(), list(ids), list(result.tokens),
+                            grammar)
                 steps.append(step)
                 added += [assistant_message(self.family, step.text, reasoning, calls)]
                 added += [result_message(c) for c in calls]
@@ -162,8 +168,23 @@ class Turn:
         if record is not None:
             record.finish()
         result.stats["steps"] = len(steps)
-        result.text, result.reasoning, result.steps = split.answer, reasoning, steps
+        # (the newlines around a reasoning block are the template's, not the reply's)
+        result.text = shown.answer.lstrip("\n") if shown.reasoning else shown.answer  # as it streamed
+        result.reasoning, result.steps = shown.reasoning.strip(), steps
         return result
+
+    def _as_decoded(self, split: Split, result, prompt_text: str) -> tuple:
+        """The reply split again from the tokenizer's decoding of its ids, which is what the next rendering
+        is compared with (a streaming detokenizer may differ: mlx-lm's BPE one trims a leading space and
+        drops byte 0), and that text. A reply cut at a stop string keeps its streamed text."""
+        ids = result.tokens[:-1] if result.stats.get("finish_reason") == "eos" else result.tokens
+        text = self.tok.decode(ids)
+        if text == result.text or result.stats.get("finish_reason") == "stop":
+            return split, result.text
+        again = Split(self.family, starts_in_reasoning(self.family, prompt_text))
+        again.feed(text)
+        again.finish()
+        return again, text
 
     def _run(self, call: ToolCall) -> None:
         confirm = self.options.confirm
@@ -179,8 +200,11 @@ class Turn:
         return f"call{n:05d}"
 
     def _grammar(self) -> str:
+        """The grammar of a required call; reasoning before it leaves room for the call within max_tokens."""
         think = self.args.get(thinking_keyword(self.tok) or "", True) is not False
-        return call_grammar(self.family, self.options.toolbox.schemas, self.tok.get_vocab(), think)
+        n = self.max_tokens
+        budget = max(n - CALL_ROOM, n // 2) if n else None
+        return call_grammar(self.family, self.options.toolbox.schemas, self.tok.get_vocab(), think, budget)
 
     def _show(self, pieces: list) -> None:
         for channel, text in pieces:
@@ -189,8 +213,23 @@ class Turn:
                 target(text)
 
 
-def run_turn(sessions, model, prompt: str, options: ChatOptions, *, system: str | None, session: str | None,
-             on_text, records, generate):
-    """A chat turn of `model` in `session` (None: a conversation of one turn, dated today)."""
+def run_turn(sessions, loops, generate, model, prompt: str, options: ChatOptions, params, request: dict, *,
+             system: str | None):
+    """A chat turn of `model` in request["session"] (None: a conversation of one turn, dated today).
+    generate(model, ids, params, request) is the engine's one generation; a step under a required call
+    follows the call's grammar instead of the request's constraint, without drafts (its reasoning's token
+    bound is a llguidance lexeme that cannot roll back)."""
+    from ..generate.grammars import constraint_of
+
+    session, on_text = request["session"], request.pop("on_text")
     conv = sessions.get_or_create(session, system=system, model=model.name) if session is not None else Session("")
-    return Turn(model.tokenizer, conv, prompt, options, system=system, on_text=on_text, records=records).run(generate)
+
+    def step(ids: list, shown, call: str | None):
+        if call is None:
+            return generate(model, ids, params, dict(request, on_text=shown))
+        return generate(model, ids, params, dict(request, on_text=shown, lookup=False, draft=False,
+                                                 num_draft_tokens=None, constraint=constraint_of(model, None, None,
+                                                                                                 None, call)))
+
+    return Turn(model.tokenizer, conv, prompt, options, system=system, on_text=on_text,
+                records=loops.opener(model.namespace, params.as_dict()), max_tokens=params.max_tokens).run(step)

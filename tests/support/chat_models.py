@@ -5,7 +5,8 @@ after it, writes an empty think block with enable_thinking=false and returns too
 turn in <tool_response>; Llama 3.2 writes today's date into the system header (strftime_now) and
 takes a tool call as the JSON answer; gpt-oss writes the date too, talks on channels, calls tools on
 the commentary channel (rendered with the recipient in the role, as its template does) and drops the
-analysis of a tool call once a final message follows; Mistral Small 3.2 puts the tools before the
+analysis of a tool call once a final message follows; Hermes (and Qwen2.5) call tools as Qwen3 does,
+without thinking; Mistral Small 3.2 puts the tools before the
 last user message and numbers tool calls with 9-character ids.
 
 `build_chat_model(path, family)`; `real_template(family)` reads the real template from the directory
@@ -44,6 +45,24 @@ QWEN3 = r"""
 {%- endif %}{% endfor %}
 {%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}
 {%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}"""
+
+# Hermes / Qwen2.5: Qwen3's tool format without thinking
+HERMES = r"""
+{%- if tools %}{{- '<|im_start|>system\n' }}{% if messages[0].role == 'system' %}{{ messages[0].content + '\n\n' }}{% endif %}
+{{- '# Tools\n<tools>' }}{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}
+{{- '\n</tools>\nCall one with <tool_call>\n{"name": <name>, "arguments": <object>}\n</tool_call><|im_end|>\n' }}
+{%- elif messages[0].role == 'system' %}{{ '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}{% endif %}
+{%- for m in messages %}
+{%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}
+{%- elif m.role == 'assistant' %}{{ '<|im_start|>assistant' }}{% if m.content %}{{ '\n' + m.content }}{% endif %}
+{%- if m.tool_calls %}{% for call in m.tool_calls %}{{ '\n<tool_call>\n{"name": "' + call.function.name + '", "arguments": ' + (call.function.arguments | tojson) + '}\n</tool_call>' }}{% endfor %}{% endif %}
+{{- '<|im_end|>\n' }}
+{%- elif m.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}
+{{- '\n<tool_response>\n' + m.content + '\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}
+{%- endif %}{% endfor %}
+{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"""
 
 LLAMA32 = r"""{{- bos_token }}
 {%- if not date_string is defined %}{% set date_string = strftime_now("%d %b %Y") %}{% endif %}
@@ -100,6 +119,8 @@ FAMILIES = {
     "qwen3": (QWEN3, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
               ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"],
               None, "<|im_end|>", ["<|im_end|>"]),
+    "hermes": (HERMES, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+               ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"], None, "<|im_end|>", ["<|im_end|>"]),
     "llama32": (LLAMA32, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
                           "<|eom_id|>", "<|python_tag|>"], [], "<|begin_of_text|>", "<|eot_id|>",
                 ["<|eot_id|>", "<|eom_id|>"]),
@@ -110,7 +131,7 @@ FAMILIES = {
                           "[CALL_ID]", "[ARGS]", "[TOOL_CONTENT]"], [], "<s>", "</s>", ["</s>"]),
 }
 # the real template of each family, as llama.cpp's models/templates/ names it
-REAL_FILES = {"qwen3": "Qwen-Qwen3-0.6B.jinja", "llama32": "meta-llama-Llama-3.2-3B-Instruct.jinja",
+REAL_FILES = {"qwen3": "Qwen-Qwen3-0.6B.jinja", "hermes": "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja", "llama32": "meta-llama-Llama-3.2-3B-Instruct.jinja",
               "gpt-oss": "openai-gpt-oss-120b.jinja", "mistral": "Mistral-Small-3.2-24B-Instruct-2506.jinja"}
 
 
