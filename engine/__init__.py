@@ -19,6 +19,7 @@ _EXPORTS = {
     "VisionUnavailable": ".errors",
     "GenerationError": ".errors",
     "ConstraintError": ".errors",
+    "PassageError": ".errors",
     "SessionError": ".errors",
     "ToolError": ".errors",
     "CheckpointNameError": ".errors",

@@ -266,6 +266,9 @@ class EngineConfig:
     idle_demote_s: float | None = option(None, "float", "idle demotion", "demote RAM entries unused this many seconds "
                                          "to SSD (0: never)", none_word="0")
     prefill_chunk: int = option(512, "int", "prefill chunk", "prefill chunk size in tokens")
+    passage_recompute: float = option(0.15, "float", "passage recompute", "the fraction of the passage tokens "
+                                      "generate(..., passages=[...]) places from their cached KV that it recomputes "
+                                      "(0 to 1; 1: what a full prefill computes)")
     memory_high_water: float = option(0.85, "float", "memory high-water mark", "share of the memory the kernel may "
                                       "use at which cached state is let go")
     memory_low_water: float = option(0.75, "float", "memory low-water mark", "share it lets go down to (below the "
@@ -333,6 +336,8 @@ class EngineConfig:
 
         if not isinstance(self.prefill_chunk, int) or isinstance(self.prefill_chunk, bool) or self.prefill_chunk < 1:
             raise bad("prefill_chunk", f"must be an integer >= 1, got {self.prefill_chunk!r}")
+        if not 0 <= self.passage_recompute <= 1:
+            raise bad("passage_recompute", f"must be from 0 to 1, got {self.passage_recompute!r}")
         if not 0 < self.memory_low_water < self.memory_high_water <= 1:
             raise bad("memory_high_water", "memory marks must satisfy 0 < low < high <= 1, got "
                       f"low={self.memory_low_water}, high={self.memory_high_water}")

@@ -51,10 +51,10 @@ from .models.registry import IdentityMemo, ModelRegistry
 from .named.checkpoints import NamedCheckpoints
 from .chat.prompts import encode_prompt
 from .generate.scoring import ScoreResult, score
+from .generate.passages.run import with_passages
 from .generate.score_groups import score_groups
 from .generate.generation import Generation, GenerationResult, Request, Services
 from .chat.sessions import Sessions
-from .chat.loops import LoopRecords
 from .chat.turn import ChatOptions, run_turn
 from .generate.speculative.draft import load_with_draft, resolve_draft
 from .generate.speculative.proposers import check_lookup
@@ -71,12 +71,11 @@ REQUEST_OPTIONS = frozenset({f.name for f in fields(Request)} - {"model", "token
 class Engine:
     def __init__(self, cache_dir: str | os.PathLike | None = _UNSET, ram_budget_bytes: int | None = _UNSET,
                  ssd_budget_bytes: int | None = _UNSET, *, config: EngineConfig | None = None, **options):
-        """Options (config.py, `EngineConfig`): each keyword, else its environment variable, else
-        its default; `config` instead of the environment. E.g. ram_budget_bytes (None: adapt to the
-        machine's memory), ssd=False, prefill_chunk, prefetch_budget_bytes (0: no prefetch after a
-        model load), retention ("lru" | "cost"), remote_url with remote_secret (a team secret of 16+
-        bytes, or several: the first seals) unless remote_insecure=True; remote_tls={"ca_file",
-        "cert_file", "key_file"} for rediss://."""
+        """Options (config.py, `EngineConfig`): each keyword, else its environment variable, else its default;
+        `config` instead of the environment. E.g. ram_budget_bytes (None: adapt to the machine's memory),
+        ssd=False, prefill_chunk, prefetch_budget_bytes (0: no prefetch after a model load), retention ("lru" |
+        "cost"), remote_url with remote_secret (a team secret of 16+ bytes, or several: the first seals)
+        unless remote_insecure=True; remote_tls={"ca_file", "cert_file", "key_file"} for rediss://."""
         hide_credentials(options)  # first: a traceback's frames show them redacted from here on
         for name, value in (("cache_dir", cache_dir), ("ram_budget_bytes", ram_budget_bytes),
                             ("ssd_budget_bytes", ssd_budget_bytes)):
@@ -122,18 +121,19 @@ class Engine:
         self.metrics = GenerationMetrics()
         self.last_result: GenerationResult | None = None
         self.last_key: tuple | None = None  # (namespace, tokens) of the last generation's checkpoint
-        self.sessions = Sessions(cache=self.cache, models=self.models, events=self.events, poll=self.poll)
+        self.sessions = Sessions(cache=self.cache, models=self.models, events=self.events, poll=self.poll,
+                                 loops=self.cache_dir / "loops" if usable and self.cache.has_ssd else None)
         names = NamedCheckpoints(self.cache_dir / "names" if usable else None)  # the records of named checkpoints
         find = StateFinder(self.cache, names, self.sessions, last_key=lambda: self.last_key)
         self.checkpoints = Checkpoints(cache=self.cache, names=names, sessions=self.sessions, models=self.models,
                                        events=self.events, poll=self.poll, find=find)
         self.kv = KVInspection(find)
-        self._loops = LoopRecords(self.cache_dir / "loops" if usable and self.cache.has_ssd else None)
         inflight = InflightRecords(self.cache.catalog, legacy_dir=self.cache_dir / "inflight")
         self.admin = CacheAdmin(cache=self.cache, names=names, models=self.models, objects=self.objects,
                                 inflight=inflight, events=self.events, poll=self.poll, flush=self.flush)
         self._services = Services(self.cache, inflight, self.memory, self.metrics, self.events,
-                                  AccessTrace(config.trace_path), config.prefill_chunk, on_published=self._published)
+                                  AccessTrace(config.trace_path), config.prefill_chunk, on_published=self._published,
+                                  explain=self.admin.explainer.explain)
         if remote is not None:  # a shared tier below SSD (Redis / Valkey)
             model_of = self.models.by_namespace
             attach_remote(self.cache, remote, publish=config.remote_publish, prefill_rate=self.metrics.prefill_rate.get,
@@ -196,19 +196,19 @@ class Engine:
                  images: Sequence | None = None, videos: Sequence | None = None, fps: float | None = None,
                  max_frames: int | None = None, audios: Sequence | None = None, draft: str | bool | None = None,
                  num_draft_tokens: int | None = None, lookup: bool | None = None, response_format=None, regex=None,
-                 choices=None, grammar=None, template_args: dict | None = None, think: bool | None = None,
-                 tools: Sequence | None = None, tool_choice: str | None = None, max_steps: int | None = None,
-                 confirm: Callable | None = None, on_reasoning: Callable | None = None, on_step: Callable | None = None,
+                 choices=None, grammar=None, passages: Sequence[str] | None = None, recompute: float | None = None,
+                 template_args: dict | None = None, think: bool | None = None, tools: Sequence | None = None,
+                 tool_choice: str | None = None, max_steps: int | None = None, confirm: Callable | None = None,
+                 on_reasoning: Callable | None = None, on_step: Callable | None = None,
                  params: SamplingParams | None = None, **sampling) -> GenerationResult:
         """sampling: SamplingParams's options (max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop=(),
-        logprobs=None), or params=SamplingParams(...). images, videos (sampled at fps, up to max_frames), audios: for
-        a VLM, before the text of the user turn (media/). draft: a loaded model proposing num_draft_tokens (4) per
-        verify forward (default: the model's own; False: none); lookup: drafts from the context (None: where they
-        pay). response_format (Pydantic, JSON Schema), regex, choices or grammar (Lark, GBNF): the answer follows it,
-        `.parsed` holds it parsed (docs/constrained.md). A chat turn (chat/turn.py): template_args (the template's
-        keywords), think (its thinking switch); .reasoning apart from .text (on_reasoning streams it); tools:
-        functions the model may call (tool_choice "auto", "required", "none"; up to max_steps steps;
-        confirm(call) -> bool first), each step in .steps (on_step)."""
+        logprobs=None), or params=. images, videos (at fps, up to max_frames), audios: for a VLM (media/). draft: a
+        loaded model proposing num_draft_tokens (4) per verify (default: the model's own; False: none); lookup: drafts
+        from the context (None: where they pay). response_format (Pydantic, JSON Schema), regex, choices, grammar
+        (Lark, GBNF): the answer follows it, `.parsed` holds it (docs/constrained.md). passages: texts placed from
+        their cached KV, `recompute` of them recomputed (approximate: generate/passages/). A chat turn (chat/turn.py):
+        template_args, think (the template's switch); .reasoning apart from .text (on_reasoning); tools (tool_choice
+        "auto", "required", "none"; max_steps; confirm(call) -> bool), each step in .steps (on_step)."""
         self._check_open()
         self.poll(prepare=False)  # no buffers allocated for prefetches on the way to the first token
         params = SamplingParams.from_call(params, sampling)
@@ -217,21 +217,22 @@ class Engine:
         constraint = constraint_of(m, response_format, regex, choices, grammar)  # refused before any work
         chat = ChatOptions(template_args, think, tools, tool_choice, max_steps, confirm, on_reasoning, on_step).check(
             constrained=constraint is not None)
+        if chat.used and (raw or m.vision or passages is not None):
+            raise GenerationError("template options and tools need a text model's chat template (not raw or passages)")
         if (images or videos or audios) and not m.vision:
             raise GenerationError(f"model {m.name!r} is not a vision-language model: it takes no images, videos or audio")
-        run = dict(session=session, use_cache=use_cache, on_progress=on_progress, checkpoint_every=checkpoint_every,
-                   draft=draft, num_draft_tokens=num_draft_tokens, lookup=lookup)
+        run = dict(session=session, use_cache=use_cache, on_text=on_text, on_progress=on_progress, draft=draft,
+                   checkpoint_every=checkpoint_every, num_draft_tokens=num_draft_tokens, lookup=lookup, constraint=constraint)
+        if passages is not None:  # placed from their cached KV: approximate, opt-in (generate/passages/run.py)
+            return with_passages(self, m, params, prompt, passages, recompute, system=system, raw=raw, run=run,
+                                 media=images or videos or audios)
         if not (raw or m.vision):  # through the chat template, reasoning apart, tools called (chat/turn.py)
-            return run_turn(self.sessions, self._loops, self._generate, m, prompt, chat, params,
-                            dict(run, on_text=on_text, constraint=constraint), system=system)
-        if chat.used:
-            raise GenerationError("template options and tools go with a text model's chat template (not raw=True)")
+            return run_turn(self.sessions, self._generate, m, prompt, chat, params, run, system=system)
         media = media_prompt(self, m, prompt, images, system=system, raw=raw, session=session, use_cache=use_cache,
                              videos=videos, fps=fps, max_frames=max_frames, audios=audios) if m.vision else None
-        # (a media prompt's cache keys carry each item's identity)
         tokens = media.keys if media is not None else self.encode_prompt(prompt, model=m.name, system=system, raw=raw,
                                                                          session=session)
-        result = self._generate(m, tokens, params, dict(run, on_text=on_text, media=media, constraint=constraint))
+        result = self._generate(m, tokens, params, dict(run, media=media))
         if session is not None:
             self.sessions.get(session).record_turn(prompt, result.text, tokens, result.tokens,
                                                    images=media.images if media else ())
@@ -265,16 +266,17 @@ class Engine:
         return results
 
     def score(self, context, continuations: Sequence, *, model: str | None = None, raw: bool = True,
-              system: str | None = None, use_cache: bool = True) -> list[ScoreResult]:
+              system: str | None = None, use_cache: bool = True, on_progress=None) -> list[ScoreResult]:
         """The log-likelihood of each continuation given the context, in order (lm-eval's
         loglikelihood: `.logprob`, `.token_logprobs`, `.greedy`). Strings are tokenized as lm-eval
         does; token ids pass through. raw=False: the context is a chat turn (the template with its
         generation prompt) and each continuation the assistant's reply. The context comes from the
-        cache (or is prefilled once) and every continuation goes in one batch over it (generate/scoring.py)."""
+        cache (or is prefilled once: on_progress as generate's) and every continuation goes in one batch
+        over it (generate/scoring.py)."""
         self._check_open()
         self.poll(prepare=False)
         return score(self._services, self.models.get(model), context, continuations, raw=raw, system=system,
-                     use_cache=use_cache)
+                     use_cache=use_cache, on_progress=on_progress)
 
     def score_groups(self, pairs: Sequence, *, model: str | None = None, use_cache: bool = True,
                      on_progress: Callable[[str, int, int], None] | None = None) -> list[ScoreResult]:

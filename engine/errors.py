@@ -39,6 +39,12 @@ class ConstraintError(GenerationError):
     model whose tokenizer the grammar library cannot read; the message names the part refused."""
 
 
+class PassageError(GenerationError):
+    """Passages that cannot be placed (generate(..., passages=...)): a model whose position encoding
+    cannot move, a passage longer than the window, an option that does not go with them; the message
+    names what to do instead."""
+
+
 class SessionError(ValueError):
     """An unknown session, or one used with another model than its own."""
 

@@ -222,6 +222,12 @@ class GenerationMetrics:
         return {f"engine_{k}": v for k, v in self.counters.items()}
 
 
+def cached_stats(cached: int, source: str | None) -> dict:
+    """The cached prefix's part of a generation's stats: how long, from which tier."""
+    return {"cached_tokens": cached, "cache_source": source, "ram_tokens": cached if source == "ram" else 0,
+            "ssd_tokens": cached if source == "ssd" else 0, "remote_tokens": cached if source == "remote" else 0}
+
+
 def generation_stats(*, prompt_tokens, cached, source, prefilled, lookup_s, prefill_s, t0, token_times,
                      decode_tokens, finish_reason, peak_memory) -> dict:
     """One generation's `GenerationResult.stats`.
@@ -233,11 +239,7 @@ def generation_stats(*, prompt_tokens, cached, source, prefilled, lookup_s, pref
     span = token_times[-1] - token_times[0] if n > 1 else 0.0
     return {
         "prompt_tokens": prompt_tokens,
-        "cached_tokens": cached,
-        "cache_source": source,
-        "ram_tokens": cached if source == "ram" else 0,
-        "ssd_tokens": cached if source == "ssd" else 0,
-        "remote_tokens": cached if source == "remote" else 0,
+        **cached_stats(cached, source),
         "prefilled_tokens": prefilled,
         "lookup_s": lookup_s,
         "prefill_s": prefill_s,

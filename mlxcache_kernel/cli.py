@@ -79,6 +79,23 @@ def _add_demo(subparsers) -> None:
     demo.set_defaults(func=cmd_demo)
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from mlxcache_kernel.eval import run_harness  # lm-eval: the [eval] extra
+
+    return run_harness(args.harness_args)
+
+
+def _add_eval(subparsers) -> None:
+    ev = subparsers.add_parser(
+        "eval", help="run lm-evaluation-harness with the cached engine (its arguments; the [eval] extra)",
+        description="lm-evaluation-harness's own arguments (lm-eval run --help), with --model mlxcache and "
+                    "--model_args pretrained=default unless given; model arguments: pretrained, kv_bits, "
+                    "kv_group_size, kv_start, adapter, draft, cache_dir, add_bos_token, max_length, seed.",
+        add_help=False)
+    ev.add_argument("harness_args", nargs=argparse.REMAINDER, help="the harness's arguments")
+    ev.set_defaults(func=cmd_eval)
+
+
 def _add_kernel_commands(subparsers) -> None:
     """install, lab (mlxcache_kernel.kernelspec) and run (mlxcache_kernel.runner)."""
     from mlxcache_kernel import kernelspec, runner
@@ -93,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers.required = True
     _add_models(subparsers)
     _add_demo(subparsers)
+    _add_eval(subparsers)
     _add_kernel_commands(subparsers)
     return parser
 
@@ -100,7 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from mlxcache_kernel.engine.host.blas import ensure_fast_blas
 
-    args = build_parser().parse_args(argv)
+    given = sys.argv[1:] if argv is None else list(argv)
+    if given[:1] == ["eval"]:  # every argument after it is the harness's (argparse would claim its options)
+        args = argparse.Namespace(func=cmd_eval, harness_args=given[1:])
+    else:
+        args = build_parser().parse_args(argv)
     if argv is None:  # a real process we own: restart it with OpenBLAS preloaded if that helps
         ensure_fast_blas()
     return args.func(args)

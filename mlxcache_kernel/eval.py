@@ -21,6 +21,7 @@ left, keeping the continuation whole), with special tokens added as `mlx_lm.eval
 from __future__ import annotations
 
 import atexit
+import sys
 
 try:
     from lm_eval.api.model import LM
@@ -48,10 +49,15 @@ class CachedLM(LM):
                  adapter: str | None = None, draft: str | None = None, cache_dir: str | None = None,
                  add_bos_token: bool | None = None, max_length: int | None = None, batch_size=None,
                  max_batch_size=None, device=None, seed: int = 0):
-        """batch_size: rows generated together (the harness's "auto" and max_batch_size: the
-        engine's default); device: MLX's default device is used whatever the harness names."""
+        """batch_size: rows generated together (the harness's "auto" and its default of 1: the
+        engine's default); max_batch_size and device are the harness's to pass: MLX's default
+        device is used whatever it names."""
         super().__init__()
         loads = {"kv_bits": kv_bits, "kv_start": kv_start, "adapter": adapter, "draft": draft, "cache_dir": cache_dir}
+        if pretrained == "default":  # the engine's default model (converted once)
+            from .engine.models.convert import ensure_default_model
+
+            pretrained = str(ensure_default_model())
         if (engine is None) == (pretrained is None):
             raise ConfigError("CachedLM: give pretrained=PATH (a model to load) or engine=ENGINE (a loaded one)")
         if engine is not None and any(v is not None for v in loads.values()):
@@ -80,7 +86,7 @@ class CachedLM(LM):
                               else bool(add_bos_token))
         window = self._loaded.config.get("max_position_embeddings")
         self.max_length = int(max_length or window or 2048)
-        self.batch_size = batch_size if isinstance(batch_size, int) and batch_size > 0 else None
+        self.batch_size = batch_size if isinstance(batch_size, int) and batch_size > 1 else None
         self.seed = int(seed)
 
     # --- what the harness reads ---
@@ -202,13 +208,46 @@ class CachedLM(LM):
 
     def _generate(self, prompts: list, options: dict, bar) -> list[str]:
         if self._loaded.info.get("draft") is not None:  # a draft proposes for one row at a time
-            texts = []
+            results = []
             for p in prompts:
-                texts.append(self.engine.generate_tokens(p, model=self.model_name, seed=self.seed, **options).text)
+                results.append(self.engine.generate_tokens(p, model=self.model_name, seed=self.seed, **options))
                 bar.update(1)
-            return texts
-        kw = {"batch_size": self.batch_size} if self.batch_size else {}
-        results = self.engine.generate_batch(prompts, model=self.model_name, seed=self.seed,
-                                             on_row=lambda *_: bar.update(1), **kw, **options)
-        return [r.text for r in results]
+        else:
+            kw = {"batch_size": self.batch_size} if self.batch_size else {}
+            results = self.engine.generate_batch(prompts, model=self.model_name, seed=self.seed,
+                                                 on_row=lambda *_: bar.update(1), **kw, **options)
+        return [self._text(r.tokens) for r in results]
 
+    def _text(self, tokens: list) -> str:
+        """The generated tokens as text, as the harness's models decode them: the first token's
+        leading space kept (a streaming detokenizer drops it), an end token left out."""
+        if tokens and tokens[-1] in self._loaded.eos_token_ids:
+            tokens = tokens[:-1]
+        return self.tokenizer.decode(tokens)
+
+
+
+def run_harness(argv: list[str]) -> int:
+    """`mlxcache-kernel eval ARGS`: the harness's own command line (`lm-eval run ARGS`: --tasks,
+    --num_fewshot, --limit, --include_path, --output_path, ...) with this model registered, --model
+    mlxcache and pretrained=default unless given; an error the harness raises is one line."""
+    from lm_eval.__main__ import cli_evaluate
+
+    argv = list(argv)
+    if argv[:1] == ["run"]:
+        argv = argv[1:]
+    if not any(a == "--model" or a.startswith("--model=") for a in argv):
+        argv = ["--model", "mlxcache", *argv]
+    if not any(a == "--model_args" or a.startswith("--model_args=") for a in argv):
+        argv += ["--model_args", "pretrained=default"]
+    saved, sys.argv = sys.argv, ["mlxcache-kernel eval", "run", *argv]
+    try:
+        cli_evaluate()
+    except SystemExit as e:  # argparse's own usage errors and --help
+        return e.code if isinstance(e.code, int) else 1
+    except Exception as e:  # noqa: BLE001 (a task it cannot load, a bad model argument: one line)
+        print(f"mlxcache-kernel eval: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    finally:
+        sys.argv = saved
+    return 0

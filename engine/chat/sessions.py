@@ -173,11 +173,14 @@ class Sessions:
     """Chat sessions by id (`eng.sessions`): each one's history here; its latest state in the cache's
     session index, which `switch` brings back into RAM and `close` lets go of."""
 
-    def __init__(self, *, cache, models, events, poll: Callable[[], None]):
+    def __init__(self, *, cache, models, events, poll: Callable[[], None], loops=None):
         """cache: the engine's TieredPromptCache; models: its ModelRegistry; poll: apply finished
-        background work (the engine's)."""
+        background work (the engine's); loops: where agent loops keep their crash records (None: nowhere)."""
+        from .loops import LoopRecords
+
         self._sessions: dict[str, Session] = {}
         self.cache, self.models, self.events, self.poll = cache, models, events, poll
+        self.loops = LoopRecords(loops)
 
     def new(self, session_id: str, *, system: str | None = None, model: str | None = None) -> Session:
         check_session_id(session_id)

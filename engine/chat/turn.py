@@ -213,7 +213,7 @@ class Turn:
                 target(text)
 
 
-def run_turn(sessions, loops, generate, model, prompt: str, options: ChatOptions, params, request: dict, *,
+def run_turn(sessions, generate, model, prompt: str, options: ChatOptions, params, request: dict, *,
              system: str | None):
     """A chat turn of `model` in request["session"] (None: a conversation of one turn, dated today).
     generate(model, ids, params, request) is the engine's one generation; a step under a required call
@@ -232,4 +232,4 @@ def run_turn(sessions, loops, generate, model, prompt: str, options: ChatOptions
                                                                                                  None, call)))
 
     return Turn(model.tokenizer, conv, prompt, options, system=system, on_text=on_text,
-                records=loops.opener(model.namespace, params.as_dict()), max_tokens=params.max_tokens).run(step)
+                records=sessions.loops.opener(model.namespace, params.as_dict()), max_tokens=params.max_tokens).run(step)

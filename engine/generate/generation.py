@@ -54,6 +54,7 @@ class Services:
     trace: AccessTrace
     prefill_chunk: int
     on_published: Callable[[tuple], None]  # (namespace, tokens) of a generation's final checkpoint
+    explain: Callable | None = None  # (prompt, namespace, tokens reused) -> cache/why.py's Why
 
 
 @dataclass
@@ -86,6 +87,8 @@ class Request:
     num_draft_tokens: int = 0
     lookup: bool | None = None  # drafts from the context (speculative/lookup.py): None where they pay
     constraint: Compiled | None = None  # the grammar the answer follows (grammars.py, constrain.py)
+    prepared: Any = None  # passages placed (passages/run.py Placed): the start, taken as a loan; approximate,
+    # so the request runs with use_cache off (nothing it computes is published)
 
     @property
     def ns(self) -> str:
@@ -150,9 +153,9 @@ class Generation:
         req, cache = self.req, self.cache
         if hasattr(mx, "reset_peak_memory"):
             mx.reset_peak_memory()
-        t0 = time.perf_counter()
+        t0 = req.prepared.t0 if req.prepared is not None else time.perf_counter()
         self.services.inflight.start(self.rid)
-        loan = self._resume() if req.use_cache else None
+        loan = req.prepared or (self._resume() if req.use_cache else None)
         if loan is None and req.use_cache:
             # move=True: an entry this generation will supersede hands over its buffers (not one
             # in full precision that a run converting its KV past kv_start cannot supersede)
@@ -162,6 +165,8 @@ class Generation:
                               move=not (crosses or shared))
         caches = loan.caches if loan else req.model.new_caches()
         cached = min(loan.length, len(req.tokens)) if loan else 0
+        why = (self.services.explain(req.tokens, req.ns, cached)
+               if req.use_cache and not self.emitted and self.services.explain else None)
         t_lookup = time.perf_counter() - t0
         head = [] if self.emitted else req.tokens[cached:]  # what the caches do not hold yet
         # A short rest of the prompt goes in one forward with the first token's (the prompt's last
@@ -215,7 +220,12 @@ class Generation:
             peak_memory=int(mx.get_peak_memory()) if hasattr(mx, "get_peak_memory") else None,
         )
         stats["resumed_from"] = len(self.emitted) or None
+        stats["context_window"] = req.model.context_window
+        if why is not None:  # why the cache served no more (the footer says it where a user would wonder)
+            stats.update(cache_why=why.line if why.surprising else None, cache_why_cause=why.cause)
         stats.update(self.prompt.stats(cached, loan.source if loan else None))
+        if req.prepared is not None:
+            stats.update(req.prepared.stats(stats))
         if req.draft is not None:
             counts = self.drafter.counts if self.drafter else DraftCounts()
             stats.update(counts.stats(req.draft.name, req.num_draft_tokens, self.proposers.draft_fallback))

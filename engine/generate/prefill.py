@@ -15,8 +15,11 @@ def prefill(
     chunk: int,
     progress: Callable[[int, int], None] | None = None,
 ) -> None:
-    """Forward `tokens` into `caches` in chunks (no logits are kept)."""
+    """Forward `tokens` into `caches` in chunks (no logits are kept); `progress(done, total)` before the
+    first chunk (a display can show what the cell does from its first second) and after each."""
     total = len(tokens)
+    if progress is not None and total:
+        progress(0, total)
     for start in range(0, total, chunk):
         model(mx.array(tokens[start : start + chunk])[None], cache=caches)
         mx.eval([c.state for c in caches])

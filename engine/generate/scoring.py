@@ -43,7 +43,7 @@ class ScoreResult:
 
 
 def score(services, model, context, continuations, *, raw: bool, system: str | None,
-          use_cache: bool) -> list[ScoreResult]:
+          use_cache: bool, on_progress=None) -> list[ScoreResult]:
     """Engine.score: the inputs checked and tokenized, the rows scored, one result each."""
     if model.vision is not None:
         raise GenerationError(f"score: model {model.name!r} is a vision-language model: score text models")
@@ -57,8 +57,11 @@ def score(services, model, context, continuations, *, raw: bool, system: str | N
         encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
     ctx, conts = encode_pairs(encode, context, list(continuations))
     check(ctx, conts, model)
+    t0 = time.perf_counter()
     with services.cache.generating():
-        rows, stats = score_rows(services, model, ctx, conts, use_cache=use_cache and model.cache_notice is None)
+        rows, stats = score_rows(services, model, ctx, conts, use_cache=use_cache and model.cache_notice is None,
+                                 progress=on_progress)
+    stats["seconds"] = time.perf_counter() - t0
     services.events.emit("score", model=model.name, continuations=len(conts), **stats)
     return [ScoreResult(c, ids, float(sum(lps)), lps, greedy, stats)
             for c, ids, (lps, greedy) in zip(continuations, conts, rows)]
@@ -110,20 +113,23 @@ def check(ctx: list, conts: list, model, names: list | None = None) -> None:
                                   f"forwarded: past the model's context window of {window}")
 
 
-def score_rows(services, model, ctx: list, conts: list, *, use_cache: bool) -> tuple[list, dict]:
-    """Each continuation's token log-probabilities and whether each token was the argmax."""
+def score_rows(services, model, ctx: list, conts: list, *, use_cache: bool, progress=None) -> tuple[list, dict]:
+    """Each continuation's token log-probabilities and whether each token was the argmax
+    (progress(phase, done, total): a restore, the context's prefill)."""
     cache, ns = services.cache, model.namespace
-    loan = cache.take(ctx, ns) if use_cache else None  # at most len(ctx) - 1 tokens
+    loan = cache.take(ctx, ns, progress=progress) if use_cache else None  # at most len(ctx) - 1 tokens
     try:
         prefix_len = len(ctx) - 1
         cached = loan.length if loan is not None else 0
         caches = loan.caches if loan is not None else model.new_caches()
         if cached < prefix_len:  # the context's rest, once for every continuation
             t = time.perf_counter()
-            prefill(model.forward, caches, ctx[cached:prefix_len], chunk=services.prefill_chunk)
+            prefill(model.forward, caches, ctx[cached:prefix_len], chunk=services.prefill_chunk,
+                    progress=progress and (lambda done, total: progress("prefill", done, total)))
             services.metrics.record_prefill(ns, prefix_len - cached, time.perf_counter() - t)
         inputs = [[ctx[-1]] + c[:-1] for c in conts]
-        stats = {"context_tokens": len(ctx), "cached_tokens": cached, "source": loan.source if loan else None}
+        stats = {"context_tokens": len(ctx), "cached_tokens": cached, "source": loan.source if loan else None,
+                 "prefilled_tokens": max(0, prefix_len - cached)}
         # every layer plain KV in the model's own form: quantized KV too (the rows cache converts
         # each row at exactly kv_start, at its own column; the live caches may be quantized already)
         if prefix_len and shares_prefix(new_caches(model.model)):

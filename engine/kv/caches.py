@@ -6,7 +6,10 @@ decoding; what the KV scheme is called; a fresh list (quantized on request).
 
 from __future__ import annotations
 
-from .codecs import CODECS, codec, kind_of, make_caches, plain_caches
+import mlx.core as mx
+
+from .codecs import CODECS, capture_layer, codec, kind_of, make_caches, plain_caches
+from .layers import LayerState
 
 
 def unsupported(caches: list) -> list[str]:
@@ -26,6 +29,32 @@ def always_cuttable(caches: list) -> bool:
     needs a snapshot of its own.
     """
     return bool(caches) and all(kind_of(c) in CODECS and CODECS[kind_of(c)].always_cuttable for c in caches)
+
+
+def move_blockers(caches: list) -> list[str]:
+    """Why the keys of these caches cannot be rotated to other positions (nested ones included): []
+    when every layer is plain KV (generate/passages/)."""
+    out = []
+    for c in caches:
+        kind = kind_of(c)
+        inner = CODECS[kind].inner(c) if kind in CODECS else []
+        out += move_blockers(inner) if inner else [CODECS[kind].unmovable if kind in CODECS else kind]
+    return sorted(set(b for b in out if b))
+
+
+def kv_arrays(c) -> tuple:
+    """A plain KV cache's (keys, values) over the positions it holds (None, None when empty)."""
+    slots = capture_layer(c).slots()
+    if not slots:
+        return None, None
+    return tuple(pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-2) for pieces in slots)
+
+
+def holding(like, keys, values) -> object:
+    """A live cache of `like`'s (plain KV) kind holding these (keys, values): lent, so its first
+    append copies them into a buffer of its own."""
+    n = int(keys.shape[-2])
+    return codec(kind_of(like)).lend(LayerState.whole(kind_of(like), (keys, values), {"offset": n}), n)
 
 
 def array_names(kind: str, count: int) -> list[str]:

@@ -26,7 +26,6 @@ from .layers import LayerState, fresh as _fresh, own as _own, seq as _seq
 from ..errors import UnsupportedCache  # noqa: F401 (raised here; defined in errors.py)
 
 
-
 class Codec:
     kind = ""
     roles: tuple = ()  # names of the arrays, for inspection
@@ -34,6 +33,7 @@ class Codec:
     hit = "a copy of the cached state"  # what a borrower of this kind holds after a hit (%model info)
     shares_prefix = False  # batch rows over one lent prefix of this kind attend to it once (kv/cascade.py)
     segmented = False  # its state is segments along the token axis, lent ones kept shared (Checkpoint.sharing)
+    unmovable = "its cache kind"  # why its keys cannot be rotated to other positions (passages); "": they can
 
     def capture(self, c: Any, copy: bool = False) -> LayerState:
         """The state of live cache `c`: views, or (copy) copies of what it may still write."""
@@ -111,6 +111,7 @@ class PlainKV(Codec):
     hit = ("the cached prefix shared, copied once into a buffer of its own at its first append (none when "
            "a rerun takes the entry's place); then mlx-lm's KVCache and the model's own attention")
     shares_prefix = True
+    unmovable = ""
 
     def capture(self, c, copy=False):
         if isinstance(c, BorrowedKVCache):
@@ -153,6 +154,7 @@ class QuantizedKV(Codec):
     """`QuantizedKVCache`: (packed, scales, biases) for keys and for values; borrowers as plain KV's."""
 
     kind, roles = "QuantizedKVCache", ("keys", "keys_scales", "keys_biases", "values", "values_scales", "values_biases")
+    unmovable = "quantized KV (kv_bits)"
     always_cuttable = segmented = True
     hit = PlainKV.hit.replace("KVCache", "QuantizedKVCache")
 
@@ -192,7 +194,7 @@ class RotatingKV(Codec):
     offset only: not trimmable.
     """
 
-    kind, roles = "RotatingKVCache", ("keys", "values")
+    kind, roles, unmovable = "RotatingKVCache", ("keys", "values"), "sliding-window attention"
     hit = "views of the cached window, copied by its first append (exact boundaries once it wrapped)"
 
     def capture(self, c, copy=False):
@@ -240,7 +242,7 @@ class ChunkedKV(Codec):
     further back would lack keys a cold run at that length still has.
     """
 
-    kind, roles = "ChunkedKVCache", ("keys", "values")
+    kind, roles, unmovable = "ChunkedKVCache", ("keys", "values"), "chunked attention"
     hit = "views of the cached chunk, copied by its first append"
 
     def capture(self, c, copy=False):
@@ -274,7 +276,7 @@ class Recurrent(Codec):
     them, so sharing them between owners is safe.
     """
 
-    hit = "the recurrent state as stored (exact boundaries only)"
+    hit, unmovable = "the recurrent state as stored (exact boundaries only)", "recurrent layers"
 
     def __init__(self, kind: str, batchable: bool = False):
         self.kind, self.batchable = kind, batchable
@@ -347,11 +349,8 @@ class Composite(Codec):
         return max((codec(p["kind"]).min_reusable_offset(p["meta"]) for p in meta["parts"]), default=0)
 
 
-CODECS = {
-    c.kind: c
-    for c in (PlainKV(), QuantizedKV(), RotatingKV(), ChunkedKV(), Recurrent("ArraysCache", batchable=True), Recurrent("MambaCache"),
-              Composite())
-}
+CODECS = {c.kind: c for c in (PlainKV(), QuantizedKV(), RotatingKV(), ChunkedKV(), Recurrent("ArraysCache", batchable=True),
+                              Recurrent("MambaCache"), Composite())}
 # a borrower's live caches: captured as the kinds they borrowed from
 CODECS["BorrowedKVCache"], CODECS["BorrowedQuantizedKVCache"] = CODECS["KVCache"], CODECS["QuantizedKVCache"]
 

@@ -15,6 +15,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable
 
+from ..chat.preview import Previews
 from ..kv.caches import hit_summary, kv_scheme, new_caches, unsupported
 from ..kv.quantize_start import QuantizeFrom, check_quantizable
 from ..named.names import check_user_name
@@ -163,6 +164,13 @@ class LoadedModel:
     @property
     def eos_token_ids(self) -> set:
         return set(getattr(self.tokenizer, "eos_token_ids", None) or [self.tokenizer.eos_token_id])
+
+    @property
+    def context_window(self) -> int | None:
+        """Tokens the model was trained to attend over (its config's max_position_embeddings), if known."""
+        n = self.config.get("max_position_embeddings") or (self.config.get("text_config") or {}).get(
+            "max_position_embeddings")
+        return int(n) if n else None
 
 
 def resolve_model_path(path_or_id: str | os.PathLike) -> Path:
@@ -334,7 +342,7 @@ class ModelRegistry:
     def __init__(self, memo: IdentityMemo, emit: Callable[..., object] = lambda *a, **k: None):
         self.memo, self.emit = memo, emit
         self._models: dict[str, LoadedModel] = {}
-        self._previews: dict = {}
+        self.previews = Previews(lambda ns: getattr(self.by_namespace(ns), "tokenizer", None))
         self.default: str | None = None
 
     def load(self, path_or_id, name: str | None = None, *, check=None, **kv) -> LoadedModel:
@@ -381,20 +389,10 @@ class ModelRegistry:
     def by_namespace(self, ns: str) -> LoadedModel | None:
         return next((m for m in self._models.values() if m.namespace == ns), None)
 
-    def preview(self, ns: str, tokens: tuple, limit: int = 80) -> str:
-        """The start of a cached prefix as text a person recognizes (no chat-template markup)."""
-        key = (ns, len(tokens), hash(tokens))
-        if key not in self._previews:
-            m = self.by_namespace(ns)
-            if m is None:
-                return f"<{len(tokens)} tokens of an unloaded model>"
-            from ..chat.preview import prefix_text  # the default system turn and role markers dropped
-
-            text = prefix_text(m.tokenizer, tokens)
-            if len(self._previews) > 4096:
-                self._previews.clear()
-            self._previews[key] = text if len(text) <= limit else text[: limit - 1] + "…"
-        return self._previews[key]
+    def preview(self, ns: str, tokens: tuple, parts_at: int = 0) -> str:
+        """A cached prefix as text a person recognizes (chat/preview.py): its start, and with parts_at
+        (where it parts from the entries most like it) what it says from there on."""
+        return self.previews.of(ns, tokens, parts_at)
 
     def __contains__(self, name: str) -> bool:
         return name in self._models

@@ -20,6 +20,7 @@ from IPython.core.error import UsageError
 from IPython.display import display
 
 from .base import sampling_options
+from .constrain import constraint_options, field_columns
 from .footer import footer_spans
 from .output import DisplayLine
 from .prompt import interpolate
@@ -177,9 +178,12 @@ def _short(v, width: int = 48) -> str:
 def table(index: list, names: list, prompts: list[str], results: list, seeds: list | None):
     """The rows as a DataFrame indexed like VAR (``.attrs["results"]``: the GenerationResults), or a BatchTable."""
     rows = []
-    for prompt, r, seed in zip(prompts, results, seeds or [None] * len(results)):
+    fields = field_columns(results, set(COLUMNS) | {"seed", "logprob", "incomplete"})
+    keys = list(dict.fromkeys(k for f in fields for k in f))  # every row gets every field (None where missing)
+    for prompt, r, seed, own in zip(prompts, results, seeds or [None] * len(results), fields):
         s, spans = r.stats, footer_spans(r.stats)
-        row = {"prompt": prompt, "text": r.text, "new_tokens": len(r.tokens), "ram": spans["ram"], "ssd": spans["ssd"],
+        row = {"prompt": prompt, "text": r.text, **{k: own.get(k) for k in keys},
+               "new_tokens": len(r.tokens), "ram": spans["ram"], "ssd": spans["ssd"],
                "remote": spans["remote"], "shared": s.get("batch_shared_tokens", 0), "prefilled": spans["prefilled"],
                "ttft_ms": _one_decimal(None if s.get("ttft_s") is None else s["ttft_s"] * 1000),
                "tok_s": _one_decimal(s.get("decode_tokens_per_s")), "finish": s.get("finish_reason")}
@@ -187,6 +191,8 @@ def table(index: list, names: list, prompts: list[str], results: list, seeds: li
             row["seed"] = seed
         if r.logprobs is not None:  # --logprobs: how sure the model was of the row's text (each token's in .attrs)
             row["logprob"] = round(sum(lp.logprob for lp in r.logprobs), 4)
+        if s.get("constraint"):  # why the answer has no fields: "incomplete JSON (max tokens)"
+            row["incomplete"] = s.get("constraint_incomplete")
         rows.append(row)
     try:
         import pandas as pd
@@ -212,6 +218,9 @@ def summary(results: list, once: int, seconds: float, model: str, use_cache: boo
              + f"{total('prefilled_tokens'):,} prefilled by the rows" + ("" if use_cache else " (cache off)"),
              f"{tokens:,} tokens in {fmt_s(seconds)}" + (f" ({tokens / seconds:,.1f} tok/s)" if seconds > 0 else ""),
              "rows one after another" if serial else "batched"]
+    incomplete = [r.stats["constraint_incomplete"] for r in results if r.stats.get("constraint_incomplete")]
+    if incomplete:  # (their fields stay empty in the table)
+        parts.append(f"{len(incomplete)} of {len(results)} answers: {incomplete[0]}")
     return "[mlxcache] " + " · ".join(parts) + f" · model {model}"
 
 
@@ -249,6 +258,7 @@ def run_batch(magics, args, cell: str, in_kernel: bool):
               "set --temperature to sample", file=sys.stderr)
     seeds = [args.seed + j for _ in prompts for j in range(k)]
     prompts = [p for p in prompts for _ in range(k)]
+    constraint = constraint_options(args, shell.user_ns)
     magics._ensure_model(args.model)
     eng = magics.engine
     model = args.model or eng.models.default
@@ -259,7 +269,8 @@ def run_batch(magics, args, cell: str, in_kernel: bool):
         results = eng.generate_batch(prompts, **sampling_options(args, seed=seeds), model=model, system=args.system,
                                      raw=args.raw, use_cache=not args.no_cache, on_progress=progress,
                                      on_row=progress.row_done,
-                                     lookup=bool(args.lookup) if args.lookup or args.no_lookup else None)
+                                     lookup=bool(args.lookup) if args.lookup or args.no_lookup else None,
+                                     **constraint)
     except KeyboardInterrupt:
         print("[mlxcache] interrupted; the cache is intact (finished rows are published)", file=sys.stderr)
         raise

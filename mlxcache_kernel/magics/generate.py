@@ -27,6 +27,7 @@ from IPython.core.magic import cell_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, kwds, magic_arguments
 
 from .base import EngineMagics, parse_args, sampling_arguments, sampling_options, usage_errors
+from .constrain import constraint_arguments, constraint_options
 from .footer import CellResult
 from .help import examples
 from .output import Progress, Stream
@@ -35,6 +36,8 @@ from .prompt import interpolate, warn_undefined
 __all__ = ["GenerateMagics"]
 
 _IMAGE_VAR = re.compile(r"((?:^|\s)(?:--image|-i|--video|--audio)(?:\s+|=))\{([A-Za-z_][A-Za-z0-9_]*)\}")
+# a pattern's and a schema's braces are theirs ([0-9]{3}, {"type": ...}): kept as written, not expanded
+_VERBATIM = re.compile(r"""((?:^|\s)(?:--regex|--json)(?:\s+|=))('[^']*'|"[^"]*"|\S+)""")
 
 
 def _in_kernel(shell) -> bool:
@@ -82,6 +85,7 @@ class GenerateMagics(EngineMagics):
               help="drafts from the prompt and the text so far, verified by the model (same tokens), at every step "
                    "(default: where they pay)")
     @argument("--no-lookup", action="store_true", help="no drafts from the context")
+    @constraint_arguments
     @argument("--no-cache", action="store_true", help="neither look up nor publish prompt caches")
     @argument("--literal", action="store_true", help="no {name} interpolation")
     @argument("--batch", default=None, metavar="VAR",
@@ -100,7 +104,8 @@ class GenerateMagics(EngineMagics):
         writes a literal {name}). The footer tells how many prompt tokens came
         from RAM, from SSD or were prefilled, the time to first token and the
         decode speed. Returns (and with --out stores) the result: .text,
-        .tokens, .stats. With --batch VAR or --n K, many prompts run as one batch (batch.py).
+        .tokens, .stats (and .parsed with --json, --regex, --choice or --grammar).
+        With --batch VAR or --n K, many prompts run as one batch (batch.py).
         """
         line, held = self._expand_line(line)
         args = parse_args(self.generate, line)
@@ -135,7 +140,7 @@ class GenerateMagics(EngineMagics):
         model_name = args.model or eng.models.default
         eng.models.get(model_name)  # unknown model -> one line, before any output
         kwargs = dict(sampling_options(args), session=args.session, model=model_name, system=args.system,
-                      raw=args.raw, use_cache=not args.no_cache)
+                      raw=args.raw, use_cache=not args.no_cache, **constraint_options(args, self.shell.user_ns))
         if args.lookup or args.no_lookup:  # (neither: where they pay)
             kwargs["lookup"] = bool(args.lookup)
         if args.draft is not None or args.no_draft or args.draft_tokens is not None:  # None: the default draft
@@ -160,7 +165,7 @@ class GenerateMagics(EngineMagics):
     def _expand_line(self, line: str) -> tuple[str, dict]:
         """The options line with {name} and $name expanded from the notebook namespace, as
         IPython does for other magics, except `--image {name}` / `--video {name}` / `--audio {name}`: held back (placeholder ->
-        "{name}") so the image is the variable's object, not its text."""
+        "{name}") so the image is the variable's object, not its text; and --regex's and --json's values, as written."""
         from IPython.utils.text import DollarFormatter
 
         held: dict = {}
@@ -170,11 +175,20 @@ class GenerateMagics(EngineMagics):
             held[key] = "{" + m.group(2) + "}"
             return m.group(1) + key
 
-        line = _IMAGE_VAR.sub(hold, line)
+        verbatim: dict = {}
+
+        def keep(m: re.Match) -> str:
+            key = f"__mlxcache_verbatim_{len(verbatim)}__"
+            verbatim[key] = m.group(2)
+            return m.group(1) + key
+
+        line = _VERBATIM.sub(keep, _IMAGE_VAR.sub(hold, line))
         try:
             line = DollarFormatter().vformat(line, args=[], kwargs=dict(self.shell.user_ns))
         except Exception:
             pass  # as IPython does: a line that cannot be expanded is used as written
+        for key, text in verbatim.items():
+            line = line.replace(key, text)
         return line, held
 
     def _image(self, spec: str, option: str = "--image"):

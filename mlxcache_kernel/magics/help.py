@@ -38,7 +38,21 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%%generate --draft small", "speculative decoding: model 'small' proposes, the model verifies; same text"),
         ("%%generate --draft small --draft-tokens 6", "6 proposed tokens per verification (default 4)"),
         ("%%generate --no-draft", "without the model's default draft (%model load --draft)"),
+        ("%%generate --json Invoice --out r", "the answer is JSON following the Pydantic model (or schema dict) "
+                                              "Invoice; r.parsed holds it"),
+        ("%%generate --regex '[A-Z]{2}-[0-9]{4}'", "the answer matches the pattern, whole"),
+        ("%%generate --choice 'yes|no|unsure'", "the answer is one of the choices (or --choice labels: a list)"),
+        ("%%generate --grammar calc", "the answer follows the Lark or GBNF grammar held by variable calc"),
+        ("%%generate --batch df --json Invoice", "one answer per row; the table gets a column per field"),
         ("%%generate --lookup / --no-lookup", "drafts from the prompt itself, verified (same text): always / never (default: where they pay)"),
+    ],
+    "eval": [
+        ("%eval mmlu --num-fewshot 5", "lm-evaluation-harness's MMLU, 5-shot, on the default model (-k 5)"),
+        ("%eval hellaswag,arc_easy --limit 100", "two tasks, 100 documents each (-l 100; 0.1: a tenth)"),
+        ("%eval my_task --include-path tasks/", "a task YAML of your own, in folder tasks/"),
+        ("%eval gsm8k --model small --chat", "the model loaded as 'small', prompts in its chat template"),
+        ("%eval mmlu --seed 1", "the harness's seeds (which few-shot examples it samples)"),
+        ("%eval mmlu --out results", "keep the harness's results dict (results['results'][task])"),
     ],
     "score": [
         ("%%score options", "the cell is the context; rank the strings of list `options` by log-likelihood"),
@@ -90,6 +104,7 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%cache ls --all", "every entry"),
         ("%cache ls --model default", "entries of one model"),
         ("%cache ls --session chat1", "entries of one chat"),
+        ("%cache why", "why the last cell reused no more: the nearest cached prefix, where they part, what differed"),
         ("%cache flush --timeout 30", "wait (at most 30 s) until every queued write is durable"),
         ("%cache clear", "drop RAM entries (SSD files stay)"),
         ("%cache clear --ssd", "and delete the SSD files (named checkpoints stay)"),
@@ -133,12 +148,15 @@ mlxcache: a resident model and a RAM/SSD prompt cache. Add ? to any magic for ev
       --batch VAR: the cell is a template over a list/Series/DataFrame ({item}, {col}) -> a table
       --n K: K samples of the prompt from one prefill (seeds s..s+K-1)
       --logprobs K: each token's log-probability and K alternatives
-      the footer: prompt tokens from RAM / SSD / prefilled, TTFT, tok/s
+      --json MODEL | --regex P | --choice 'a|b' | --grammar VAR: answers that parse (r.parsed)
+      the footer: tokens from RAM / SSD / prefilled, TTFT, tok/s, context used, why a prefix missed
 
   %%score OPTIONS [--chat] [--out r]              rank list OPTIONS as continuations of the cell
+  %eval TASKS [--num-fewshot K] [--limit N]      lm-evaluation-harness tasks over the cache
   %session new|list|show|switch|reset|close ID    multi-turn chats (%%generate --session ID)
   %checkpoint save|list|restore|rm NAME           named states no budget evicts
-  %cache stats|ls [--all] [--model M] [--session S] | flush | clear [--ssd] | gc | verify | config
+  %cache stats|ls [--all] [--model M] [--session S] | why | flush | clear [--ssd] | gc | verify
+  %cache config | help                            the settings in effect; this sheet
   %kv inspect|export [--session ID | --checkpoint NAME | --last] [--layer L] [--to VAR] [--widget]
   %dashboard                                      live RAM/SSD residency, writes, hits
   @memo (from mlxcache_kernel import memo)        a function's array results, kept in RAM and on SSD

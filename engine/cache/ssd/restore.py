@@ -106,9 +106,10 @@ class Restore:
             self._groups[(dtype, shape)] = [group, np.asarray(group), 0]  # the view keeps the array alive
         self.read.allocate(self._allocate)
 
-    def fill(self) -> bool:
-        """Read and verify (any thread); False when it failed (finish() then says why)."""
-        return self.read.fill()
+    def fill(self, progress=None) -> bool:
+        """Read and verify (any thread); False when it failed (finish() then says why). progress(done,
+        total) in tokens, on this thread as each block lands."""
+        return self.read.fill(progress)
 
     def finish(self) -> Checkpoint:
         """The restored checkpoint (owner thread), or CheckpointUnavailable."""

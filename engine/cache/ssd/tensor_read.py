@@ -115,14 +115,16 @@ def allocate_all(header: Header, allocate: Callable) -> dict:
     return out
 
 
-def fill(source, header: Header, buffers: dict, blocks_root: Path | None = None) -> None:
+def fill(source, header: Header, buffers: dict, blocks_root: Path | None = None,
+         progress: Callable[[int, int], None] | None = None) -> None:
     """Read and verify every tensor into `buffers` (from allocate_all); any thread.
 
     Inline tensors come from `source` (a path or the open fd the header came
     from: one file, even if it is replaced meanwhile), span tensors from their
     blocks, every tensor or block on the READERS-thread pool, each hashed as it
-    lands. Raises CorruptCheckpoint, CorruptBlock (carrying the block) or
-    MissingBlock; buffer contents are then undefined.
+    lands; progress(tokens done, tokens) on the calling thread as blocks land. Raises
+    CorruptCheckpoint, CorruptBlock (carrying the block) or MissingBlock; buffer
+    contents are then undefined.
     """
     fd = source if isinstance(source, int) else os.open(source, os.O_RDONLY)
     futures = []
@@ -151,12 +153,14 @@ def fill(source, header: Header, buffers: dict, blocks_root: Path | None = None)
                 ahead = refs[i + AHEAD] if i + AHEAD < len(refs) else None
                 futures.append(pool.submit(_load_block, blocks_root, ref, head, dst, ahead))
     finally:
-        errors = []
-        for fut in futures:  # never return (or close fd) while a pool thread uses a buffer
+        errors, n = [], len(header.tokens)
+        for i, fut in enumerate(futures):  # never return (or close fd) while a pool thread uses a buffer
             try:
                 fut.result()
             except Exception as e:
                 errors.append(e)
+            if progress is not None and not errors:
+                progress(n * (i + 1) // len(futures), n)
         if fd is not source:
             os.close(fd)
     if errors:
