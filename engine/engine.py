@@ -49,7 +49,7 @@ from .host.memory import PressureGuard, ram_budget
 from .metrics import AccessTrace, GenerationMetrics
 from .models.registry import IdentityMemo, ModelRegistry
 from .named.checkpoints import NamedCheckpoints
-from .chat.prompts import encode_prompt
+from .chat.prompts import checked, encode_prompt
 from .generate.scoring import ScoreResult, score
 from .generate.passages.run import with_passages
 from .generate.score_groups import score_groups
@@ -182,11 +182,11 @@ class Engine:
     # --- prompts ---
 
     def encode_prompt(self, prompt: str, *, model: str | None = None, system: str | None = None,
-                      raw: bool = False, session: str | None = None) -> list[int]:
+                      raw: bool = False, session: str | None = None, truncate: str | None = None) -> list[int]:
         """The prompt as token ids: the chat template (with the session's history), or raw."""
         m = self.models.get(model)
         s = self.sessions.get_or_create(session, system=system, model=m.name) if session is not None else None
-        return encode_prompt(m.tokenizer, prompt, system=system, raw=raw, session=s)
+        return encode_prompt(m.tokenizer, prompt, system=system, raw=raw, session=s, config=m.config, truncate=truncate)
 
     # --- generation ---
 
@@ -197,18 +197,19 @@ class Engine:
                  max_frames: int | None = None, audios: Sequence | None = None, draft: str | bool | None = None,
                  num_draft_tokens: int | None = None, lookup: bool | None = None, response_format=None, regex=None,
                  choices=None, grammar=None, passages: Sequence[str] | None = None, recompute: float | None = None,
-                 template_args: dict | None = None, think: bool | None = None, tools: Sequence | None = None,
-                 tool_choice: str | None = None, max_steps: int | None = None, confirm: Callable | None = None,
-                 on_reasoning: Callable | None = None, on_step: Callable | None = None,
+                 truncate: str | None = None, template_args: dict | None = None, think: bool | None = None,
+                 tools: Sequence | None = None, tool_choice: str | None = None, max_steps: int | None = None,
+                 confirm: Callable | None = None, on_reasoning: Callable | None = None, on_step: Callable | None = None,
                  params: SamplingParams | None = None, **sampling) -> GenerationResult:
         """sampling: SamplingParams's options (max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop=(),
         logprobs=None), or params=. images, videos (at fps, up to max_frames), audios: for a VLM (media/). draft: a
         loaded model proposing num_draft_tokens (4) per verify (default: the model's own; False: none); lookup: drafts
         from the context (None: where they pay). response_format (Pydantic, JSON Schema), regex, choices, grammar
         (Lark, GBNF): the answer follows it, `.parsed` holds it (docs/constrained.md). passages: texts placed from
-        their cached KV, `recompute` of them recomputed (approximate: generate/passages/). A chat turn (chat/turn.py):
-        template_args, think (the template's switch); .reasoning apart from .text (on_reasoning); tools (tool_choice
-        "auto", "required", "none"; max_steps; confirm(call) -> bool), each step in .steps (on_step)."""
+        their cached KV, `recompute` of them recomputed (approximate: generate/passages/). truncate: "left" or
+        "middle" cuts a prompt past the model's window (else refused: generate/window.py). A chat turn
+        (chat/turn.py): template_args, think (the template's switch); .reasoning apart from .text (on_reasoning);
+        tools (tool_choice "auto", "required", "none"; max_steps; confirm(call) -> bool), each step in .steps."""
         self._check_open()
         self.poll(prepare=False)  # no buffers allocated for prefetches on the way to the first token
         params = SamplingParams.from_call(params, sampling)
@@ -216,22 +217,20 @@ class Engine:
         params.validate(m.config.get("vocab_size"))
         constraint = constraint_of(m, response_format, regex, choices, grammar)  # refused before any work
         chat = ChatOptions(template_args, think, tools, tool_choice, max_steps, confirm, on_reasoning, on_step).check(
-            constrained=constraint is not None)
-        if chat.used and (raw or m.vision or passages is not None):
-            raise GenerationError("template options and tools need a text model's chat template (not raw or passages)")
-        if (images or videos or audios) and not m.vision:
-            raise GenerationError(f"model {m.name!r} is not a vision-language model: it takes no images, videos or audio")
+            constraint, templated=not (raw or m.vision or passages is not None))
         run = dict(session=session, use_cache=use_cache, on_text=on_text, on_progress=on_progress, draft=draft,
-                   checkpoint_every=checkpoint_every, num_draft_tokens=num_draft_tokens, lookup=lookup, constraint=constraint)
+                   checkpoint_every=checkpoint_every, num_draft_tokens=num_draft_tokens, lookup=lookup, constraint=constraint,
+                   truncate=truncate)
         if passages is not None:  # placed from their cached KV: approximate, opt-in (generate/passages/run.py)
             return with_passages(self, m, params, prompt, passages, recompute, system=system, raw=raw, run=run,
                                  media=images or videos or audios)
-        if not (raw or m.vision):  # through the chat template, reasoning apart, tools called (chat/turn.py)
-            return run_turn(self.sessions, self._generate, m, prompt, chat, params, run, system=system)
+        if not (raw or m.vision or images or videos or audios):  # a chat turn: reasoning apart, tools (chat/turn.py)
+            return run_turn(self.sessions, self._generate, m, checked(prompt, system, m.config, truncate), chat, params,
+                            run, system=system)
         media = media_prompt(self, m, prompt, images, system=system, raw=raw, session=session, use_cache=use_cache,
                              videos=videos, fps=fps, max_frames=max_frames, audios=audios) if m.vision else None
-        tokens = media.keys if media is not None else self.encode_prompt(prompt, model=m.name, system=system, raw=raw,
-                                                                         session=session)
+        tokens = media.keys if media is not None else self.encode_prompt(
+            prompt, model=m.name, system=system, raw=raw, session=session, truncate=truncate)
         result = self._generate(m, tokens, params, dict(run, media=media))
         if session is not None:
             self.sessions.get(session).record_turn(prompt, result.text, tokens, result.tokens,
@@ -243,40 +242,40 @@ class Engine:
                        batch_size: int = DEFAULT_BATCH_SIZE, lookup: bool | None = None,
                        on_progress: Callable[[str, int, int], None] | None = None,
                        on_row: Callable[[int, GenerationResult], None] | None = None, response_format=None,
-                       regex=None, choices=None, grammar=None, **sampling) -> list[GenerationResult]:
-        """One GenerationResult per prompt (a string or token ids), in order: shared prefixes prefilled
-        once, rows decoded together (generate/batch/run.py). sampling: SamplingParams's options, for every row; row i
-        samples with seed + i (or seed[i] from a list). response_format, regex, choices, grammar as `generate`
-        takes them, for every row, or a list with one per row (None: that row free).
+                       regex=None, choices=None, grammar=None, truncate=None, **sampling) -> list[GenerationResult]:
+        """One GenerationResult per prompt (a string or token ids), in order: shared prefixes prefilled once, rows
+        decoded together (generate/batch/run.py). sampling: SamplingParams's options, for every row; row i samples
+        with seed + i (or seed[i] from a list). response_format, regex, choices, grammar as `generate` takes them,
+        for every row, or a list with one per row (None: that row free); truncate as `generate`'s, for each row.
         on_progress(phase, done, total): "restore"/"prefill" in tokens, "decode" in tokens generated;
         on_row(index, result) as each row finishes."""
         self._check_open()
         self.poll(prepare=False)
         m = self.models.get(model)
         vocab = m.config.get("vocab_size")
-        rows = row_tokens(prompts, lambda p: self.encode_prompt(p, model=m.name, system=system, raw=raw), vocab)
+        encode = lambda p: self.encode_prompt(p, model=m.name, system=system, raw=raw, truncate=truncate)  # noqa: E731
+        rows = row_tokens(prompts, encode, vocab)
         params = [SamplingParams.of(**sampling, seed=s).validate(vocab) for s in batch_seeds(seed, len(rows))]
         constraints = constraints_of(m, len(rows), response_format, regex, choices, grammar)
         if not rows:
             return []
         results = BatchRun(self._services, m, rows, params, use_cache=use_cache, batch_size=batch_size,
-                           lookup=check_lookup(lookup), constraints=constraints,
+                           lookup=check_lookup(lookup), constraints=constraints, truncate=truncate,
                            on_progress=on_progress, on_row=on_row).run()
         self.last_result = results[-1]
         return results
 
     def score(self, context, continuations: Sequence, *, model: str | None = None, raw: bool = True,
-              system: str | None = None, use_cache: bool = True, on_progress=None) -> list[ScoreResult]:
-        """The log-likelihood of each continuation given the context, in order (lm-eval's
-        loglikelihood: `.logprob`, `.token_logprobs`, `.greedy`). Strings are tokenized as lm-eval
-        does; token ids pass through. raw=False: the context is a chat turn (the template with its
-        generation prompt) and each continuation the assistant's reply. The context comes from the
-        cache (or is prefilled once: on_progress as generate's) and every continuation goes in one batch
-        over it (generate/scoring.py)."""
+              system: str | None = None, use_cache: bool = True, on_progress=None, truncate=None) -> list[ScoreResult]:
+        """The log-likelihood of each continuation given the context, in order (lm-eval's loglikelihood: `.logprob`,
+        `.token_logprobs`, `.greedy`). Strings are tokenized as lm-eval does; token ids pass through. raw=False: the
+        context is a chat turn (the template with its generation prompt), each continuation the assistant's reply.
+        The context comes from the cache (or is prefilled once: on_progress as generate's) and every continuation goes
+        in one batch over it (generate/scoring.py); one past the window: refused, or cut by truncate ("left", "middle")."""
         self._check_open()
         self.poll(prepare=False)
         return score(self._services, self.models.get(model), context, continuations, raw=raw, system=system,
-                     use_cache=use_cache, on_progress=on_progress)
+                     use_cache=use_cache, on_progress=on_progress, truncate=truncate)
 
     def score_groups(self, pairs: Sequence, *, model: str | None = None, use_cache: bool = True,
                      on_progress: Callable[[str, int, int], None] | None = None) -> list[ScoreResult]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..errors import ToolError
+from ..errors import GenerationError, ToolError
 from .reasoning import Split, starts_in_reasoning
 from .sessions import Session
 from .templates import family_of, render, template_options, thinking_keyword
@@ -77,7 +77,12 @@ class ChatOptions:
     def used(self) -> bool:
         return self.template_args is not None or self.think is not None or self.tools is not None
 
-    def check(self, constrained: bool = False) -> "ChatOptions":
+    def check(self, constraint=None, templated: bool = True) -> "ChatOptions":
+        """Refused before any work: `constraint`, the answer's (with tools it needs tool_choice="none");
+        `templated`: whether the prompt goes through the chat template (not raw, passages or a VLM's)."""
+        if self.used and not templated:
+            raise GenerationError("template options and tools need a text model's chat template (not raw or passages)")
+        constrained = constraint is not None
         if self.tools is not None:
             self.toolbox = Toolbox(self.tools)
         if self.tool_choice is not None and self.tool_choice not in CHOICES:

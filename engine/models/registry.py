@@ -22,6 +22,7 @@ from ..named.names import check_user_name
 from ..chat.templates import read_template
 from ..host.safe_dirs import make_private_dir, write_json_atomic
 from ..errors import ModelError  # noqa: F401 (raised here; defined in errors.py)
+from ..generate.window import window_of
 
 WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -167,10 +168,8 @@ class LoadedModel:
 
     @property
     def context_window(self) -> int | None:
-        """Tokens the model was trained to attend over (its config's max_position_embeddings), if known."""
-        n = self.config.get("max_position_embeddings") or (self.config.get("text_config") or {}).get(
-            "max_position_embeddings")
-        return int(n) if n else None
+        """Tokens the model was trained to attend over, if its config says (generate/window.py)."""
+        return window_of(self.config)
 
 
 def resolve_model_path(path_or_id: str | os.PathLike) -> Path:

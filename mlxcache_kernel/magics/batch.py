@@ -19,6 +19,8 @@ import time
 from IPython.core.error import UsageError
 from IPython.display import display
 
+from mlxcache_kernel.engine.generate.window import max_chars
+
 from .base import sampling_options
 from .constrain import constraint_options, field_columns
 from .footer import footer_spans
@@ -55,15 +57,18 @@ def _items(name: str, value) -> tuple[list, list[dict]]:
     return list(range(len(items))), [dict(v) if isinstance(v, dict) else {"item": v} for v in items]
 
 
-def template_rows(template: str, name: str, value, namespace: dict, hidden=frozenset()) -> tuple[list, list[str]]:
-    """(index, prompt per item): the cell filled in for every item of VAR (bound to `value`)."""
+def template_rows(template: str, name: str, value, namespace: dict, hidden=frozenset(), *, limit: int | None = None,
+                  truncate: str | None = None) -> tuple[list, list[str]]:
+    """(index, prompt per item): the cell filled in for every item of VAR (bound to `value`); a field
+    longer than `limit` characters refused, or cut as `truncate` says (prompt.py)."""
     index, rows = _items(name, value)
     if not rows:
         raise UsageError(f"--batch {name}: it has no items")
     prompts, used, missing = [], set(), {}
     for i, fields in zip(index, rows):
         undefined: list[str] = []
-        prompt = interpolate(template, {**namespace, **fields}, set(hidden) - set(fields), undefined)
+        prompt = interpolate(template, {**namespace, **fields}, set(hidden) - set(fields), undefined, limit=limit,
+                             truncate=truncate)
         if undefined:
             known = ", ".join("{" + f + "}" for f in fields if isinstance(f, str)) or "none"
             raise UsageError(f"template field {{{undefined[0]}}} is neither a field of {name} ({known}) nor a "
@@ -238,6 +243,10 @@ def run_batch(magics, args, cell: str, in_kernel: bool):
     if k < 1:
         raise UsageError(f"--n must be >= 1, got {k}")
     shell = magics.shell
+    magics._ensure_model(args.model)
+    eng = magics.engine
+    model = args.model or eng.models.default
+    limit = max_chars(eng.models.get(model))  # (an unknown model: one line, before any work)
     if args.batch is not None:
         if not args.batch.isidentifier() or args.batch not in shell.user_ns:
             raise UsageError(f"--batch needs the name of a defined variable (a list, Series or DataFrame), "
@@ -248,27 +257,24 @@ def run_batch(magics, args, cell: str, in_kernel: bool):
             raise UsageError("empty prompt: write the prompt template in the cell body below %%generate")
         value = shell.user_ns[args.batch]
         index, prompts = template_rows(cell.strip("\n"), args.batch, value, shell.user_ns,
-                                       set(getattr(shell, "user_ns_hidden", {})))
+                                       set(getattr(shell, "user_ns_hidden", {})), limit=limit, truncate=args.truncate)
         names = [_index_name(value)] + (["sample"] if k > 1 else [])
         index = [(i, j) for i in index for j in range(k)] if k > 1 else index
     else:
-        prompts, index, names = [magics._prompt(cell, literal=args.literal)], list(range(k)), ["sample"]
+        prompts = [magics._prompt(cell, literal=args.literal, model=model, truncate=args.truncate)]
+        index, names = list(range(k)), ["sample"]
     if k > 1 and args.temperature == 0:
         print(f"[mlxcache] warning: --n {k} with --temperature 0 (greedy) gives {k} identical texts; "
               "set --temperature to sample", file=sys.stderr)
     seeds = [args.seed + j for _ in prompts for j in range(k)]
     prompts = [p for p in prompts for _ in range(k)]
     constraint = constraint_options(args, shell.user_ns)
-    magics._ensure_model(args.model)
-    eng = magics.engine
-    model = args.model or eng.models.default
-    eng.models.get(model)
     progress = BatchProgress(len(prompts), enabled=in_kernel)
     t0, prefilled0 = time.perf_counter(), eng.metrics.counters["prefilled_tokens"]
     try:
         results = eng.generate_batch(prompts, **sampling_options(args, seed=seeds), model=model, system=args.system,
                                      raw=args.raw, use_cache=not args.no_cache, on_progress=progress,
-                                     on_row=progress.row_done,
+                                     on_row=progress.row_done, truncate=args.truncate,
                                      lookup=bool(args.lookup) if args.lookup or args.no_lookup else None,
                                      **constraint)
     except KeyboardInterrupt:
