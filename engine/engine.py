@@ -49,7 +49,7 @@ from .host.memory import PressureGuard, ram_budget
 from .metrics import AccessTrace, GenerationMetrics
 from .models.registry import IdentityMemo, ModelRegistry
 from .named.checkpoints import NamedCheckpoints
-from .chat.prompts import checked, encode_prompt
+from .chat.prompts import encode_prompt
 from .generate.scoring import ScoreResult, score
 from .generate.passages.run import with_passages
 from .generate.score_groups import score_groups
@@ -206,10 +206,10 @@ class Engine:
         loaded model proposing num_draft_tokens (4) per verify (default: the model's own; False: none); lookup: drafts
         from the context (None: where they pay). response_format (Pydantic, JSON Schema), regex, choices, grammar
         (Lark, GBNF): the answer follows it, `.parsed` holds it (docs/constrained.md). passages: texts placed from
-        their cached KV, `recompute` of them recomputed (approximate: generate/passages/). truncate: "left" or
-        "middle" cuts a prompt past the model's window (else refused: generate/window.py). A chat turn
-        (chat/turn.py): template_args, think (the template's switch); .reasoning apart from .text (on_reasoning);
-        tools (tool_choice "auto", "required", "none"; max_steps; confirm(call) -> bool), each step in .steps."""
+        their cached KV, `recompute` of them recomputed (approximate: generate/passages/). truncate: "left", "middle"
+        cut a prompt past the window (generate/window.py). A chat turn (chat/turn.py): template_args, think (the
+        template's switch); .reasoning apart from .text (on_reasoning); tools (tool_choice "auto", "required",
+        "none"; max_steps; confirm(call) -> bool), each step in .steps (on_step)."""
         self._check_open()
         self.poll(prepare=False)  # no buffers allocated for prefetches on the way to the first token
         params = SamplingParams.from_call(params, sampling)
@@ -225,10 +225,11 @@ class Engine:
             return with_passages(self, m, params, prompt, passages, recompute, system=system, raw=raw, run=run,
                                  media=images or videos or audios)
         if not (raw or m.vision or images or videos or audios):  # a chat turn: reasoning apart, tools (chat/turn.py)
-            return run_turn(self.sessions, self._generate, m, checked(prompt, system, m.config, truncate), chat, params,
-                            run, system=system)
+            return run_turn(self.sessions, self._generate, m, prompt, chat, params, run, system=system)
         media = media_prompt(self, m, prompt, images, system=system, raw=raw, session=session, use_cache=use_cache,
                              videos=videos, fps=fps, max_frames=max_frames, audios=audios) if m.vision else None
+        if media is None and (images or videos or audios):
+            raise GenerationError(f"model {m.name!r} is not a vision-language model: it takes no images, videos or audio")
         tokens = media.keys if media is not None else self.encode_prompt(
             prompt, model=m.name, system=system, raw=raw, session=session, truncate=truncate)
         result = self._generate(m, tokens, params, dict(run, media=media))

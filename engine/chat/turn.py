@@ -225,7 +225,9 @@ def run_turn(sessions, generate, model, prompt: str, options: ChatOptions, param
     follows the call's grammar instead of the request's constraint, without drafts (its reasoning's token
     bound is a llguidance lexeme that cannot roll back)."""
     from ..generate.grammars import constraint_of
+    from .prompts import checked
 
+    prompt = checked(prompt, system, model.config, request.get("truncate"))  # as encode_prompt checks a prompt
     session, on_text = request["session"], request.pop("on_text")
     conv = sessions.get_or_create(session, system=system, model=model.name) if session is not None else Session("")
 
