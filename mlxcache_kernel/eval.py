@@ -84,7 +84,7 @@ class CachedLM(LM):
         self.tokenizer = self._loaded.tokenizer
         self.add_bos_token = (getattr(self.tokenizer, "chat_template", None) is None if add_bos_token is None
                               else bool(add_bos_token))
-        window = self._loaded.config.get("max_position_embeddings")
+        window = self._loaded.context_window
         self.max_length = int(max_length or window or 2048)
         self.batch_size = batch_size if isinstance(batch_size, int) and batch_size > 1 else None
         self.seed = int(seed)

@@ -24,8 +24,9 @@ from ..kv.cascade import Unroutable, routing
 from ..kv.checkpoint import Checkpoint
 from .batch.shared import LentRows, SharedRows
 from .loop import OneRow, Row, run as run_rows
-from ..chat.prompts import render_turn
+from ..chat.prompts import bounded, encodable, render_turn
 from .sampling import GenerationError, SamplingParams
+from .window import check_truncate, fit
 
 
 @dataclass
@@ -43,19 +44,28 @@ class ScoreResult:
 
 
 def score(services, model, context, continuations, *, raw: bool, system: str | None,
-          use_cache: bool, on_progress=None) -> list[ScoreResult]:
-    """Engine.score: the inputs checked and tokenized, the rows scored, one result each."""
+          use_cache: bool, on_progress=None, truncate: str | None = None) -> list[ScoreResult]:
+    """Engine.score: the inputs checked and tokenized (a context too long for the window cut as
+    `truncate` says, for the longest continuation: window.py), the rows scored, one result each."""
     if model.vision is not None:
         raise GenerationError(f"score: model {model.name!r} is a vision-language model: score text models")
     if isinstance(continuations, (str, bytes)) or not isinstance(continuations, Sequence) or not continuations:
         raise GenerationError("score: continuations are a non-empty list (of strings, or of token-id lists)")
     tok = model.tokenizer
+    if isinstance(context, str):  # (a context of more characters than the window could hold: before tokenizing)
+        context = bounded(encodable(context, "score: the context"), model.config, truncate, "score: the context")
+    encodable(system, "score: the system prompt")
+    for i, c in enumerate(continuations):
+        encodable(c if isinstance(c, str) else None, f"score: continuation {i}")
     if raw:
         encode = tok.encode
     else:
         context = render_turn(tok, context, system=system) if isinstance(context, str) else context
         encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
     ctx, conts = encode_pairs(encode, context, list(continuations))
+    if check_truncate(truncate) is not None and conts and all(conts):  # (an empty one: check says so)
+        ctx, _ = fit(model, ctx, max(map(len, conts)) - 1, truncate, what="score: the context",
+                     room_name="the longest continuation's positions")  # (each continuation's but its last)
     check(ctx, conts, model)
     t0 = time.perf_counter()
     with services.cache.generating():
@@ -103,14 +113,15 @@ def check(ctx: list, conts: list, model, names: list | None = None) -> None:
     continuation in an error (default "continuation i")."""
     if not ctx:
         raise GenerationError("score: the context is empty (give it at least one token)")
-    window = model.config.get("max_position_embeddings")
+    window = model.context_window
     for i, c in enumerate(conts):
         name = names[i] if names else f"continuation {i}"
         if not c:
             raise GenerationError(f"score: {name} is empty (no tokens after the context)")
         if window and len(ctx) + len(c) - 1 > window:
             raise GenerationError(f"score: {name} makes {len(ctx) + len(c)} tokens, {len(ctx) + len(c) - 1} "
-                                  f"forwarded: past the model's context window of {window}")
+                                  f"forwarded: past the model's context window of {window}"
+                                  + ("" if names else " (shorten the context, or truncate='left' or 'middle' cuts it)"))
 
 
 def score_rows(services, model, ctx: list, conts: list, *, use_cache: bool, progress=None) -> tuple[list, dict]:

@@ -162,6 +162,8 @@ class CellResult:
             parts.insert(1, images_phrase(s["video_sources"], "video"))
         if s.get("image_sources"):
             parts.insert(1, images_phrase(s["image_sources"]))
+        if s.get("truncated_tokens"):  # (--truncate: the prompt was past the model's window)
+            parts.insert(1, f"{s['truncated_tokens']} prompt tokens dropped to fit the model's window")
         resumed = s.get("resumed_from")
         if resumed:
             parts.insert(1, f"resumed from an in-flight checkpoint at token {resumed}")

@@ -26,6 +26,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import cell_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, kwds, magic_arguments
 
+from mlxcache_kernel.engine.generate.window import max_chars
+
 from .base import EngineMagics, parse_args, sampling_arguments, sampling_options, usage_errors
 from .constrain import constraint_arguments, constraint_options
 from .footer import CellResult
@@ -88,6 +90,9 @@ class GenerateMagics(EngineMagics):
     @constraint_arguments
     @argument("--no-cache", action="store_true", help="neither look up nor publish prompt caches")
     @argument("--literal", action="store_true", help="no {name} interpolation")
+    @argument("--truncate", choices=("left", "middle"), default=None,
+              help="a prompt past the model's window (with --max-tokens) is refused: left drops its oldest tokens, "
+                   "middle keeps its start and end (also a {var} too long for the window: cut the same way)")
     @argument("--batch", default=None, metavar="VAR",
               help="the cell is a template over the items of VAR (a list, Series or DataFrame: {item}, "
                    "{column}); the rows decode together and the result is a table")
@@ -134,13 +139,14 @@ class GenerateMagics(EngineMagics):
             raise UsageError("--logprobs and --checkpoint-every do not go together (a resume keeps no log-probabilities)")
         if args.checkpoint_every is not None and args.no_cache:
             raise UsageError("--checkpoint-every needs the cache; drop --no-cache")
-        prompt = self._prompt(cell, literal=args.literal)
         self._ensure_model(args.model)
         eng = self.engine
         model_name = args.model or eng.models.default
         eng.models.get(model_name)  # unknown model -> one line, before any output
+        prompt = self._prompt(cell, literal=args.literal, model=model_name, truncate=args.truncate)
         kwargs = dict(sampling_options(args), session=args.session, model=model_name, system=args.system,
-                      raw=args.raw, use_cache=not args.no_cache, **constraint_options(args, self.shell.user_ns))
+                      raw=args.raw, use_cache=not args.no_cache, truncate=args.truncate,
+                      **constraint_options(args, self.shell.user_ns))
         if args.lookup or args.no_lookup:  # (neither: where they pay)
             kwargs["lookup"] = bool(args.lookup)
         if args.draft is not None or args.no_draft or args.draft_tokens is not None:  # None: the default draft
@@ -200,14 +206,16 @@ class GenerateMagics(EngineMagics):
             raise UsageError(f"{option} {spec}: {m.group(1)!r} is not defined")
         return self.shell.user_ns[m.group(1)]
 
-    def _prompt(self, cell: str, *, literal: bool) -> str:
-        """The cell body, interpolated unless ``literal``; never empty."""
+    def _prompt(self, cell: str, *, literal: bool, model: str, truncate: str | None = None) -> str:
+        """The cell body, interpolated unless ``literal`` (a {var} longer than `model`'s window could
+        hold: refused, or cut as `truncate` says); never empty."""
         if not cell or not cell.strip():
             raise UsageError("empty prompt: write the prompt in the cell body below %%generate")
         prompt = cell.strip("\n")
         if not literal:
             undefined: list[str] = []
-            prompt = interpolate(prompt, self.shell.user_ns, set(getattr(self.shell, "user_ns_hidden", {})), undefined)
+            prompt = interpolate(prompt, self.shell.user_ns, set(getattr(self.shell, "user_ns_hidden", {})), undefined,
+                                 limit=max_chars(self.engine.models.get(model)), truncate=truncate)
             if undefined:
                 warn_undefined(undefined)
         if not prompt.strip():

@@ -31,6 +31,8 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%%generate --video clip.mp4 --fps 1 --max-frames 16", "Qwen2-VL / Qwen2.5-VL see the clip (sampled frames)"),
         ("%%generate --audio talk.wav", "Gemma 4 hears the recording (or --audio {waveform})"),
         ("%%generate --literal", "no {name} interpolation (or write {{name}} for one literal {name})"),
+        ("%%generate --truncate left", "a prompt past the model's window drops its oldest tokens (middle: keeps "
+                                       "start and end) instead of being refused"),
         ("%%generate --batch questions", "the cell is a template: one row per item ({item}); a table of results"),
         ("%%generate --batch df --out answers", "{question} names a column of DataFrame df; answers keeps the table"),
         ("%%generate --n 4 --temperature 0.8", "4 samples of one prompt (seeds 0..3) from one prefill"),
@@ -62,6 +64,7 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%%score options --model small", "score with the model loaded as 'small'"),
         ("%%score options --no-cache", "neither look up nor publish the context's cache"),
         ("%%score options --literal", "no {name} interpolation in the cell"),
+        ("%%score options --truncate left", "a context past the model's window drops its oldest tokens (or middle)"),
     ],
     "model": [
         ("%model load", "the configured default model (SmolLM2-135M-Instruct unless set)"),
@@ -144,6 +147,7 @@ mlxcache: a resident model and a RAM/SSD prompt cache. Add ? to any magic for ev
 
   %%generate [-n 64] [-t 0.8 --seed 7] [--out r]   the cell is the prompt; {name} -> value of name
       --session ID  --system TEXT  --raw  --stop S  --no-cache  --checkpoint-every N
+      --truncate left|middle: a prompt past the model's window is cut, not refused
       {{name}} writes a literal {name}; --literal turns interpolation off
       --batch VAR: the cell is a template over a list/Series/DataFrame ({item}, {col}) -> a table
       --n K: K samples of the prompt from one prefill (seeds s..s+K-1)
