@@ -15,7 +15,7 @@ was read, and the same KV stored twice (a rerun, a conversation that grew, a
 second question over one document) is one file. Spans follow a fixed grid
 from position 0, so every checkpoint of a prefix cuts it the same way; only
 the last block of a checkpoint may be short. Readers read a block whole,
-hash it, and copy its slices straight into the full tensors' buffers.
+read its slices straight into the full tensors' buffers and hash them there.
 Bytes only: no MLX, no catalogue (store.py decides what exists).
 """
 
@@ -29,7 +29,6 @@ import mmap
 import os
 import struct
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -195,45 +194,52 @@ def _writev_all(fd: int, bufs: list, pause) -> None:
                 done = 0
 
 
-_staging = threading.local()
+_RUNS_PER_READ = 64  # runs read (preadv) and then hashed at a time: about a MiB, still in cache when hashed
 
 
-def _staging_buffer(n: int) -> np.ndarray:
-    buf = getattr(_staging, "buf", None)
-    if buf is None or buf.nbytes < n:
-        # Anonymous memory of its own: numpy asks huge pages for large arrays, and a
-        # huge page's first-touch fault costs far more than 512 small ones here (measured).
-        buf = _staging.buf = np.frombuffer(mmap.mmap(-1, max(n, 4 << 20)), np.uint8)
-    return buf[:n]
+def read_runs(path: Path, name: str, head: bytes, runs: Sequence[memoryview]) -> None:
+    """Read block `name` straight into `runs` (where its slices go, in file order: SpanViews.runs of
+    the buffers being filled), hashing each batch of runs as it lands, then verify. FileNotFoundError
+    when it is gone; CorruptBlock on any difference (the runs then hold what was read).
 
-
-def read_into(path: Path, name: str, head: bytes, dst: Sequence[np.ndarray]) -> None:
-    """Read block `name` and copy its slices into `dst` (the full tensors' [..., a:b, :]
-    views), verified first. FileNotFoundError when it is gone; CorruptBlock on any difference.
-
-    The file is read whole into a per-thread buffer and hashed in one call:
-    BLAKE3 is several times faster on one large input than on the many
-    small runs of a strided destination, and pread, the hash and numpy's
-    copies all release the GIL, so two reader threads overlap.
+    One copy from the page cache into the destination and one pass of BLAKE3 over it: no staging
+    buffer. pread and the hash release the GIL, so reader threads overlap.
     """
-    want = len(head) + sum(d.nbytes for d in dst)
+    want = len(head) + sum(len(r) for r in runs)
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
         if size != want:
             raise CorruptBlock(name, f"{size} bytes, expected {want}")
-        buf = _staging_buffer(want)
-        got = 0
-        while got < want:
-            n = os.preadv(fd, [memoryview(buf[got:])], got)
-            if not n:
-                raise CorruptBlock(name, "short read")
-            got += n
+        got_head = bytearray(len(head))
+        at = _preadv_all(fd, [memoryview(got_head)], 0, name)
+        digest = blake3.blake3(got_head)
+        for i in range(0, len(runs), _RUNS_PER_READ):
+            batch = runs[i : i + _RUNS_PER_READ]
+            at = _preadv_all(fd, batch, at, name)
+            for r in batch:
+                digest.update(r)
     finally:
         os.close(fd)
-    if blake3.blake3(buf).hexdigest() != name:
+    if digest.hexdigest() != name:
         raise CorruptBlock(name, "BLAKE3 mismatch")
-    _copy_checked(buf, name, head, dst)
+    if bytes(got_head) != head:
+        raise CorruptBlock(name, "header does not match its manifest")
+
+
+def _preadv_all(fd: int, views: Sequence[memoryview], offset: int, name: str) -> int:
+    """Fill every view from `offset` on; the offset after them."""
+    views = list(views)
+    while views:
+        n = os.preadv(fd, views, offset)
+        if not n:
+            raise CorruptBlock(name, "short read")
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views.pop(0))
+        if n:
+            views[0] = views[0][n:]
+    return offset
 
 
 GOOD, CORRUPT, UNREADABLE = "good", "corrupt", "unreadable"  # the answers of intact()
