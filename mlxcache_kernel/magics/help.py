@@ -31,6 +31,10 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%%generate --video clip.mp4 --fps 1 --max-frames 16", "Qwen2-VL / Qwen2.5-VL see the clip (sampled frames)"),
         ("%%generate --audio talk.wav", "Gemma 4 hears the recording (or --audio {waveform})"),
         ("%%generate --literal", "no {name} interpolation (or write {{name}} for one literal {name})"),
+        ("%%generate --passages docs", "the passages in `docs` (a list, a Series, df.text) go before the cell, each "
+         "placed from its own cached KV (approximate)"),
+        ("%%generate --passages docs --recompute 0.3", "recompute 30% of the placed passage tokens (1: a full "
+         "prefill's numbers)"),
         ("%%generate --batch questions", "the cell is a template: one row per item ({item}); a table of results"),
         ("%%generate --batch df --out answers", "{question} names a column of DataFrame df; answers keeps the table"),
         ("%%generate --n 4 --temperature 0.8", "4 samples of one prompt (seeds 0..3) from one prefill"),
