@@ -11,6 +11,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import line_magic, magics_class
 from IPython.core.magic_arguments import argument, kwds, magic_arguments
 
+from mlxcache_kernel.engine.cache.why import kv_words
 from mlxcache_kernel.engine.chat.sessions import shown
 
 from .base import EngineMagics, no_target, only_for, parse_args, usage_errors
@@ -112,7 +113,8 @@ class AdminMagics(EngineMagics):
         star = " (default)" if self.engine.models.default == name else ""
         adapter = f" + adapter {info['adapter']}" if info.get("adapter") else ""
         print(f"loaded {name!r}{star}: {info.get('path')}{adapter} · {info.get('layers')} layers · "
-              f"{info.get('kv_scheme')} · {format_bytes(info.get('parameters_bytes'))} in {fmt_s(info['load_s'])}")
+              f"{info.get('kv_scheme')} ({kv_words(info.get('kv_scheme'))}) · {format_bytes(info.get('parameters_bytes'))} "
+              f"in {fmt_s(info['load_s'])}")
         if info.get("cache_notice"):
             print(f"note: {info['cache_notice']}")
         prefetch = info.get("prefetch") or {}

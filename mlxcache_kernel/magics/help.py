@@ -145,10 +145,12 @@ mlxcache: a resident model and a RAM/SSD prompt cache. Add ? to any magic for ev
   %model load [PATH] [--name N] [--kv-bits 8] [--adapter DIR]   load a model (no PATH: SmolLM2)
   %model list | use N | unload N | info [N]
 
-  %%generate [-n 64] [-t 0.8 --seed 7] [--out r]   the cell is the prompt; {name} -> value of name
+  %%generate [-n 64] [-t 0.8 --top-p P --top-k K --seed 7] [--out r]   the cell is the prompt
       --session ID  --system TEXT  --raw  --stop S  --no-cache  --checkpoint-every N
+      --image P | --video P [--fps F] [--max-frames N] | --audio P: for vision-language models
+      --draft NAME [--draft-tokens K] | --no-draft | --lookup | --no-lookup: verified drafts
       --truncate left|middle: a prompt past the model's window is cut, not refused
-      {{name}} writes a literal {name}; --literal turns interpolation off
+      {name} -> the value of name; {{name}} writes a literal {name}; --literal: neither
       --batch VAR: the cell is a template over a list/Series/DataFrame ({item}, {col}) -> a table
       --n K: K samples of the prompt from one prefill (seeds s..s+K-1)
       --logprobs K: each token's log-probability and K alternatives
