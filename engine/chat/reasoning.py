@@ -40,6 +40,7 @@ class Split:
         self.pending = ""  # text not yet routed (a possible marker start)
         self.header = ""  # harmony: the header of the message being read
         self.parts: list[list] = []  # [channel, text, recipient] in order
+        self.trim = False  # the newlines a template puts after a reasoning block are not the answer's
 
     # --- what was gathered ---
 
@@ -89,6 +90,7 @@ class Split:
 
     def _switch(self, mark: str) -> None:
         if not self.harmony:
+            self.trim = self.channel == "reasoning" and self.markers[mark] == "answer"
             self.channel = self.markers[mark]
             if self.channel == "call":  # each opener starts a call of its own
                 self.parts.append(["call", "", None])
@@ -110,6 +112,10 @@ class Split:
         if self.channel == "header":
             self.header += text
             return
+        if self.trim and self.channel == "answer":
+            text, self.trim = text.lstrip("\n"), not text.strip("\n")
+            if not text:
+                return
         if self.parts and self.parts[-1][0] == self.channel:
             self.parts[-1][1] += text
         else:

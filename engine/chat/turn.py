@@ -173,8 +173,7 @@ class Turn:
         if record is not None:
             record.finish()
         result.stats["steps"] = len(steps)
-        # (the newlines around a reasoning block are the template's, not the reply's)
-        result.text = shown.answer.lstrip("\n") if shown.reasoning else shown.answer  # as it streamed
+        result.text = shown.answer  # as it streamed
         result.reasoning, result.steps = shown.reasoning.strip(), steps
         return result
 

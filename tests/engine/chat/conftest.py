@@ -1,21 +1,6 @@
 import pytest
 
 
-@pytest.fixture(scope="session")
-def chat_model(tmp_path_factory):
-    """chat_model(family) -> a tiny model directory of that family (tests/support/chat_models.py), built once."""
-    from chat_models import build_chat_model
-
-    built: dict = {}
-
-    def get(family: str):
-        if family not in built:
-            built[family] = build_chat_model(tmp_path_factory.mktemp("chat") / family, family)
-        return built[family]
-
-    return get
-
-
 @pytest.fixture
 def tokenizer_of(chat_model):
     """tokenizer_of(family, template=None) -> the family's mlx-lm tokenizer (with another template if given)."""
