@@ -1,6 +1,6 @@
 """What `%cache` does over the whole cache (`eng.admin`): list every entry (prefixes and objects,
-with their names and previews), clear RAM or SSD, collect what nothing can use, verify the SSD
-files, wait for queued writes."""
+with their names and previews), say why a prompt missed, clear RAM or SSD, collect what nothing can
+use, verify the SSD files, wait for queued writes."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ from typing import Callable
 
 from ..cache.objects.cache import ObjectCache, is_object_namespace
 from ..cache.tiered import TieredPromptCache
+from ..cache.why import Explainer, Why
+from ..chat.prompts import encode_prompt
 from ..events import EventBus
 from ..generate.resume import InflightRecords
+from ..kv.tokens import parting_points
 from ..models.registry import ModelRegistry
 from ..named.checkpoints import NamedCheckpoints
 
@@ -21,6 +24,22 @@ class CacheAdmin:
         """poll and flush: the engine's (apply finished background work; wait for durable writes)."""
         self.cache, self.names, self.models, self.objects = cache, names, models, objects
         self.inflight, self.events, self.poll, self.flush = inflight, events, poll, flush
+        self.explainer = Explainer(cache.prefixes, cache.departures, cache.identities.get, self._decode,
+                                   lambda ns: getattr(models.by_namespace(ns), "name", None))
+
+    def why(self, prompt: str | None = None, *, model: str | None = None, system: str | None = None,
+            raw: bool = False) -> Why | None:
+        """Why the last generation reused what it did from the cache (None before the first), or,
+        given a prompt, what a lookup of it would reuse now and why not more (cache/why.py)."""
+        if prompt is None:
+            return self.explainer.last
+        self.poll()
+        m = self.models.get(model)
+        return self.explainer.explain(encode_prompt(m.tokenizer, prompt, system=system, raw=raw), m.namespace)
+
+    def _decode(self, ns: str, tokens: list) -> str | None:
+        m = self.models.by_namespace(ns)
+        return m.tokenizer.decode(tokens) if m is not None else None
 
     def entries(self, poll: bool = True) -> list[dict]:
         """Every RAM and SSD entry as plain data (no MLX arrays are read), most recently used
@@ -32,16 +51,19 @@ class CacheAdmin:
         names_by_key: dict = {}
         for r in self.names.list():
             names_by_key.setdefault((r["namespace"], tuple(r["tokens"])), []).append(r["name"])
-        rows = []
-        for row in self.cache.rows():
+        rows, cached, parts = [], self.cache.rows(), {}
+        for group in _by_namespace(cached).values():  # where each entry parts from the one most like it
+            parts.update(zip(map(id, group), parting_points([r["tokens"] for r in group])))
+        for row in cached:
             if is_object_namespace(row["ns"]):
                 rows.append(self.objects.row(row))
                 continue
+            at = parts[id(row)]
             ns, tokens = row.pop("ns"), row.pop("tokens")
             m = self.models.by_namespace(ns)
             rows.append({
                 "kind": "prefix", "model": m.name if m else None, "namespace": ns, "tokens": len(tokens),
-                "preview": self.models.preview(ns, tokens), "pinned": names_by_key.get((ns, tokens), []), **row,
+                "preview": self.models.preview(ns, tokens, at), "pinned": names_by_key.get((ns, tokens), []), **row,
             })
         return sorted(rows, key=lambda r: -(r["last_used"] or 0))
 
@@ -87,3 +109,10 @@ class CacheAdmin:
     def wait_for_writes(self, timeout: float | None = None) -> dict:
         """Wait for writes already queued, from any thread (touches no MLX, queues nothing)."""
         return self.cache.durability.wait_for_writes(timeout)
+
+
+def _by_namespace(rows: list[dict]) -> dict:
+    out: dict = {}
+    for r in rows:
+        out.setdefault(r["ns"], []).append(r)
+    return out

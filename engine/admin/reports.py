@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from ..cache.objects.naming import is_object_namespace
-from ..kv.tokens import token_key
+from ..kv.tokens import parting_points, token_key
 from ..host import safe_dirs
 
 DIRNAME = "processes"
@@ -63,20 +63,21 @@ class ProcessReport:
             "ram": {"used_bytes": cache.ram.used_bytes, "budget_bytes": cache.ram.budget_bytes, "entries": len(entries),
                     "high_water_bytes": memory["memory_high_water_bytes"],
                     "working_bytes": memory["memory_working_bytes"]},
-            "entries": [self._entry(e, state) for e, state in zip(entries[:MAX_ENTRIES], states)],
+            "entries": [self._entry(e, state, at) for e, state, at in zip(entries[:MAX_ENTRIES], states,
+                                                                          parting_points([e.tokens for e in entries]))],
             "writes": {"pending": pending[0], "pending_bytes": pending[1], "dirty": states.count("dirty"),
                        "failed": states.count("failed"), "error": cache.durability.write_error},
             "ssd_budget_bytes": eng.config.ssd_budget_bytes, "late_reason": cache.catalog.late,
             "remote": {k[len("remote_"):]: remote.get(k) for k in REMOTE_KEYS} if remote else None,
         }
 
-    def _entry(self, e, state) -> dict:
+    def _entry(self, e, state, parts_at: int) -> dict:
         obj = is_object_namespace(e.ns)
         return {"namespace": e.ns, "key": token_key(e.tokens), "tokens": len(e.tokens), "ram_bytes": e.nbytes,
                 "write_state": state, "sessions": sorted(e.sessions), "pinned": sorted(e.pinned), "hits": e.hits,
                 "last_used": e.last_used_time, "kind": "object" if obj else "prefix",
                 "preview": (self.engine.objects.label(e.ns) or "object") if obj
-                else self.engine.models.preview(e.ns, e.tokens)}
+                else self.engine.models.preview(e.ns, e.tokens, parts_at)}
 
     def maybe_write(self) -> bool:
         """Write the report if it changed and MIN_INTERVAL_S passed; True if written. A

@@ -81,6 +81,7 @@ class RamTier:
         self._entries: dict[tuple, Entry] = {}  # (ns, tokens) -> entry
         self._sessions: dict[tuple, Entry] = {}  # (ns, session) -> latest entry
         self._held: dict[int, list] = {}  # id(buffer) -> [buffer, entries holding it]: shared buffers count once
+        self.on_left: Callable[[Entry, str], None] = lambda entry, reason: None  # evicted, let go or removed
         self.used_bytes = 0
         self.counters = counters if counters is not None else {}
         self.counters.update(dict.fromkeys(RAM_COUNTERS, 0))
@@ -204,6 +205,7 @@ class RamTier:
         if self._oversized(entry) and self.rules.may_drop(entry, "oversized"):
             self.counters["oversized"] += 1
             self._emit("evict", ns=ns, tokens=len(entry.tokens), nbytes=entry.nbytes, reason="oversized")
+            self.on_left(entry, "oversized")
             return None
         self._supersede_ancestors(entry)
         self._insert(entry)
@@ -266,6 +268,12 @@ class RamTier:
                 changed += b.nbytes
         return changed
 
+    def own_bytes(self, entry: Entry) -> int:
+        """Bytes only this entry holds (what removing it frees); the rest of `nbytes` it shares."""
+        cp = entry.checkpoint
+        buffers = cp.buffers()
+        return cp.nbytes - sum(b.nbytes for b in buffers if self._held.get(id(b), (b, 1))[1] > 1)
+
     def added_bytes(self, cp: Checkpoint) -> int:
         """Bytes publishing `cp` would add: its buffers no entry holds yet, and its attachments."""
         buffers = cp.buffers()
@@ -284,6 +292,7 @@ class RamTier:
 
     def remove(self, entry: Entry, reason: str = "removed") -> None:
         self._remove(entry)
+        self.on_left(entry, reason)
         self._emit("remove", ns=entry.ns, tokens=len(entry.tokens), nbytes=entry.nbytes, reason=reason)
 
     def forget(self, entry: Entry) -> None:
@@ -365,8 +374,10 @@ class RamTier:
         self._remove(entry)
         self.counters["oversized" if reason == "oversized" else "evictions"] += 1
         self._emit("evict", ns=entry.ns, tokens=len(entry.tokens), nbytes=entry.nbytes, reason=reason)
+        self.on_left(entry, reason)
 
     def clear(self) -> None:
         for e in list(self._entries.values()):
             self._remove(e)
+            self.on_left(e, "cleared")
         self._sessions.clear()

@@ -42,6 +42,7 @@ from .ram import RamTier
 from .remote.link import RemoteLink, remote_stats
 from .remote.tier import RemoteMiss
 from .retention import RetentionPolicy
+from .why import Cached, Departures, cached_prefixes, left_ram
 from .ssd.store import CheckpointStore
 from .ssd.writer import CheckpointWriter
 
@@ -57,6 +58,8 @@ class TieredPromptCache:
         self.gate = GenerationGate()  # a generation runs: the writer and the reader yield
         self.remote: RemoteLink | None = None  # set by the engine when a remote URL is configured
         self.ram = RamTier(ram_budget_bytes, self.emit, retention, counters=self.counters)
+        self.departures = Departures()  # what left without a copy elsewhere (why.py)
+        self.ram.on_left = self._left_ram
         self.store: CheckpointStore | None = None
         self.writer: CheckpointWriter | None = None
         self._removed_early: list = []  # files the store found gone before durability existed
@@ -94,8 +97,16 @@ class TieredPromptCache:
         self.durability.pins.source = named
         self.durability.pins.sync()
 
+    def _left_ram(self, entry: Entry, reason: str) -> None:
+        """Remember an entry that left RAM with no SSD copy (why.py): a cause a user can act on."""
+        if self.store is None or not self.store.has_durable_prefix(entry.tokens, entry.ns):
+            self.departures.left(entry.ns, entry.tokens, *left_ram(entry, reason, self.store is not None))
+
     def _file_removed(self, ns: str, tokens: tuple) -> None:
         """Another process deleted a file (any thread): entries it covered are dirty again."""
+        if self.ram.get_exact(tokens, ns) is None:
+            self.departures.left(ns, tokens, "its SSD file was removed (the SSD cap, %cache clear or gc, here or in "
+                                             "another kernel)")
         durability = getattr(self, "durability", None)
         (durability.file_removed if durability is not None else lambda *k: self._removed_early.append(k))(ns, tokens)
 
@@ -168,7 +179,7 @@ class TieredPromptCache:
             t0 = time.perf_counter()
             if progress is not None:
                 progress("restore", 0, len(handle.tokens))
-            cp, job = self.loading.read_now(handle)
+            cp, job = self.loading.read_now(handle, progress and (lambda done, total: progress("restore", done, total)))
             if cp is not None:
                 break
             if self.store.contains(handle.tokens, ns):  # still there: a passing failure, prefill this time
@@ -300,17 +311,24 @@ class TieredPromptCache:
             h = files.pop((e.ns, e.tokens), None)
             rows.append({
                 "ns": e.ns, "tokens": e.tokens, "tier": "ram" if h is None else "ram+ssd",
-                "write_state": e.write_state.value, "ram_bytes": e.nbytes, "kv_bytes": e.checkpoint.kv_bytes,
+                "write_state": e.write_state.value, "ram_bytes": e.nbytes, "ram_own_bytes": self.ram.own_bytes(e),
+                "kv_bytes": e.checkpoint.kv_bytes,
                 "file_bytes": None if h is None else h.file_bytes + h.block_bytes,
                 "borrowers": e.borrowers, "sessions": sorted(e.sessions), "last_used": e.last_used_time, "hits": e.hits,
             })
         for (ns, tokens), h in files.items():
             rows.append({
                 "ns": ns, "tokens": tokens, "tier": "ssd", "write_state": WriteState.COMMITTED.value,
-                "ram_bytes": None, "kv_bytes": h.raw_bytes, "file_bytes": h.file_bytes + h.block_bytes,
+                "ram_bytes": None, "ram_own_bytes": None, "kv_bytes": h.raw_bytes,
+                "file_bytes": h.file_bytes + h.block_bytes,
                 "borrowers": 0, "sessions": [], "last_used": h.last_use, "hits": 0,
             })
         return rows
+
+    def prefixes(self) -> list[Cached]:
+        """Every cached prompt prefix in RAM and on SSD, as why.py compares prompts with them."""
+        return cached_prefixes(self.ram.entries(), self.store.entries() if self.store is not None else (),
+                               self.identities)
 
     def stats(self) -> dict:
         out = {

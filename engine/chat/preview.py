@@ -1,4 +1,4 @@
-"""Previews of cached prefixes: the text a person wrote, first.
+"""Previews of cached prefixes: the text a person wrote, first, and what tells an entry apart.
 
 A cached prefix decodes to the chat template's rendering: role markers,
 and with some models (SmolLM2) a default system turn before every user
@@ -11,8 +11,11 @@ message, the separators between turns). Tokenizer only; no MLX.
 from __future__ import annotations
 
 import weakref
+from typing import Any, Callable
 
-__all__ = ["TemplateShape", "prefix_text"]
+from ..kv.tokens import token_key
+
+__all__ = ["Previews", "TemplateShape", "prefix_text"]
 
 _S = ["\x01mlxc-%d\x01" % i for i in range(4)]  # sentinel contents no template writes itself
 _SHAPES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -103,3 +106,52 @@ def prefix_text(tok, tokens, max_tokens: int = 64) -> str:
     if cleaned or not text.strip():
         return cleaned
     return " ".join(tok.decode(ids, skip_special_tokens=True).split())
+
+
+START, LIMIT = 20, 60  # characters of the start, and of a whole preview that parts from its neighbours
+PARTS_MIN = 16  # tokens shared with a neighbour before its own text is worth showing
+
+
+class Previews:
+    """Previews of cached prefixes, remembered (decoding is what a listing spends its time on).
+
+    `of(ns, tokens)` is the start of the prefix; with `parts_at` (where it parts from the entries
+    most like it: kv/tokens.py's `parting_points`) it is the start, then what it says from there
+    on, so twelve questions over one document read as twelve questions.
+    """
+
+    def __init__(self, tokenizer_of: Callable[[str], Any]):
+        self.tokenizer_of = tokenizer_of  # namespace -> its loaded tokenizer, or None
+        self._seen: dict = {}
+
+    def of(self, ns: str, tokens, parts_at: int = 0, limit: int = 80) -> str:
+        key = (ns, token_key(tokens), parts_at if parts_at >= PARTS_MIN else 0, limit)
+        if key not in self._seen:
+            tok = self.tokenizer_of(ns)
+            if tok is None:
+                return f"<{len(tokens)} tokens of an unloaded model>"
+            if len(self._seen) > 4096:
+                self._seen.clear()
+            self._seen[key] = self._text(tok, tuple(tokens), key[2], limit)
+        return self._seen[key]
+
+    @staticmethod
+    def _text(tok, tokens: tuple, at: int, limit: int) -> str:
+        start, shape = prefix_text(tok, tokens), shape_of(tok)
+        if not at or at >= len(tokens) or (at < 4 * limit and len(shape.clean(_decode(tok, tokens[:at]))) < limit - 20):
+            return _clip(start, limit)  # (the start shows where it parts)
+        before = _decode(tok, tokens[max(0, at - 8) : at])  # from the start of the word it parts in
+        word = "" if not before or before[-1].isspace() else before.split()[-1] if before.split() else ""
+        own = shape.clean(word + _decode(tok, tokens[at : at + LIMIT]))
+        return start[:START].rstrip() + " … " + _clip(own, LIMIT - START - 3)
+
+
+def _decode(tok, ids) -> str:
+    try:
+        return tok.decode(list(ids), skip_special_tokens=False)
+    except TypeError:
+        return tok.decode(list(ids))
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"

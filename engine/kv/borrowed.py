@@ -120,8 +120,9 @@ class BorrowedKVCache:
 
     step = STEP
 
-    def __init__(self, lent=(), hand_over: Segment | None = None, merge=None):
-        """merge: how rows of this cache join mlx-lm's batch decoding (given by the codec)."""
+    def __init__(self, lent=(), hand_over: Segment | None = None, merge=None, offset: int | None = None):
+        """merge: how rows of this cache join mlx-lm's batch decoding (given by the codec).
+        offset: where a hand-over's borrower starts (default: the whole segment)."""
         self._merge = merge
         self.lent = list(lent)  # shared: never written
         self.buffers: tuple = ()
@@ -129,7 +130,10 @@ class BorrowedKVCache:
         if hand_over is not None:
             if self.lent:
                 raise ValueError("a hand-over is of the whole prefix: one segment")
-            self.buffers, self.offset = tuple(hand_over.parents), hand_over.length
+            n = hand_over.length if offset is None else offset
+            if not 0 < n <= hand_over.length:
+                raise ValueError(f"cannot hand over {n} of {hand_over.length} positions")
+            self.buffers, self.offset = tuple(hand_over.parents), n
 
     # --- what differs between plain and quantized KV ---
 

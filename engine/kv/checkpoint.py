@@ -235,12 +235,15 @@ class Checkpoint:
         tensors: dict,
         *,
         min_reusable_offset: int = 0,
+        parents: dict | None = None,
     ) -> "Checkpoint":
-        """Rebuild from `layout()` and a name -> evaluated mx.array mapping."""
-        layers = []
+        """Rebuild from `layout()` and a name -> evaluated mx.array mapping; `parents`: the whole
+        buffers (with room to grow) some tensors are the first positions of."""
+        layers, parents = [], parents or {}
         for i, spec in enumerate(layout):
-            arrays = tuple(tensors[f"layers.{i}.{j}"] for j in range(int(spec["arrays"])))
-            layers.append(codec(spec["kind"]).rebuilt(arrays, dict(spec["meta"])))
+            names = [f"layers.{i}.{j}" for j in range(int(spec["arrays"]))]
+            whole = tuple(parents[n] for n in names) if names and all(n in parents for n in names) else ()
+            layers.append(codec(spec["kind"]).rebuilt(tuple(tensors[n] for n in names), dict(spec["meta"]), whole))
         attachments = {
             k.removeprefix("attachments."): v for k, v in tensors.items() if k.startswith("attachments.")
         }

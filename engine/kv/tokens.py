@@ -96,3 +96,14 @@ def branch_points(sequences, min_len: int = 1) -> list[tuple]:
         if n >= max(1, min_len):
             points.add(a[:n])
     return sorted(points, key=len)
+
+
+def parting_points(sequences: list) -> list[int]:
+    """For each token sequence, how many leading tokens it shares with the one most like it (0 when it
+    is alone): where it starts to say something of its own. Neighbours in sorted order share the most."""
+    order = sorted(range(len(sequences)), key=lambda i: sort_key(sequences[i]))
+    out = [0] * len(sequences)
+    for a, b in zip(order, order[1:]):
+        n = common_prefix_len(as_token_array(sequences[a]), as_token_array(sequences[b]))
+        out[a], out[b] = max(out[a], n), max(out[b], n)
+    return out

@@ -10,7 +10,9 @@ from __future__ import annotations
 import html
 import math
 
-from .tables import fmt_s
+from .constrain import constraint_phrase
+from .chat import steps_phrase
+from .tables import fmt_s, format_bytes
 
 __all__ = ["CellResult", "SPANS", "footer_spans", "footer_html"]
 
@@ -51,11 +53,30 @@ def footer_html(stats: dict, words: str) -> str:
         f"overflow:hidden;background:#e0e0e0'>{''.join(bar)}</span>"
         f"<span class='mlxc-footer-legend'>{' '.join(legend)}</span>"
         f"<span class='mlxc-footer-speed'>{html.escape(speed)}</span></div>"
-        f"<div class='mlxc-footer-text'>{html.escape(words)}</div></div>"
+        + "".join(f"<div class='mlxc-footer-{'why' if i else 'text'}'>{html.escape(line)}</div>"
+                  for i, line in enumerate(words.split("\n"))) + "</div>"
     )
 
 
 _TIERS = {"ram": "RAM", "ssd": "SSD", "remote": "remote"}
+STOPS = {"eos": "ended (end-of-sequence token)", "stop": "stopped at a stop string",
+         "length": "stopped at max tokens", "interrupted": "interrupted"}  # finish_reason in words
+
+
+def context_phrase(prompt: int, decoded: int, window) -> str | None:
+    """How much of the model's context window the conversation fills, e.g. "context 1,672 of 8,192"."""
+    if not window:
+        return None
+    used = prompt + decoded
+    return f"context {used:,} of {int(window):,} tokens" + (" (past the window)" if used > window else "")
+
+
+def speed_phrase(s: dict) -> str | None:
+    """The prompt's prefill rate and the peak memory, e.g. "prefill 96 tok/s · peak 612.0 MiB"."""
+    rate, peak = s.get("prefill_tokens_per_s"), s.get("peak_memory_bytes")
+    bits = ([f"prefill {rate:,.0f} tok/s"] if rate and (s.get("prefilled_tokens") or 0) > 1 else []) + (
+        [f"peak memory {format_bytes(peak)}"] if peak else [])
+    return " · ".join(bits) or None
 
 
 def images_phrase(sources: list, noun: str = "image") -> str:
@@ -102,8 +123,9 @@ def passages_phrase(s: dict) -> str:
 class CellResult:
     """What ``%%generate`` returns (and stores in ``--out``).
 
-    ``.text``, ``.tokens`` (generated ids), ``.stats`` (dict), ``.prompt`` (the
-    interpolated cell), ``.model``, ``.session``. Displays as the cell footer;
+    ``.text``, ``.tokens`` (generated ids), ``.stats`` (dict), ``.parsed`` (with --json, --regex,
+    --choice or --grammar: the answer parsed, None when incomplete), ``.reasoning``, ``.steps`` (with
+    --tools), ``.prompt`` (the interpolated cell), ``.model``, ``.session``. Displays as the cell footer;
     ``str()`` is the text.
     """
 
@@ -114,6 +136,9 @@ class CellResult:
         self.tokens = list(result.tokens)
         self.stats = dict(result.stats)
         self.logprobs = result.logprobs  # TokenLogprob per token with --logprobs, else None
+        self.parsed = getattr(result, "parsed", None)
+        self.reasoning = getattr(result, "reasoning", "")  # a thinking model's reasoning, apart from .text
+        self.steps = list(getattr(result, "steps", []))  # with --tools: each tool step (.call, .arguments, .result)
         self._pieces = logprob_pieces(tokenizer, self.logprobs) if self.logprobs and tokenizer else []
         self.prompt = prompt
         self.model = model
@@ -133,13 +158,14 @@ class CellResult:
             + f"{s.get('prefilled_tokens', n)} prefilled" + ("" if self.use_cache else " (cache off)")
         )
         tps = s.get("decode_tokens_per_s")
+        decoded = s.get("decode_tokens", len(self.tokens))
         parts = [
             prompt,
             f"TTFT {fmt_s(s.get('ttft_s'))}",
-            f"{s.get('decode_tokens', len(self.tokens))} tokens at {tps:.1f} tok/s" if tps
-            else f"{s.get('decode_tokens', len(self.tokens))} tokens",
-            f"finish: {s.get('finish_reason', '?')}",
-        ]
+            f"{decoded} tokens at {tps:.1f} tok/s" if tps else f"{decoded} tokens",
+            STOPS.get(s.get("finish_reason"), f"finish: {s.get('finish_reason', '?')}"),
+        ] + [p for p in (constraint_phrase(s),) if p]  # right after why it ended: "incomplete JSON (max tokens)"
+        parts += [p for p in (context_phrase(n, decoded, s.get("context_window")), speed_phrase(s)) if p]
         if s.get("draft"):
             parts.insert(-1, draft_phrase(s))
         if lookup_phrase(s):
@@ -150,19 +176,27 @@ class CellResult:
             parts.insert(1, images_phrase(s["video_sources"], "video"))
         if s.get("image_sources"):
             parts.insert(1, images_phrase(s["image_sources"]))
+        if steps_phrase(self.steps):
+            parts.insert(1, steps_phrase(self.steps))
+        if s.get("prefill_note"):  # (the chat template rewrote what the history held)
+            parts.insert(1, s["prefill_note"])
+        if s.get("truncated_tokens"):  # (--truncate: the prompt was past the model's window)
+            parts.insert(1, f"{s['truncated_tokens']} prompt tokens dropped to fit the model's window")
         if s.get("passages"):
             parts.insert(1, passages_phrase(s))
         resumed = s.get("resumed_from")
         if resumed:
             parts.insert(1, f"resumed from an in-flight checkpoint at token {resumed}")
         tail = f"model {self.model}" + (f", session {self.session}" if self.session else "")
-        return "[mlxcache] " + " · ".join(parts) + f" · {tail}"
+        why = f"\n[mlxcache] why: {s['cache_why']} (%cache why)" if s.get("cache_why") else ""
+        return "[mlxcache] " + " · ".join(parts) + f" · {tail}" + why
 
     def __repr__(self) -> str:
         return self.footer()
 
     def _repr_pretty_(self, p, cycle) -> None:
-        p.text(logprob_text(self._pieces) + self.footer() if self._pieces else self.footer())
+        constrained = bool(self.stats.get("constraint"))
+        p.text(logprob_text(self._pieces, constrained) + self.footer() if self._pieces else self.footer())
 
     def _repr_html_(self) -> str:
         return (logprob_html(self._pieces) if self._pieces else "") + footer_html(self.stats, self.footer())
@@ -177,9 +211,10 @@ def logprob_pieces(tokenizer, logprobs: list) -> list[dict]:
              "top": [(text(t), math.exp(v)) for t, v in lp.top]} for lp in logprobs]
 
 
-def logprob_text(pieces: list[dict]) -> str:
-    """A table: each token, its log-probability and probability, and its most likely alternatives."""
-    lines = ["token                 logprob      p   alternatives"]
+def logprob_text(pieces: list[dict], constrained: bool = False) -> str:
+    """A table: each token, its log-probability and probability, and its most likely alternatives (under a
+    constraint: of the constrained distribution, the alternatives the grammar allowed)."""
+    lines = ["token                 logprob      p   alternatives" + ("   (constrained)" if constrained else "")]
     for r in pieces:
         alts = ", ".join(f"{t!r} {p:.0%}" for t, p in r["top"][:5])
         lines.append(f"{r['text']!r:20.20}  {r['logprob']:8.3f}  {r['p']:5.0%}   {alts}")

@@ -26,7 +26,11 @@ from IPython.core.error import UsageError
 from IPython.core.magic import cell_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, kwds, magic_arguments
 
+from mlxcache_kernel.engine.generate.window import max_chars
+
 from .base import EngineMagics, parse_args, sampling_arguments, sampling_options, usage_errors
+from .chat import Thinking, chat_arguments, chat_options, show_step
+from .constrain import constraint_arguments, constraint_options
 from .footer import CellResult
 from .help import examples
 from .output import Progress, Stream
@@ -35,6 +39,8 @@ from .prompt import interpolate, warn_undefined
 __all__ = ["GenerateMagics"]
 
 _IMAGE_VAR = re.compile(r"((?:^|\s)(?:--image|-i|--video|--audio)(?:\s+|=))\{([A-Za-z_][A-Za-z0-9_]*)\}")
+# a pattern's and a schema's braces are theirs ([0-9]{3}, {"type": ...}): kept as written, not expanded
+_VERBATIM = re.compile(r"""((?:^|\s)(?:--regex|--json)(?:\s+|=))('[^']*'|"[^"]*"|\S+)""")
 
 
 def _in_kernel(shell) -> bool:
@@ -82,8 +88,13 @@ class GenerateMagics(EngineMagics):
               help="drafts from the prompt and the text so far, verified by the model (same tokens), at every step "
                    "(default: where they pay)")
     @argument("--no-lookup", action="store_true", help="no drafts from the context")
+    @chat_arguments
+    @constraint_arguments
     @argument("--no-cache", action="store_true", help="neither look up nor publish prompt caches")
     @argument("--literal", action="store_true", help="no {name} interpolation")
+    @argument("--truncate", choices=("left", "middle"), default=None,
+              help="a prompt past the model's window (with --max-tokens) is refused: left drops its oldest tokens, "
+                   "middle keeps its start and end (also a {var} too long for the window: cut the same way)")
     @argument("--batch", default=None, metavar="VAR",
               help="the cell is a template over the items of VAR (a list, Series or DataFrame: {item}, "
                    "{column}); the rows decode together and the result is a table")
@@ -107,7 +118,8 @@ class GenerateMagics(EngineMagics):
         writes a literal {name}). The footer tells how many prompt tokens came
         from RAM, from SSD or were prefilled, the time to first token and the
         decode speed. Returns (and with --out stores) the result: .text,
-        .tokens, .stats. With --batch VAR or --n K, many prompts run as one batch (batch.py).
+        .tokens, .stats (and .parsed with --json, --regex, --choice or --grammar).
+        With --batch VAR or --n K, many prompts run as one batch (batch.py).
         """
         line, held = self._expand_line(line)
         args = parse_args(self.generate, line)
@@ -130,7 +142,10 @@ class GenerateMagics(EngineMagics):
             raise UsageError("--recompute goes with --passages VAR")
         if args.passages is not None and (args.batch is not None or args.samples is not None):
             raise UsageError("--passages does not go with --batch or --n: one prompt at a time")
+        chat = chat_options(args, self.shell.user_ns)
         if args.batch is not None or args.samples is not None:
+            if chat:
+                raise UsageError("--think, --template-arg and --tools go with single cells, not --batch or --n")
             from .batch import run_batch
 
             return run_batch(self, args, cell, in_kernel=_in_kernel(self.shell))
@@ -140,13 +155,14 @@ class GenerateMagics(EngineMagics):
             raise UsageError("--logprobs and --checkpoint-every do not go together (a resume keeps no log-probabilities)")
         if args.checkpoint_every is not None and args.no_cache:
             raise UsageError("--checkpoint-every needs the cache; drop --no-cache")
-        prompt = self._prompt(cell, literal=args.literal)
         self._ensure_model(args.model)
         eng = self.engine
         model_name = args.model or eng.models.default
         eng.models.get(model_name)  # unknown model -> one line, before any output
+        prompt = self._prompt(cell, literal=args.literal, model=model_name, truncate=args.truncate)
         kwargs = dict(sampling_options(args), session=args.session, model=model_name, system=args.system,
-                      raw=args.raw, use_cache=not args.no_cache)
+                      raw=args.raw, use_cache=not args.no_cache, truncate=args.truncate,
+                      **constraint_options(args, self.shell.user_ns), **chat)
         if args.lookup or args.no_lookup:  # (neither: where they pay)
             kwargs["lookup"] = bool(args.lookup)
         if args.draft is not None or args.no_draft or args.draft_tokens is not None:  # None: the default draft
@@ -173,7 +189,7 @@ class GenerateMagics(EngineMagics):
     def _expand_line(self, line: str) -> tuple[str, dict]:
         """The options line with {name} and $name expanded from the notebook namespace, as
         IPython does for other magics, except `--image {name}` / `--video {name}` / `--audio {name}`: held back (placeholder ->
-        "{name}") so the image is the variable's object, not its text."""
+        "{name}") so the image is the variable's object, not its text; and --regex's and --json's values, as written."""
         from IPython.utils.text import DollarFormatter
 
         held: dict = {}
@@ -183,11 +199,20 @@ class GenerateMagics(EngineMagics):
             held[key] = "{" + m.group(2) + "}"
             return m.group(1) + key
 
-        line = _IMAGE_VAR.sub(hold, line)
+        verbatim: dict = {}
+
+        def keep(m: re.Match) -> str:
+            key = f"__mlxcache_verbatim_{len(verbatim)}__"
+            verbatim[key] = m.group(2)
+            return m.group(1) + key
+
+        line = _VERBATIM.sub(keep, _IMAGE_VAR.sub(hold, line))
         try:
             line = DollarFormatter().vformat(line, args=[], kwargs=dict(self.shell.user_ns))
         except Exception:
             pass  # as IPython does: a line that cannot be expanded is used as written
+        for key, text in verbatim.items():
+            line = line.replace(key, text)
         return line, held
 
     def _image(self, spec: str, option: str = "--image"):
@@ -211,14 +236,16 @@ class GenerateMagics(EngineMagics):
             value = getattr(value, attr)
         return value
 
-    def _prompt(self, cell: str, *, literal: bool) -> str:
-        """The cell body, interpolated unless ``literal``; never empty."""
+    def _prompt(self, cell: str, *, literal: bool, model: str, truncate: str | None = None) -> str:
+        """The cell body, interpolated unless ``literal`` (a {var} longer than `model`'s window could
+        hold: refused, or cut as `truncate` says); never empty."""
         if not cell or not cell.strip():
             raise UsageError("empty prompt: write the prompt in the cell body below %%generate")
         prompt = cell.strip("\n")
         if not literal:
             undefined: list[str] = []
-            prompt = interpolate(prompt, self.shell.user_ns, set(getattr(self.shell, "user_ns_hidden", {})), undefined)
+            prompt = interpolate(prompt, self.shell.user_ns, set(getattr(self.shell, "user_ns_hidden", {})), undefined,
+                                 limit=max_chars(self.engine.models.get(model)), truncate=truncate)
             if undefined:
                 warn_undefined(undefined)
         if not prompt.strip():
@@ -228,14 +255,18 @@ class GenerateMagics(EngineMagics):
     def _run(self, prompt: str, kwargs: dict, *, resumable: bool):
         """Generate with streamed text and a progress display, both closed however it ends."""
         progress, stream = Progress(enabled=_in_kernel(self.shell)), Stream()
+        thinking = Thinking(enabled=_in_kernel(self.shell))  # the reasoning, collapsed above the answer
+        if "tools" in kwargs:
+            kwargs["on_step"] = show_step
         interrupted = False
         try:
-            return self.engine.generate(prompt, on_text=stream, on_progress=progress, **kwargs)
+            return self.engine.generate(prompt, on_text=stream, on_progress=progress, on_reasoning=thinking, **kwargs)
         except KeyboardInterrupt:
             interrupted = True
             raise
         finally:
             progress.close()
+            thinking.close()
             stream.end()
             if interrupted:
                 print("[mlxcache] interrupted; the cache is intact"

@@ -52,6 +52,27 @@ def test_footer_bar_escapes_and_all_prefilled():
     assert _widths(html) == {"prefilled": 100.0} and "<b>m</b>" not in html and "&lt;b&gt;" in html
 
 
+def test_footer_says_why_it_stopped_how_full_the_context_is_and_what_it_cost():
+    g = _gen(prompt_tokens=1600, ram_tokens=0, ssd_tokens=0, prefilled_tokens=1600, decode_tokens=72,
+             finish_reason="length", context_window=8192, prefill_tokens_per_s=98.4, peak_memory_bytes=612 << 20)
+    words = g.footer()
+    assert "72 tokens at 12.5 tok/s · stopped at max tokens · context 1,672 of 8,192 tokens" in words, words
+    assert "prefill 98 tok/s · peak memory 612.0 MiB" in words and "\n" not in words
+    assert "ended (end-of-sequence token)" in _gen(prompt_tokens=5, finish_reason="eos").footer()
+    assert "(past the window)" in _gen(prompt_tokens=90, decode_tokens=20, context_window=100).footer()
+
+
+def test_footer_says_why_a_prefix_missed_on_a_line_of_its_own(ip, capsys):
+    g = _gen(prompt_tokens=10, prefilled_tokens=10, cache_why="another system prompt: 9 tokens ...")
+    assert g.footer().splitlines()[1] == "[mlxcache] why: another system prompt: 9 tokens ... (%cache why)"
+    assert "mlxc-footer-why" in g._repr_html_() and "mlxc-footer-why" not in _gen(prompt_tokens=10)._repr_html_()
+    run(ip, capsys, f"{GEN} --system 'You are a ship.'\n" + "The lighthouse keeper writes the weather. " * 6)
+    res, out, _ = run(ip, capsys, f"{GEN} --system 'Be brief.'\n" + "The lighthouse keeper writes the weather. " * 6)
+    assert "[mlxcache] why: another system prompt" in repr(res.result)
+    _, out, _ = run(ip, capsys, "%cache why")
+    assert out.startswith("another system prompt") and "they part at token" in out and "Be brief" in out, out
+
+
 def test_generate_result_has_bar_in_html(ip, capsys):
     g = run(ip, capsys, f"{GEN}\nbar me")[0].result
     assert ip.display_formatter.formatters["text/plain"](g) == g.footer()
@@ -62,7 +83,7 @@ def test_generate_result_has_bar_in_html(ip, capsys):
 
 MAGICS = {"generate": "find_cell_magic", "model": "find_line_magic", "session": "find_line_magic",
           "checkpoint": "find_line_magic", "cache": "find_line_magic", "kv": "find_line_magic",
-          "memo": "find_line_magic"}
+          "memo": "find_line_magic", "eval": "find_line_magic"}
 
 
 @pytest.mark.parametrize("name", sorted(MAGICS))
@@ -88,6 +109,8 @@ def test_cheat_sheet(ip, capsys):
     assert len(out.splitlines()) <= 30 and max(map(len, out.splitlines())) <= 100
     for name in list(EXAMPLES) + ["dashboard"]:
         assert f"%{name}" in out, name
+    for action in ip.find_cell_magic("generate").__self__.generate.parser._actions:  # every %%generate option
+        assert action.dest == "help" or any(o in out for o in action.option_strings), action.option_strings
     res, out2, _ = run(ip, capsys, "%cache help")
     assert res.success and out2 == out
     assert "takes no arguments" in usage_error(ip, capsys, "%mlxcache now")

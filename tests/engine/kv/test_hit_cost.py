@@ -113,6 +113,33 @@ def test_a_loan_copies_nothing_until_the_first_append_then_once(tiny_model_dir, 
     eng.close()
 
 
+def _addresses(entry) -> list[int]:
+    """Where the entry's whole buffers are in memory."""
+    return [np.asarray(p).__array_interface__["data"][0]
+            for l in entry.checkpoint.layers for s in l.segments for p in s.parents]
+
+
+@pytest.mark.parametrize("ssd,flushed", [(False, False), (True, True), (True, False)])
+def test_a_rerun_appends_into_the_entrys_buffers_in_place(tiny_model_dir, tmp_path, ssd, flushed):
+    """A rerun takes the entry's place at its prompt (shorter than the entry: the old answer
+    follows) and writes over the old answer in the same memory: no copy of the prefix, with the
+    entry's write committed, queued (dropped) or without an SSD tier."""
+    eng = Engine(cache_dir=tmp_path / "c", ssd=ssd)
+    eng.load_model(tiny_model_dir)
+    prompt = DOC + QUESTIONS[0]
+    first = eng.generate_tokens(prompt, max_tokens=6)
+    if flushed:
+        eng.flush()
+    [entry] = eng.cache.entries()
+    before = _addresses(entry)
+    del entry
+    again = eng.generate_tokens(prompt, max_tokens=6)
+    assert again.tokens == first.tokens and again.stats["cache_source"] == "ram"
+    [entry] = eng.cache.entries()
+    assert _addresses(entry) == before
+    eng.close()
+
+
 # --- a second question over a cached document ------------------------------------
 
 
