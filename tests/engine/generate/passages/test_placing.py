@@ -166,3 +166,14 @@ def test_the_layers_before_the_deviation_layer_are_recomputed_for_every_placed_t
     got, ref = state(some), full_prefill(m, tokens[: some.length])
     assert close(got[1][0], ref[1][0]) and close(got[1][1], ref[1][1])
     assert not close(got[2][0], ref[2][0], rtol=1e-3)
+
+
+def test_drafts_over_placed_passages_decode_what_plain_decoding_does(eng, models):
+    """The placed state is the start; a draft model (its own exact state of the prompt) and drafts from the
+    context only decide how many tokens a forward yields."""
+    eng.load_model(str(models["llama"]), name="m")
+    kw = dict(passages=PASSAGES[:3], system=SYSTEM, recompute=0.3, max_tokens=12)
+    plain = eng.generate(QUESTION, lookup=False, **kw)
+    drafted = eng.generate(QUESTION, draft="m", **kw)
+    assert drafted.stats["draft_tokens_proposed"] > 0 and drafted.tokens == plain.tokens
+    assert eng.generate(QUESTION, lookup=True, **kw).tokens == plain.tokens
