@@ -7,6 +7,7 @@ Pure functions: no widgets, no engine calls.
 
 from __future__ import annotations
 
+import shutil
 import time
 
 from .dashboard_state import COUNTERS
@@ -160,6 +161,14 @@ def ram_label(s: dict) -> str:
     return f"<span data-used='{used}' data-objects='{objects}'>{fmt_bytes(used)} cached{against} · {entries}</span>"
 
 
+def disk_free(path) -> int:
+    """Bytes free on the disk holding `path` (0 when it cannot be read)."""
+    try:
+        return shutil.disk_usage(path).free if path else 0
+    except OSError:
+        return 0
+
+
 def ssd_label(s: dict) -> str:
     if not ssd_enabled(s):
         why = s.get("ssd_disabled_reason")
@@ -173,9 +182,10 @@ def ssd_label(s: dict) -> str:
     dedup = f" · {blocks} shared block{'' if blocks == 1 else 's'}" if blocks else ""
     if saved:  # what content addressing did not have to write again
         dedup += f" · {fmt_bytes(saved)} not rewritten (deduplicated)"
+    room = fmt_bytes(cap) if cap else f"no cap ({fmt_bytes(disk_free(s.get('cache_dir')))} free on disk)"
     return (
         f"<span data-used='{used}' data-processes='{procs}' data-deduplicated='{saved}'>{fmt_bytes(used)} unique of "
-        f"{fmt_bytes(cap) if cap else 'no cap'} · {files} checkpoint{'' if files == 1 else 's'}{dedup}{shared}</span>"
+        f"{room} · {files} checkpoint{'' if files == 1 else 's'}{dedup}{shared}</span>"
     )
 
 

@@ -268,6 +268,12 @@ class RamTier:
                 changed += b.nbytes
         return changed
 
+    def own_bytes(self, entry: Entry) -> int:
+        """Bytes only this entry holds (what removing it frees); the rest of `nbytes` it shares."""
+        cp = entry.checkpoint
+        buffers = cp.buffers()
+        return cp.nbytes - sum(b.nbytes for b in buffers if self._held.get(id(b), (b, 1))[1] > 1)
+
     def added_bytes(self, cp: Checkpoint) -> int:
         """Bytes publishing `cp` would add: its buffers no entry holds yet, and its attachments."""
         buffers = cp.buffers()

@@ -314,14 +314,16 @@ class TieredPromptCache:
             h = files.pop((e.ns, e.tokens), None)
             rows.append({
                 "ns": e.ns, "tokens": e.tokens, "tier": "ram" if h is None else "ram+ssd",
-                "write_state": e.write_state.value, "ram_bytes": e.nbytes, "kv_bytes": e.checkpoint.kv_bytes,
+                "write_state": e.write_state.value, "ram_bytes": e.nbytes, "ram_own_bytes": self.ram.own_bytes(e),
+                "kv_bytes": e.checkpoint.kv_bytes,
                 "file_bytes": None if h is None else h.file_bytes + h.block_bytes,
                 "borrowers": e.borrowers, "sessions": sorted(e.sessions), "last_used": e.last_used_time, "hits": e.hits,
             })
         for (ns, tokens), h in files.items():
             rows.append({
                 "ns": ns, "tokens": tokens, "tier": "ssd", "write_state": WriteState.COMMITTED.value,
-                "ram_bytes": None, "kv_bytes": h.raw_bytes, "file_bytes": h.file_bytes + h.block_bytes,
+                "ram_bytes": None, "ram_own_bytes": None, "kv_bytes": h.raw_bytes,
+                "file_bytes": h.file_bytes + h.block_bytes,
                 "borrowers": 0, "sessions": [], "last_used": h.last_use, "hits": 0,
             })
         return rows

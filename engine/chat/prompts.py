@@ -1,10 +1,12 @@
 """A prompt as token ids: sent as it is (raw), one user turn through the model's chat template,
-or a chat session's next turn (keeping the ids the model generated for earlier replies)."""
+or a chat session's next turn (keeping the ids the model generated for earlier replies). A whole
+chat turn, with template options, reasoning and tools, is turn.py's."""
 
 from __future__ import annotations
 
 from ..generate.sampling import GenerationError
 from ..generate.window import MAX_CHARS_PER_TOKEN, check_truncate, cut, window_of
+from .templates import render
 
 
 def encode_prompt(tok, prompt: str, *, system: str | None = None, raw: bool = False, session=None,
@@ -12,24 +14,25 @@ def encode_prompt(tok, prompt: str, *, system: str | None = None, raw: bool = Fa
     """tok: the model's tokenizer; session: a `sessions.Session`, or None. config: the model's, whose
     window bounds the text (generate/window.py): a prompt of more characters than it could hold is
     refused before it is tokenized, or cut as `truncate` says (then its tokens are cut to fit)."""
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise GenerationError("empty prompt: write the prompt in the cell (or pass a non-empty string)")
-    encodable(prompt, "the prompt")
-    encodable(system, "the system prompt")
-    prompt = bounded(prompt, config, truncate)
+    prompt = checked(prompt, system, config, truncate)
     if raw:
         bos = getattr(tok, "bos_token", None)
         return list(tok.encode(prompt, add_special_tokens=not (bos and prompt.startswith(bos))))
     if session is not None:
-        messages = session.render_messages(prompt, system)
-    else:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    if not getattr(tok, "chat_template", None):
-        return list(tok.encode("\n".join(msg["content"] for msg in messages)))
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    if session is not None:  # keep the ids the model generated for earlier replies
-        return session.encode_rendered(text, tok)
-    return list(tok.encode(text, add_special_tokens=False))
+        text = render(tok, session.render_messages(prompt, system), options=session.template_args, clock=session.clock)
+        return session.encode_rendered(text, tok)  # keep the ids the model generated for earlier replies
+    # (without a template the text is plain, and takes the tokenizer's special tokens)
+    plain = not getattr(tok, "chat_template", None)
+    return list(tok.encode(render_turn(tok, prompt, system=system), add_special_tokens=plain))
+
+
+def checked(prompt: str, system: str | None, config: dict | None, truncate: str | None) -> str:
+    """The prompt, refused when empty or not encodable, bounded by the model's window (`bounded`)."""
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise GenerationError("empty prompt: write the prompt in the cell (or pass a non-empty string)")
+    encodable(prompt, "the prompt")
+    encodable(system, "the system prompt")
+    return bounded(prompt, config, truncate)
 
 
 def bounded(text: str, config: dict | None, truncate: str | None, what: str = "prompt") -> str:
@@ -63,7 +66,4 @@ def encodable(text: str | None, what: str) -> str | None:
 
 def render_turn(tok, prompt: str, *, system: str | None = None) -> str:
     """One user turn through the chat template, up to where the assistant's reply begins (text)."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-    if not getattr(tok, "chat_template", None):
-        return "\n".join(msg["content"] for msg in messages)
-    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return render(tok, ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}])

@@ -66,6 +66,8 @@ class GenerationResult:
     prompt_tokens: list = field(default_factory=list, repr=False)
     logprobs: list | None = field(default=None, repr=False)  # TokenLogprob per token, with logprobs=K
     parsed: Any = None  # under a constraint: the answer parsed (a Pydantic object, a dict, the text), None if incomplete
+    reasoning: str = ""  # a chat reply's reasoning (thinking), apart from its answer in .text (chat/turn.py)
+    steps: list = field(default_factory=list, repr=False)  # an agent loop's tool steps before the answer
 
     def __str__(self) -> str:
         return self.text

@@ -11,6 +11,7 @@ import html
 import math
 
 from .constrain import constraint_phrase
+from .chat import steps_phrase
 from .tables import fmt_s, format_bytes
 
 __all__ = ["CellResult", "SPANS", "footer_spans", "footer_html"]
@@ -114,8 +115,9 @@ class CellResult:
     """What ``%%generate`` returns (and stores in ``--out``).
 
     ``.text``, ``.tokens`` (generated ids), ``.stats`` (dict), ``.parsed`` (with --json, --regex,
-    --choice or --grammar: the answer parsed, None when incomplete), ``.prompt`` (the interpolated
-    cell), ``.model``, ``.session``. Displays as the cell footer; ``str()`` is the text.
+    --choice or --grammar: the answer parsed, None when incomplete), ``.reasoning``, ``.steps`` (with
+    --tools), ``.prompt`` (the interpolated cell), ``.model``, ``.session``. Displays as the cell footer;
+    ``str()`` is the text.
     """
 
     def __init__(self, result, *, prompt: str, model: str | None, session: str | None, use_cache: bool,
@@ -126,6 +128,8 @@ class CellResult:
         self.stats = dict(result.stats)
         self.logprobs = result.logprobs  # TokenLogprob per token with --logprobs, else None
         self.parsed = getattr(result, "parsed", None)
+        self.reasoning = getattr(result, "reasoning", "")  # a thinking model's reasoning, apart from .text
+        self.steps = list(getattr(result, "steps", []))  # with --tools: each tool step (.call, .arguments, .result)
         self._pieces = logprob_pieces(tokenizer, self.logprobs) if self.logprobs and tokenizer else []
         self.prompt = prompt
         self.model = model
@@ -162,6 +166,10 @@ class CellResult:
             parts.insert(1, images_phrase(s["video_sources"], "video"))
         if s.get("image_sources"):
             parts.insert(1, images_phrase(s["image_sources"]))
+        if steps_phrase(self.steps):
+            parts.insert(1, steps_phrase(self.steps))
+        if s.get("prefill_note"):  # (the chat template rewrote what the history held)
+            parts.insert(1, s["prefill_note"])
         if s.get("truncated_tokens"):  # (--truncate: the prompt was past the model's window)
             parts.insert(1, f"{s['truncated_tokens']} prompt tokens dropped to fit the model's window")
         resumed = s.get("resumed_from")

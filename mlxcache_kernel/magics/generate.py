@@ -29,6 +29,7 @@ from IPython.core.magic_arguments import argument, kwds, magic_arguments
 from mlxcache_kernel.engine.generate.window import max_chars
 
 from .base import EngineMagics, parse_args, sampling_arguments, sampling_options, usage_errors
+from .chat import Thinking, chat_arguments, chat_options, show_step
 from .constrain import constraint_arguments, constraint_options
 from .footer import CellResult
 from .help import examples
@@ -87,6 +88,7 @@ class GenerateMagics(EngineMagics):
               help="drafts from the prompt and the text so far, verified by the model (same tokens), at every step "
                    "(default: where they pay)")
     @argument("--no-lookup", action="store_true", help="no drafts from the context")
+    @chat_arguments
     @constraint_arguments
     @argument("--no-cache", action="store_true", help="neither look up nor publish prompt caches")
     @argument("--literal", action="store_true", help="no {name} interpolation")
@@ -129,7 +131,10 @@ class GenerateMagics(EngineMagics):
             raise UsageError("--draft and --no-draft contradict each other: use one")
         if args.lookup and args.no_lookup:
             raise UsageError("--lookup and --no-lookup contradict each other: use one")
+        chat = chat_options(args, self.shell.user_ns)
         if args.batch is not None or args.samples is not None:
+            if chat:
+                raise UsageError("--think, --template-arg and --tools go with single cells, not --batch or --n")
             from .batch import run_batch
 
             return run_batch(self, args, cell, in_kernel=_in_kernel(self.shell))
@@ -146,7 +151,7 @@ class GenerateMagics(EngineMagics):
         prompt = self._prompt(cell, literal=args.literal, model=model_name, truncate=args.truncate)
         kwargs = dict(sampling_options(args), session=args.session, model=model_name, system=args.system,
                       raw=args.raw, use_cache=not args.no_cache, truncate=args.truncate,
-                      **constraint_options(args, self.shell.user_ns))
+                      **constraint_options(args, self.shell.user_ns), **chat)
         if args.lookup or args.no_lookup:  # (neither: where they pay)
             kwargs["lookup"] = bool(args.lookup)
         if args.draft is not None or args.no_draft or args.draft_tokens is not None:  # None: the default draft
@@ -225,14 +230,18 @@ class GenerateMagics(EngineMagics):
     def _run(self, prompt: str, kwargs: dict, *, resumable: bool):
         """Generate with streamed text and a progress display, both closed however it ends."""
         progress, stream = Progress(enabled=_in_kernel(self.shell)), Stream()
+        thinking = Thinking(enabled=_in_kernel(self.shell))  # the reasoning, collapsed above the answer
+        if "tools" in kwargs:
+            kwargs["on_step"] = show_step
         interrupted = False
         try:
-            return self.engine.generate(prompt, on_text=stream, on_progress=progress, **kwargs)
+            return self.engine.generate(prompt, on_text=stream, on_progress=progress, on_reasoning=thinking, **kwargs)
         except KeyboardInterrupt:
             interrupted = True
             raise
         finally:
             progress.close()
+            thinking.close()
             stream.end()
             if interrupted:
                 print("[mlxcache] interrupted; the cache is intact"

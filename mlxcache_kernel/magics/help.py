@@ -46,6 +46,15 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%%generate --choice 'yes|no|unsure'", "the answer is one of the choices (or --choice labels: a list)"),
         ("%%generate --grammar calc", "the answer follows the Lark or GBNF grammar held by variable calc"),
         ("%%generate --batch df --json Invoice", "one answer per row; the table gets a column per field"),
+        ("%%generate --think", "thinking on (the template's enable_thinking); the reasoning shows collapsed above "
+                               "the answer (r.reasoning)"),
+        ("%%generate --no-think --session chat1", "thinking off; the session keeps its options for later turns"),
+        ("%%generate --template-arg reasoning_effort=low", "any chat-template keyword (gpt-oss's here); repeatable"),
+        ("%%generate --session s --tools weather,convert", "the model may call these notebook functions; each call "
+                                                          "and its result shows, then the answer (r.steps)"),
+        ("%%generate --tools weather --tool-choice required --max-steps 3",
+         "every step calls a tool, arguments valid for its schema (3 steps), then the answer (none: no calls)"),
+        ("%%generate --tools weather --confirm", "ask before each call runs"),
         ("%%generate --lookup / --no-lookup", "drafts from the prompt itself, verified (same text): always / never (default: where they pay)"),
     ],
     "eval": [
@@ -78,6 +87,8 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%model load ~/models/gemma-3-4b-it", "a vision-language model loads through mlx-vlm ([vision] extra)"),
         ("%model load ~/models/gemma-3-4b-it --image-attention causal",
          "image tokens attend causally (as mlx-vlm generates), not bidirectionally"),
+        ("%model load ~/models/qwen3 --chat-template qwen3.jinja",
+         "render chats with another template (a .jinja file or a tokenizer_config.json) than the model's own"),
         ("%model list", "resident models; * marks the default"),
         ("%model use small", "make 'small' the default for %%generate"),
         ("%model unload small", "free its memory"),
@@ -145,10 +156,12 @@ mlxcache: a resident model and a RAM/SSD prompt cache. Add ? to any magic for ev
   %model load [PATH] [--name N] [--kv-bits 8] [--adapter DIR]   load a model (no PATH: SmolLM2)
   %model list | use N | unload N | info [N]
 
-  %%generate [-n 64] [-t 0.8 --seed 7] [--out r]   the cell is the prompt; {name} -> value of name
+  %%generate [-n 64] [-t 0.8 --top-p P --top-k K --seed 7] [--out r]   the cell is the prompt
       --session ID  --system TEXT  --raw  --stop S  --no-cache  --checkpoint-every N
+      --image P | --video P [--fps F] [--max-frames N] | --audio P: for vision-language models
+      --draft NAME [--draft-tokens K] | --no-draft | --lookup | --no-lookup: verified drafts
       --truncate left|middle: a prompt past the model's window is cut, not refused
-      {{name}} writes a literal {name}; --literal turns interpolation off
+      {name} -> the value of name; {{name}} writes a literal {name}; --literal: neither
       --batch VAR: the cell is a template over a list/Series/DataFrame ({item}, {col}) -> a table
       --n K: K samples of the prompt from one prefill (seeds s..s+K-1)
       --logprobs K: each token's log-probability and K alternatives
