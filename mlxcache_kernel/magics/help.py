@@ -158,6 +158,7 @@ mlxcache: a resident model and a RAM/SSD prompt cache. Add ? to any magic for ev
 
   %%generate [-n 64] [-t 0.8 --top-p P --top-k K --seed 7] [--out r]   the cell is the prompt
       --session ID  --system TEXT  --raw  --stop S  --no-cache  --checkpoint-every N
+      --think | --no-think  --template-arg K=V  --tools F [--tool-choice C --max-steps N --confirm]
       --image P | --video P [--fps F] [--max-frames N] | --audio P: for vision-language models
       --draft NAME [--draft-tokens K] | --no-draft | --lookup | --no-lookup: verified drafts
       --truncate left|middle: a prompt past the model's window is cut, not refused
@@ -172,8 +173,7 @@ mlxcache: a resident model and a RAM/SSD prompt cache. Add ? to any magic for ev
   %eval TASKS [--num-fewshot K] [--limit N]      lm-evaluation-harness tasks over the cache
   %session new|list|show|switch|reset|close ID    multi-turn chats (%%generate --session ID)
   %checkpoint save|list|restore|rm NAME           named states no budget evicts
-  %cache stats|ls [--all] [--model M] [--session S] | why | flush | clear [--ssd] | gc | verify
-  %cache config | help                            the settings in effect; this sheet
+  %cache stats|ls [--all] [--model M] [--session S]|why|flush|clear [--ssd]|gc|verify|config|help
   %kv inspect|export [--session ID | --checkpoint NAME | --last] [--layer L] [--to VAR] [--widget]
   %dashboard                                      live RAM/SSD residency, writes, hits
   @memo (from mlxcache_kernel import memo)        a function's array results, kept in RAM and on SSD
