@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from .codecs import PlainKV, UnsupportedCache, capture_layer, codec
+from .codecs import UnsupportedCache, capture_layer, codec
+from .first_layer import _plain  # (is a layer kind plain KV: one definition)
 
 # Per-position relative L2 error allowed, by dtype: a cold run with another prefill chunk stays well
 # under it (measured: benchmarks/bench_remote_verify.py reports the largest error of an honest state).
@@ -187,13 +188,6 @@ def sampled_check(m, cp, k: int = SAMPLED_POSITIONS) -> Mismatch | bool | None:
         if not v <= tol:
             return Mismatch(layer, p, v)
     return True
-
-
-def _plain(kind: str) -> bool:
-    try:
-        return isinstance(codec(kind), PlainKV)
-    except UnsupportedCache:
-        return False
 
 
 def describe(m: Mismatch) -> str:
