@@ -95,6 +95,7 @@ def test_progress_tables_and_previews(lab):
         b.run_cells(1)
         cold = progress_seen_by(page, t0, "() => document.querySelectorAll('.mlxc-footer').length >= 1")
         assert unfinished(cold, "prefill"), cold
+        assert cold[0]["text"].startswith("prefill 0/"), cold[:3]  # shown before the first chunk ended
         b.run_cells(4)  # two more questions, the DataFrame, the batch
 
         # %%score over a context never seen: its prefill shows progress too
@@ -103,6 +104,7 @@ def test_progress_tables_and_previews(lab):
         b.run_cells(1)
         scored = progress_seen_by(page, t0, "() => document.body.innerText.includes('options over')")
         assert unfinished(scored, "prefill"), scored
+        assert scored[0]["text"].startswith("prefill 0/"), scored[:3]
         b.run_cells(1)
         b.wait_output("USER DONE")
         page.wait_for_timeout(1500)  # the dashboard's throttled refresh after the last events
