@@ -291,7 +291,11 @@ class AdminMagics(EngineMagics):
             raise UsageError(f"%dashboard takes no arguments, got {line.strip()!r}")
         try:
             from mlxcache_kernel.widgets import ResidencyDashboard
+            from mlxcache_kernel.widgets.dashboard_render import GONE_NOTE
         except ImportError as e:
             raise UsageError(f"the dashboard needs ipywidgets: {e}") from None
+        from IPython.display import display
+
         self._show_widget(ResidencyDashboard(self.engine))
+        display({"text/plain": "", "text/html": GONE_NOTE}, raw=True)  # seen once the widget's view is gone
         return None
