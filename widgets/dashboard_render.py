@@ -13,7 +13,7 @@ import time
 from .dashboard_state import COUNTERS
 from .format import esc, fmt_ago, fmt_bytes, fmt_count, fmt_seconds, preview_text
 
-__all__ = ["CSS", "prefetch_label", "render_counters", "render_entries", "render_log", "ram_gauge", "ram_label",
+__all__ = ["CSS", "GONE_NOTE", "prefetch_label", "render_counters", "render_entries", "render_log", "ram_gauge", "ram_label",
            "remote_label", "ssd_label", "ssd_enabled", "write_label", "write_progress"]
 
 MAX_ROWS = 50
@@ -34,8 +34,15 @@ CSS = """
 .mlxc-dashboard .mlxc-state-committed {color: #2e7d32;}
 .mlxc-dashboard .mlxc-h {font-weight: bold; font-size: 12px; margin-top: 4px;}
 .mlxc-dashboard .mlxc-scroll {max-height: 15em; overflow-y: auto;}
+.mlxc-dashboard-gone {display: none;}
 </style>
 """
+
+# Shown under %dashboard's widget; hidden by the widget's own stylesheet (CSS above) while its view is
+# live. A kernel restart disposes the view (the output went blank) and a reopened notebook has no model:
+# the style goes with the view and this note says what to do.
+GONE_NOTE = ("<div class='mlxc-dashboard-gone' style='color:#a15c00'>"
+             "dashboard not live (kernel restarted): run %dashboard again</div>")
 
 
 def render_counters(c: dict) -> str:

@@ -69,6 +69,7 @@ class Durability:
         self.pins = CatalogPins(store)  # its source (the named records): TieredPromptCache.follow_pins
         self._rebuilds_seen = 0
         self._inflight_last = (0.0, 0.0)  # (when, seconds) of the last in-flight write applied
+        self.held: Callable[[str, tuple], bool] = lambda ns, tokens: False  # remote state on probation (remote/verify.py)
 
     def file_removed(self, ns: str, tokens: tuple) -> None:
         """Another process deleted a file (the store tells, from any thread); applied in poll()."""
@@ -77,7 +78,7 @@ class Durability:
     # --- ResidencyRules (the RAM tier asks) ---
 
     def may_drop(self, entry: Entry, reason: str) -> bool:
-        if self.store is None:
+        if self.store is None or self.held(entry.ns, entry.tokens):  # (held: never written, may go unverified)
             return not entry.pinned
         if self.store.has_durable_prefix(entry.tokens, entry.ns):
             entry.write_state = WriteState.COMMITTED
@@ -170,7 +171,8 @@ class Durability:
                     self._queue_write(e)
 
     def _queue_write(self, entry: Entry) -> None:
-        if entry.write_state in (WriteState.PENDING, WriteState.COMMITTED) or entry.ns not in self.identities:
+        if (entry.write_state in (WriteState.PENDING, WriteState.COMMITTED) or entry.ns not in self.identities
+                or self.held(entry.ns, entry.tokens)):  # not verified yet: kept from SSD until it is
             return
         if self.store is None:
             return

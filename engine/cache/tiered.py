@@ -128,6 +128,8 @@ class TieredPromptCache:
         path, nor in a flush at shutdown)."""
         self.durability.poll()
         self.loading.collect(prepare)
+        if prepare and self.remote is not None and self.remote.verifier is not None:
+            self.remote.verifier.step()  # between cells: a short step of a remote state's verification
 
     # --- lookup ---
 
@@ -148,7 +150,8 @@ class TieredPromptCache:
             fetched = self._fetch_remote(prompt, ns, n_ram)
             if fetched is not None:
                 return fetched
-        return self.ram.serve(entry, n_ram, prompt, ns, move)
+        loan = self.ram.serve(entry, n_ram, prompt, ns, move)
+        return loan if self.remote is None else self.remote.served(loan, ns)
 
     def _fetch_remote(self, prompt, ns, n_ram) -> Loan | None:
         t0 = time.perf_counter()

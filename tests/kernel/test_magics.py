@@ -137,6 +137,7 @@ def test_model_load_list_use_unload(ip, capsys, tmp_path):
     assert res.success and "QuantizedKVCache:float32:q8g32" in out
     res, out, _ = run(ip, capsys, f"%model load {wide} --name q8late --kv-bits 8 --kv-group-size 32 --kv-start 40")
     assert res.success and "KVCache:float32:q8g32@40" in out and engine(ip).models.get("q8late").kv_start == 40
+    assert "(8-bit KV (groups of 32) from token 40)" in out  # the setting in words
     run(ip, capsys, "%model unload q8late")
     assert "does not fit this model's KV" in usage_error(ip, capsys, f"%model load {path} --name bad --kv-bits 8")
     assert engine(ip).models.info("q8")["namespace"] != engine(ip).models.info("second")["namespace"]
