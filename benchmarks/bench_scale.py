@@ -8,24 +8,21 @@ tokens (small: 1,024 = 268 MB; 1gb: 4,096; 2gb: 8,192) or --tokens, then:
 1. cold: the document and a question prefilled (`prefill_s`, `ttft_s`).
 2. write: `flush()` right after, bytes of the new files / its seconds, against a `dd`-style sequential
    write of as many bytes (8 MiB writes, one fsync) on the same filesystem.
-3. RAM rerun of the same prompt and a second question over the document, --repeats each, TTFT against
-   the floor: mlx-lm forwarding the same new tokens in one pass over a `KVCache` that already holds the
-   prefix with room to grow (memory-bound: one pass over the KV). Target: <= 1.1x. Decode after the hit
-   against mlx-lm's `generate_step` decoding over that cache (target >= 0.98). Peak MLX memory during a
-   hit over (model + the resident state before it).
+3. RAM rerun of the same prompt and second questions over the document (the previous one's write
+   finished first, as between cells), --repeats each, TTFT against the floor: mlx-lm
+   forwarding the same new tokens in one pass over a `KVCache` that already holds the prefix with room
+   (one pass over the KV). Target <= 1.1x. Decode after the hit against mlx-lm's `generate_step` over
+   that cache (>= 0.98). Peak MLX memory during a hit over the resident state before it.
 4. SSD hit of the rerun in a new process (prefetch off: the lookup restores), the checkpoint's files
-   dropped from the page cache first (posix_fadvise DONTNEED after fsync: their clean pages go; what
-   stays resident is measured with fincore and reported; `--drop-all` writes /proc/sys/vm/drop_caches
-   instead, as root, emptying every process's cache). Against reading the same files raw (one new
-   buffer, no hashing), plus the rerun floor (target <= 1.2x), and mlx-lm's `load_prompt_cache` of the
-   same state (dropped too; its file read raw beside it: one file of another age, which the disk
-   and the host below this VM may cache differently). Peak RSS over (RSS after loading the model + the checkpoint's bytes):
-   target <= 1.1.
+   dropped from the page cache (posix_fadvise DONTNEED after fsync; what stays resident is measured with
+   fincore; `--drop-all`: /proc/sys/vm/drop_caches, as root, every process's cache). Against reading the
+   same files raw (one new buffer, no hashing) plus the rerun floor (target <= 1.2x), and mlx-lm's
+   `load_prompt_cache` of the same state (its file, of another age, read raw beside it). Peak RSS over
+   (RSS with the model + the checkpoint's bytes): target <= 1.1.
 
     python benchmarks/bench_scale.py [--size small|1gb|2gb] [--tokens N] [--repeats 3] [--ssd-repeats 2]
 
-RAM: the engine holds the checkpoint, a hit (today) a copy of it, the floor's cache another: about 3x the
-checkpoint at the peak. Run one at a time on a shared machine.
+RAM: the checkpoint, a copy for the floor's cache, and whatever a hit copies. Run one at a time.
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ import argparse
 import json
 import mmap
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -171,9 +167,10 @@ def resident_bytes(paths: list[Path]) -> int | None:
     return sum(int(x) for x in out.split())
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def rss_bytes(field: str = "VmRSS") -> int:
+    """This process's RSS now, or its peak ("VmHWM": unlike ru_maxrss, not the parent's RSS at fork)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
 # --- children: one measurement in a fresh process ----------------------------------------------
@@ -192,23 +189,19 @@ def child(kind: str, spec: dict) -> dict:
             out["rss_before"] = rss_bytes()
             out["page_cache"] = drop_page_cache(files, spec["drop_all"])
             r = eng.generate_tokens(spec["prompt"], params=SamplingParams(max_tokens=spec["decode_tokens"]))
-            out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            out["peak_rss"] = rss_bytes("VmHWM")
             out["stats"] = {k: r.stats.get(k) for k in ("ttft_s", "cache_source", "cached_tokens", "lookup_s",
                                                         "prefill_s", "decode_tokens_per_s", "peak_memory_bytes")}
             out["tokens"] = r.tokens
             eng.cache.clear()  # nothing new to write: the rerun's state is the one on disk
     elif kind == "raw":  # the same files read into one new buffer: the disk's pace, nothing else
         out["page_cache"] = drop_page_cache(files, spec["drop_all"])
-        t0 = time.perf_counter()
-        sizes = [p.stat().st_size for p in files]
-        buf = memoryview(mmap.mmap(-1, sum(sizes)))
-        at = 0
-        for p, size in zip(files, sizes):
+        t0, at = time.perf_counter(), 0
+        buf = memoryview(mmap.mmap(-1, sum(p.stat().st_size for p in files)))
+        for p in files:
             with open(p, "rb", buffering=0) as f:
-                got = 0
-                while got < size:
-                    got += f.readinto(buf[at + got : at + size])
-            at += size
+                while n := f.readinto(buf[at:]):
+                    at += n
         out["seconds"] = time.perf_counter() - t0
     elif kind == "mlxlm":
         import mlx.core as mx
@@ -255,6 +248,7 @@ def dd_write(directory: Path, nbytes: int) -> float:
 def hit(eng, prompt: list, decode_n: int, want: str) -> dict:
     from mlxcache_kernel.engine import SamplingParams
 
+    eng.flush()  # the previous cell's write done, as while the next cell is typed (its views would make MLX copy)
     r = eng.generate_tokens(prompt, params=SamplingParams(max_tokens=decode_n))
     assert r.stats["cache_source"] == want, r.stats
     return {"stats": r.stats, "tokens": r.tokens}
@@ -313,6 +307,7 @@ def run(args, work: Path) -> dict:
             r = hit(eng, ask[i], decode_n, "ram")
             r["peak_over_resident"] = r["stats"]["peak_memory_bytes"] / before
             seconds.append(r)
+            eng.flush()
             for e in eng.cache.entries():  # the document's entry only: each question a fresh hit on it
                 if e is not entry:
                     eng.cache.ram.remove(e)
@@ -362,6 +357,7 @@ def run(args, work: Path) -> dict:
         "over_raw_plus_floor": ratio(ttft, raw_s + floor), "over_load_prompt_cache": ratio(ttft, lm_s),
         "peak_rss_over_model_plus_checkpoint": ratio(median([s["peak_rss"] for s in ssd]),
                                                      median([s["rss_before"] for s in ssd]) + out["checkpoint_bytes"]),
+        "rss_with_model": ssd[0]["rss_before"], "peak_rss": ssd[0]["peak_rss"], "peak_mlx": ssd[0]["stats"]["peak_memory_bytes"],
         "page_cache": ssd[0]["page_cache"], "raw_page_cache": raw[0]["page_cache"],
     }
     return out
