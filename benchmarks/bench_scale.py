@@ -308,9 +308,9 @@ def run(args, work: Path) -> dict:
             r["peak_over_resident"] = r["stats"]["peak_memory_bytes"] / before
             seconds.append(r)
             eng.flush()
-            for e in eng.cache.entries():  # the document's entry only: each question a fresh hit on it
-                if e is not entry:
-                    eng.cache.ram.remove(e)
+            for e in [e for e in eng.cache.entries() if e is not entry]:  # each question a fresh hit on the document
+                eng.cache.ram.remove(e)
+            e = None  # (a removed entry held here would keep MLX from appending into the document in place)
         rerun_floor = floors(m, entry.checkpoint, ask[0], len(ask[0]) - 1, decode_n, args.repeats)
         q = ask[1]
         second_floor = floors(m, entry.checkpoint, q, seconds[0]["stats"]["cached_tokens"], decode_n, args.repeats)
