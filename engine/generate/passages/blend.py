@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .moves import Capture, Mover, Stop
+from ...kv.first_layer import Capture, Stop
+from .moves import Mover
 
 LEAD_TOKENS = 2  # first tokens of each passage, chosen before any by deviation (bench_passages: 8 did worse)
 DEVIATION_LAYER = 1
