@@ -67,6 +67,21 @@ def _is_pydantic(x) -> bool:
     return isinstance(x, type) and callable(getattr(x, "model_json_schema", None)) and hasattr(x, "model_validate")
 
 
+def strict(schema):
+    """The schema with `"additionalProperties": false` on every object schema that lists its properties and
+    says nothing about others (a copy): only the keys it names, as xgrammar's strict mode and OpenAI's
+    strict schemas do. A schema that says `"additionalProperties": true` (or gives a schema) keeps it."""
+    if isinstance(schema, list):
+        return [strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict(v) if k not in ("enum", "const", "default", "examples", "x-guidance") else v
+           for k, v in schema.items()}
+    if "properties" in out and not {"additionalProperties", "unevaluatedProperties", "patternProperties"} & set(out):
+        out["additionalProperties"] = False
+    return out
+
+
 def _json_spec(value) -> Spec:
     model = value if _is_pydantic(value) else None
     if model is not None:
@@ -87,7 +102,7 @@ def _json_spec(value) -> Spec:
     try:
         own = isinstance(schema.get("x-guidance"), dict) and {"whitespace_flexible", "whitespace_pattern"} & set(
             schema["x-guidance"])  # (our pattern would override the schema's own choice)
-        grammar = LLMatcher.grammar_from_json_schema(schema, defaults=None if own else JSON_DEFAULTS)
+        grammar = LLMatcher.grammar_from_json_schema(strict(schema), defaults=None if own else JSON_DEFAULTS)
     except (ValueError, TypeError) as e:
         raise ConstraintError(f"response_format: not a JSON Schema: {_one_line(str(e))}") from None
     return Spec("json", grammar, model)

@@ -152,6 +152,27 @@ def test_ram_and_ssd_hits_in_a_new_process_answer_as_a_cold_run(dirs, tmp_path):
     assert source == "ssd" and tokens == cold.tokens and parsed == cold.parsed and cached is False
 
 
+def test_objects_hold_only_the_keys_they_name_unless_the_schema_allows_others(eng):
+    from mlxcache_kernel.engine.generate.grammars import strict
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 9}}, "x-guidance": COMPACT}
+    for seed in range(4):  # (a random model adds keys where the grammar lets it)
+        r = eng.generate(PROMPT, max_tokens=300, use_cache=False, response_format=schema, temperature=1.0, seed=seed)
+        assert set(r.parsed) <= {"a"}, r.text
+    nested = {"$defs": {"P": {"type": "object", "properties": {"x": {"type": "string"}}}},
+              "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}, "q": {"anyOf": [
+                  {"type": "object", "properties": {"y": {"type": "integer"}}}, {"type": "null"}]}},
+              "required": ["p"]}
+    tight = strict(nested)
+    assert tight["additionalProperties"] is False and tight["$defs"]["P"]["additionalProperties"] is False
+    assert tight["properties"]["q"]["anyOf"][0]["additionalProperties"] is False and "additionalProperties" not in nested
+    loose = {**nested, "additionalProperties": True}
+    assert strict(loose)["additionalProperties"] is True and strict({"type": "object"}) == {"type": "object"}
+    extra = [eng.generate(PROMPT, max_tokens=300, use_cache=False, temperature=1.0, seed=seed,
+                          response_format={**schema, "additionalProperties": True}) for seed in range(4)]
+    assert any(r.parsed and set(r.parsed) - {"a"} for r in extra), [r.text for r in extra]
+
+
 def test_an_answer_cut_by_max_tokens_is_incomplete(eng):
     r = eng.generate(PROMPT, max_tokens=5, response_format=SCHEMA)
     assert r.parsed is None and r.stats["finish_reason"] == "length"
