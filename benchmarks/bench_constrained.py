@@ -13,7 +13,7 @@ vocabulary), with a 10-field Pydantic schema:
    one constrained batch, of the same batch unconstrained, and of a loop of single constrained
    generations (the cache cleared before each, so each prefills the instruction once).
 
-    python benchmarks/bench_constrained.py [--rows 8] [--max-tokens 96] [--repeats 3] [--extract-rows 32] [--skip speculative]
+    python benchmarks/bench_constrained.py [--rows 8] [--max-tokens 128] [--repeats 2] [--extract-rows 32] [--skip speculative]
 """
 
 from __future__ import annotations
@@ -175,8 +175,8 @@ def bench_extraction(eng, rows: int, prefix_tokens: int, max_tokens: int) -> dic
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--draft-layers", type=int, default=8)
     ap.add_argument("--draft-tokens", type=int, default=4)
     ap.add_argument("--extract-rows", type=int, default=32)
