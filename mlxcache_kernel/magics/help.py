@@ -164,6 +164,8 @@ mlxcache: a resident model and a RAM/SSD prompt cache. Add ? to any magic for ev
       --n K: K samples of the prompt from one prefill (seeds s..s+K-1)
       --logprobs K: each token's log-probability and K alternatives
       --json MODEL | --regex P | --choice 'a|b' | --grammar VAR: answers that parse (r.parsed)
+      --think | --no-think  --template-arg K=V: the chat template's options (a session keeps them)
+      --tools f,g [--tool-choice required] [--max-steps N] [--confirm]: notebook functions as tools
       the footer: tokens from RAM / SSD / prefilled, TTFT, tok/s, context used, why a prefix missed
 
   %%score OPTIONS [--chat] [--out r]              rank list OPTIONS as continuations of the cell
