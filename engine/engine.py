@@ -35,7 +35,6 @@ from .admin.cache_admin import CacheAdmin
 from .cache.objects.cache import ObjectCache
 from .cache.catalog.database import CatalogBusy
 from .cache.remote import RemoteConfigError, resolve as resolve_remote
-from .kv import first_layer
 from .config import EngineConfig, default_cache_dir, hide_credentials  # noqa: F401 (engine.default_cache_dir)
 from .cache.remote.link import attach as attach_remote, close as close_remote, flush as flush_remote
 from .cache.tiered import TieredPromptCache
@@ -135,11 +134,8 @@ class Engine:
                                   AccessTrace(config.trace_path), config.prefill_chunk, on_published=self._published,
                                   explain=self.admin.explainer.explain)
         if remote is not None:  # a shared tier below SSD (Redis / Valkey)
-            model_of = self.models.by_namespace
             attach_remote(self.cache, remote, publish=config.remote_publish, prefill_rate=self.metrics.prefill_rate.get,
-                          exact=self._may_be_exact, converts=lambda ns: bool(getattr(model_of(ns), "kv_start", 0)),
-                          bound=lambda ns, cp, early: first_layer.bound_to_tokens(model_of(ns), cp, early),
-                          ahead=lambda ns, tokens: first_layer.ahead(model_of(ns), tokens))
+                          exact=self._may_be_exact, model_of=self.models.by_namespace, emit=self.events.emit)
         self._closed = False
 
     @property

@@ -11,6 +11,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import line_magic, magics_class
 from IPython.core.magic_arguments import argument, kwds, magic_arguments
 
+from mlxcache_kernel.engine.cache.why import kv_words
 from mlxcache_kernel.engine.chat.sessions import shown
 
 from .base import EngineMagics, no_target, only_for, parse_args, usage_errors
@@ -116,7 +117,8 @@ class AdminMagics(EngineMagics):
         adapter = f" + adapter {info['adapter']}" if info.get("adapter") else ""
         adapter += f" · chat template {info['chat_template']}" if info.get("chat_template") else ""
         print(f"loaded {name!r}{star}: {info.get('path')}{adapter} · {info.get('layers')} layers · "
-              f"{info.get('kv_scheme')} · {format_bytes(info.get('parameters_bytes'))} in {fmt_s(info['load_s'])}")
+              f"{info.get('kv_scheme')} ({kv_words(info.get('kv_scheme'))}) · {format_bytes(info.get('parameters_bytes'))} "
+              f"in {fmt_s(info['load_s'])}")
         if info.get("cache_notice"):
             print(f"note: {info['cache_notice']}")
         prefetch = info.get("prefetch") or {}
@@ -289,7 +291,11 @@ class AdminMagics(EngineMagics):
             raise UsageError(f"%dashboard takes no arguments, got {line.strip()!r}")
         try:
             from mlxcache_kernel.widgets import ResidencyDashboard
+            from mlxcache_kernel.widgets.dashboard_render import GONE_NOTE
         except ImportError as e:
             raise UsageError(f"the dashboard needs ipywidgets: {e}") from None
+        from IPython.display import display
+
         self._show_widget(ResidencyDashboard(self.engine))
+        display({"text/plain": "", "text/html": GONE_NOTE}, raw=True)  # seen once the widget's view is gone
         return None

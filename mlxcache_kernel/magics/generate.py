@@ -100,6 +100,13 @@ class GenerateMagics(EngineMagics):
                    "{column}); the rows decode together and the result is a table")
     @argument("--n", type=int, default=None, dest="samples", metavar="K",
               help="K samples of the prompt (seeds s..s+K-1) from one prefill; with --batch, K per item")
+    @argument("--passages", default=None, metavar="VAR",
+              help="VAR (a list of strings, a Series or a one-column DataFrame; VAR.column too) goes before the "
+                   "prompt, each passage placed from its own cached KV and partly recomputed: approximate, and the "
+                   "footer says so")
+    @argument("--recompute", type=float, default=None, metavar="F",
+              help="with --passages: the fraction of placed passage tokens recomputed (default: the "
+                   "passage_recompute setting; 1: what a full prefill computes)")
     @no_var_expand  # _expand_line: as IPython expands, but --image {var} keeps the object
     @cell_magic
     @usage_errors
@@ -131,6 +138,10 @@ class GenerateMagics(EngineMagics):
             raise UsageError("--draft and --no-draft contradict each other: use one")
         if args.lookup and args.no_lookup:
             raise UsageError("--lookup and --no-lookup contradict each other: use one")
+        if args.recompute is not None and args.passages is None:
+            raise UsageError("--recompute goes with --passages VAR")
+        if args.passages is not None and (args.batch is not None or args.samples is not None):
+            raise UsageError("--passages does not go with --batch or --n: one prompt at a time")
         chat = chat_options(args, self.shell.user_ns)
         if args.batch is not None or args.samples is not None:
             if chat:
@@ -165,6 +176,8 @@ class GenerateMagics(EngineMagics):
             kwargs["audios"] = [self._image(spec, "--audio") for spec in args.audio]
         if args.checkpoint_every is not None:
             kwargs["checkpoint_every"] = args.checkpoint_every
+        if args.passages is not None:
+            kwargs.update(passages=self._variable(args.passages, "--passages"), recompute=args.recompute)
         result = self._run(prompt, kwargs, resumable=args.checkpoint_every is not None)
         gen = CellResult(result, prompt=prompt, model=model_name, session=args.session, use_cache=not args.no_cache,
                          tokenizer=eng.models.get(model_name).tokenizer)
@@ -210,6 +223,18 @@ class GenerateMagics(EngineMagics):
         if m.group(1) not in self.shell.user_ns:
             raise UsageError(f"{option} {spec}: {m.group(1)!r} is not defined")
         return self.shell.user_ns[m.group(1)]
+
+    def _variable(self, spec: str, option: str):
+        """A notebook variable by name, or an attribute of one (VAR.column)."""
+        name, *attrs = spec.strip().split(".")
+        if not name.isidentifier() or name not in self.shell.user_ns:
+            raise UsageError(f"{option} {spec}: {name!r} is not defined")
+        value = self.shell.user_ns[name]
+        for attr in attrs:
+            if not hasattr(value, attr):
+                raise UsageError(f"{option} {spec}: {name} has no {attr!r}")
+            value = getattr(value, attr)
+        return value
 
     def _prompt(self, cell: str, *, literal: bool, model: str, truncate: str | None = None) -> str:
         """The cell body, interpolated unless ``literal`` (a {var} longer than `model`'s window could

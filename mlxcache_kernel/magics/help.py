@@ -31,6 +31,10 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%%generate --video clip.mp4 --fps 1 --max-frames 16", "Qwen2-VL / Qwen2.5-VL see the clip (sampled frames)"),
         ("%%generate --audio talk.wav", "Gemma 4 hears the recording (or --audio {waveform})"),
         ("%%generate --literal", "no {name} interpolation (or write {{name}} for one literal {name})"),
+        ("%%generate --passages docs", "the passages in `docs` (a list, a Series, df.text) go before the cell, each "
+         "placed from its own cached KV (approximate)"),
+        ("%%generate --passages docs --recompute 0.3", "recompute 30% of the placed passage tokens (1: a full "
+         "prefill's numbers)"),
         ("%%generate --truncate left", "a prompt past the model's window drops its oldest tokens (middle: keeps "
                                        "start and end) instead of being refused"),
         ("%%generate --batch questions", "the cell is a template: one row per item ({item}); a table of results"),
@@ -156,13 +160,16 @@ mlxcache: a resident model and a RAM/SSD prompt cache. Add ? to any magic for ev
   %model load [PATH] [--name N] [--kv-bits 8] [--adapter DIR]   load a model (no PATH: SmolLM2)
   %model list | use N | unload N | info [N]
 
-  %%generate [-n 64] [-t 0.8 --seed 7] [--out r]   the cell is the prompt; {name} -> value of name
+  %%generate [-n 64] [-t 0.8 --top-p P --top-k K --seed 7] [--out r]   the cell is the prompt
       --session ID  --system TEXT  --raw  --stop S  --no-cache  --checkpoint-every N
+      --think | --no-think  --template-arg K=V  --tools F [--tool-choice C --max-steps N --confirm]
+      --image P | --video P [--fps F] [--max-frames N] | --audio P: for vision-language models
+      --draft NAME [--draft-tokens K] | --no-draft | --lookup | --no-lookup: verified drafts
       --truncate left|middle: a prompt past the model's window is cut, not refused
-      {{name}} writes a literal {name}; --literal turns interpolation off
+      {name} -> the value of name; {{name}} writes a literal {name}; --literal: neither
       --batch VAR: the cell is a template over a list/Series/DataFrame ({item}, {col}) -> a table
-      --n K: K samples of the prompt from one prefill (seeds s..s+K-1)
-      --logprobs K: each token's log-probability and K alternatives
+      --n K: K samples from one prefill (seeds s..s+K-1)  --logprobs K: K alternatives per token
+      --passages VAR [--recompute F]: VAR's passages before the cell, from their cached KV (approx.)
       --json MODEL | --regex P | --choice 'a|b' | --grammar VAR: answers that parse (r.parsed)
       --think | --no-think  --template-arg K=V: the chat template's options (a session keeps them)
       --tools f,g [--tool-choice required] [--max-steps N] [--confirm]: notebook functions as tools
@@ -172,8 +179,7 @@ mlxcache: a resident model and a RAM/SSD prompt cache. Add ? to any magic for ev
   %eval TASKS [--num-fewshot K] [--limit N]      lm-evaluation-harness tasks over the cache
   %session new|list|show|switch|reset|close ID    multi-turn chats (%%generate --session ID)
   %checkpoint save|list|restore|rm NAME           named states no budget evicts
-  %cache stats|ls [--all] [--model M] [--session S] | why | flush | clear [--ssd] | gc | verify
-  %cache config | help                            the settings in effect; this sheet
+  %cache stats|ls [--all] [--model M] [--session S]|why|flush|clear [--ssd]|gc|verify|config|help
   %kv inspect|export [--session ID | --checkpoint NAME | --last] [--layer L] [--to VAR] [--widget]
   %dashboard                                      live RAM/SSD residency, writes, hits
   @memo (from mlxcache_kernel import memo)        a function's array results, kept in RAM and on SSD

@@ -91,6 +91,7 @@ def test_dashboard_miss_write_queued_committed_hit(engine):
     assert all(e["write_state"] == "committed" for e in db.last_entries)
     assert any(e["tier"] in ("ram+ssd", "ssd") for e in db.last_entries) or db.last_stats["ssd_files"] >= 1
     assert "of no cap" in db.ssd_label.value and "0 B of" not in db.ssd_label.value
+    assert "free on disk" in db.ssd_label.value and db.ssd_bar.value < db.ssd_bar.max  # not full without a cap
 
     engine.generate(PROMPT + "And then?", max_tokens=4)
     db.refresh()
