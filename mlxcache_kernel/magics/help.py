@@ -171,8 +171,6 @@ mlxcache: a resident model and a RAM/SSD prompt cache. Add ? to any magic for ev
       --n K: K samples from one prefill (seeds s..s+K-1)  --logprobs K: K alternatives per token
       --passages VAR [--recompute F]: VAR's passages before the cell, from their cached KV (approx.)
       --json MODEL | --regex P | --choice 'a|b' | --grammar VAR: answers that parse (r.parsed)
-      --think | --no-think  --template-arg K=V: the chat template's options (a session keeps them)
-      --tools f,g [--tool-choice required] [--max-steps N] [--confirm]: notebook functions as tools
       the footer: tokens from RAM / SSD / prefilled, TTFT, tok/s, context used, why a prefix missed
 
   %%score OPTIONS [--chat] [--out r]              rank list OPTIONS as continuations of the cell
