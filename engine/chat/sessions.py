@@ -169,6 +169,15 @@ def shown(content: str | list) -> str:
                     for part in content)
 
 
+def shown_message(msg: dict) -> str:
+    """A message as `%session show` prints it: its content, its tool calls and how long its reasoning was."""
+    calls = [c.get("function", c) for c in msg.get("tool_calls") or []]
+    thought = next((msg[k] for k in ("reasoning_content", "thinking") if msg.get(k)), "")
+    return (shown(msg.get("content") or "") + "".join(
+        f" -> {c['name']}({', '.join(f'{k}={v!r}' for k, v in (c.get('arguments') or {}).items())})" for c in calls)
+            + (f" (thought {len(thought.split())} words)" if thought else ""))
+
+
 class Sessions:
     """Chat sessions by id (`eng.sessions`): each one's history here; its latest state in the cache's
     session index, which `switch` brings back into RAM and `close` lets go of."""
@@ -182,11 +191,13 @@ class Sessions:
         self.cache, self.models, self.events, self.poll = cache, models, events, poll
         self.loops = LoopRecords(loops)
 
-    def new(self, session_id: str, *, system: str | None = None, model: str | None = None) -> Session:
+    def new(self, session_id: str, *, system: str | None = None, model: str | None = None,
+            template_args: dict | None = None) -> Session:
+        """template_args: the chat-template keywords its turns render with (generate's update them)."""
         check_session_id(session_id)
         if session_id in self._sessions:
             raise SessionError(f"session {session_id!r} already exists (reset or close it first)")
-        s = self._sessions[session_id] = Session(session_id, system, model)
+        s = self._sessions[session_id] = Session(session_id, system, model, template_args=dict(template_args or {}))
         s.clock = s.created  # its template's dates stay those of the day it was created
         return s
 
