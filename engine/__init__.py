@@ -21,6 +21,7 @@ _EXPORTS = {
     "ConstraintError": ".errors",
     "PassageError": ".errors",
     "SessionError": ".errors",
+    "ToolError": ".errors",
     "CheckpointNameError": ".errors",
     "UnsupportedCache": ".errors",
     "Unkeyable": ".errors",
@@ -42,6 +43,7 @@ _EXPORTS = {
     "SamplingParams": ".generate.sampling",
     "ScoreResult": ".generate.scoring",
     "TokenLogprob": ".generate.logprobs",
+    "ToolCall": ".chat.tools",
     "default_cache_dir": ".config",
     "default_ram_budget": ".host.memory",
 }

@@ -35,7 +35,6 @@ from .admin.cache_admin import CacheAdmin
 from .cache.objects.cache import ObjectCache
 from .cache.catalog.database import CatalogBusy
 from .cache.remote import RemoteConfigError, resolve as resolve_remote
-from .kv import first_layer
 from .config import EngineConfig, default_cache_dir, hide_credentials  # noqa: F401 (engine.default_cache_dir)
 from .cache.remote.link import attach as attach_remote, close as close_remote, flush as flush_remote
 from .cache.tiered import TieredPromptCache
@@ -55,6 +54,7 @@ from .generate.passages.run import with_passages
 from .generate.score_groups import score_groups
 from .generate.generation import Generation, GenerationResult, Request, Services
 from .chat.sessions import Sessions
+from .chat.turn import ChatOptions, run_turn
 from .generate.speculative.draft import load_with_draft, resolve_draft
 from .generate.speculative.proposers import check_lookup
 from .generate.grammars import OPTIONS as CONSTRAINT_OPTIONS, constraint_of, constraints_of
@@ -120,7 +120,8 @@ class Engine:
         self.metrics = GenerationMetrics()
         self.last_result: GenerationResult | None = None
         self.last_key: tuple | None = None  # (namespace, tokens) of the last generation's checkpoint
-        self.sessions = Sessions(cache=self.cache, models=self.models, events=self.events, poll=self.poll)
+        self.sessions = Sessions(cache=self.cache, models=self.models, events=self.events, poll=self.poll,
+                                 loops=self.cache_dir / "loops" if usable and self.cache.has_ssd else None)
         names = NamedCheckpoints(self.cache_dir / "names" if usable else None)  # the records of named checkpoints
         find = StateFinder(self.cache, names, self.sessions, last_key=lambda: self.last_key)
         self.checkpoints = Checkpoints(cache=self.cache, names=names, sessions=self.sessions, models=self.models,
@@ -133,11 +134,8 @@ class Engine:
                                   AccessTrace(config.trace_path), config.prefill_chunk, on_published=self._published,
                                   explain=self.admin.explainer.explain)
         if remote is not None:  # a shared tier below SSD (Redis / Valkey)
-            model_of = self.models.by_namespace
             attach_remote(self.cache, remote, publish=config.remote_publish, prefill_rate=self.metrics.prefill_rate.get,
-                          exact=self._may_be_exact, converts=lambda ns: bool(getattr(model_of(ns), "kv_start", 0)),
-                          bound=lambda ns, cp, early: first_layer.bound_to_tokens(model_of(ns), cp, early),
-                          ahead=lambda ns, tokens: first_layer.ahead(model_of(ns), tokens))
+                          exact=self._may_be_exact, model_of=self.models.by_namespace, emit=self.events.emit)
         self._closed = False
 
     @property
@@ -156,24 +154,20 @@ class Engine:
 
     # --- models ---
 
-    def load_model(self, path_or_id, name: str = "default", *, kv_bits: int | None = None,
-                   kv_group_size: int = 64, adapter_path=None, image_attention: str | None = None,
-                   kv_start: int | None = None, draft: str | None = None) -> dict:
-        """Load a model; kv_bits (4 or 8) quantizes its KV cache (RAM and SSD hold the quantized bytes)
-        once a sequence passes kv_start tokens (default 5000, as mlx-lm's --quantized-kv-start; 0:
-        from the first token). A checkpoint past the start serves only prompts at least that long.
-        adapter_path: an mlx-lm LoRA adapter directory applied to it; its weights and config are part
-        of the cache namespace (the base model and each adapter keep caches of their own).
-
-        A vision-language model (a config with a vision tower) loads through mlx-vlm
-        (`pip install 'mlxcache-kernel[vision]'`); image_attention picks how its image
-        tokens attend ("bidirectional" or "causal" for Gemma 3; None: the model's default).
-        draft: a loaded model's name, the default draft of this model's generations (generate/speculative/draft.py).
-
-        Then its most recently used SSD checkpoints start loading into RAM in the background
-        (up to the prefetch budget); "prefetch" in the result says how many."""
+    def load_model(self, path_or_id, name: str = "default", *, kv_bits: int | None = None, kv_group_size: int = 64,
+                   adapter_path=None, image_attention: str | None = None, kv_start: int | None = None,
+                   draft: str | None = None, chat_template=None) -> dict:
+        """Load a model; kv_bits (4 or 8) quantizes its KV cache (RAM and SSD hold the quantized bytes) once a
+        sequence passes kv_start tokens (default 5000, as mlx-lm's --quantized-kv-start; 0: from the first
+        token). adapter_path: an mlx-lm LoRA adapter directory (a cache namespace of its own). A vision-language
+        model loads through mlx-vlm (the [vision] extra); image_attention: how its image tokens attend
+        ("bidirectional" or "causal" for Gemma 3). draft: a loaded model's name, the default draft of this
+        model's generations. chat_template: a template file or text used instead of the model's own (as
+        mlx-lm's --chat-template). Then its most recently used SSD checkpoints start loading into RAM in the
+        background (up to the prefetch budget); "prefetch" in the result says how many."""
         loaded = load_with_draft(self.models, draft, path_or_id, name, kv_bits=kv_bits, kv_group_size=kv_group_size,
-                                 adapter_path=adapter_path, image_attention=image_attention, kv_start=kv_start)
+                                 adapter_path=adapter_path, image_attention=image_attention, kv_start=kv_start,
+                                 chat_template=chat_template)
         self.cache.register_namespace(loaded.namespace, loaded.identity)
         self.events.emit("model_loaded", name=name, path=str(loaded.path), namespace=loaded.namespace)
         if loaded.cache_notice:
@@ -184,54 +178,56 @@ class Engine:
     # --- prompts ---
 
     def encode_prompt(self, prompt: str, *, model: str | None = None, system: str | None = None,
-                      raw: bool = False, session: str | None = None) -> list[int]:
+                      raw: bool = False, session: str | None = None, truncate: str | None = None) -> list[int]:
         """The prompt as token ids: the chat template (with the session's history), or raw."""
         m = self.models.get(model)
         s = self.sessions.get_or_create(session, system=system, model=m.name) if session is not None else None
-        return encode_prompt(m.tokenizer, prompt, system=system, raw=raw, session=s)
+        return encode_prompt(m.tokenizer, prompt, system=system, raw=raw, session=s, config=m.config, truncate=truncate)
 
     # --- generation ---
 
-    def generate(self, prompt: str, *, session: str | None = None, model: str | None = None,
-                 system: str | None = None, raw: bool = False, use_cache: bool = True,
-                 on_text: Callable[[str], None] | None = None,
-                 on_progress: Callable[[str, int, int], None] | None = None,
-                 checkpoint_every: int | None = None, images: Sequence | None = None, videos: Sequence | None = None,
-                 fps: float | None = None, max_frames: int | None = None, audios: Sequence | None = None,
-                 draft: str | bool | None = None, num_draft_tokens: int | None = None, lookup: bool | None = None,
-                 response_format=None, regex=None, choices=None, grammar=None, params: SamplingParams | None = None,
-                 passages: Sequence[str] | None = None, recompute: float | None = None, **sampling) -> GenerationResult:
+    def generate(self, prompt: str, *, session: str | None = None, model: str | None = None, system: str | None = None,
+                 raw: bool = False, use_cache: bool = True, on_text: Callable[[str], None] | None = None,
+                 on_progress: Callable[[str, int, int], None] | None = None, checkpoint_every: int | None = None,
+                 images: Sequence | None = None, videos: Sequence | None = None, fps: float | None = None,
+                 max_frames: int | None = None, audios: Sequence | None = None, draft: str | bool | None = None,
+                 num_draft_tokens: int | None = None, lookup: bool | None = None, response_format=None, regex=None,
+                 choices=None, grammar=None, passages: Sequence[str] | None = None, recompute: float | None = None,
+                 truncate: str | None = None, template_args: dict | None = None, think: bool | None = None,
+                 tools: Sequence | None = None, tool_choice: str | None = None, max_steps: int | None = None,
+                 confirm: Callable | None = None, on_reasoning: Callable | None = None, on_step: Callable | None = None,
+                 params: SamplingParams | None = None, **sampling) -> GenerationResult:
         """sampling: SamplingParams's options (max_tokens=256, temperature=0.0, top_p=1.0, top_k=0, seed=0, stop=(),
-        logprobs=None), or params=SamplingParams(...).
-        images (paths, PIL images, (H, W, 3) arrays), videos (paths, (T, C, H, W) arrays, sampled at fps, up to
-        max_frames: media/video.py), audios (paths, 1-D waveforms: media/audio.py) for a VLM come before the
-        text in the user turn (a session keeps them). draft: a loaded model proposing num_draft_tokens
-        (default 4) per verify forward (default: the model's default draft; False: none). lookup: drafts from
-        the prompt and the text so far (generate/speculative/lookup.py): None proposes them where they pay,
-        True always, False never; the tokens are plain decoding's either way. response_format (a Pydantic model
-        class, a JSON Schema dict), regex, choices or grammar (Lark, GBNF): the answer follows it and `.parsed`
-        holds it parsed, None when incomplete (docs/constrained.md). passages: texts before the prompt, each placed
-        from its own cached KV with a `recompute` fraction of its tokens recomputed (default: the passage_recompute
-        option): approximate, labelled so in the stats (generate/passages/)."""
+        logprobs=None), or params=. images, videos (at fps, up to max_frames), audios: for a VLM (media/). draft: a
+        loaded model proposing num_draft_tokens (4) per verify (default: the model's own; False: none); lookup: drafts
+        from the context (None: where they pay). response_format (Pydantic, JSON Schema), regex, choices, grammar
+        (Lark, GBNF): the answer follows it, `.parsed` holds it (docs/constrained.md). passages: texts placed from
+        their cached KV, `recompute` of them recomputed (approximate: generate/passages/). truncate: "left", "middle"
+        cut a prompt past the window (generate/window.py). A chat turn (chat/turn.py): template_args, think (the
+        template's switch); .reasoning apart from .text (on_reasoning); tools (tool_choice "auto", "required",
+        "none"; max_steps; confirm(call) -> bool), each step in .steps (on_step)."""
         self._check_open()
         self.poll(prepare=False)  # no buffers allocated for prefetches on the way to the first token
         params = SamplingParams.from_call(params, sampling)
         m = self.models.get(model)
         params.validate(m.config.get("vocab_size"))
         constraint = constraint_of(m, response_format, regex, choices, grammar)  # refused before any work
+        chat = ChatOptions(template_args, think, tools, tool_choice, max_steps, confirm, on_reasoning, on_step).check(
+            constraint, templated=not (raw or m.vision or passages is not None))
         run = dict(session=session, use_cache=use_cache, on_text=on_text, on_progress=on_progress, draft=draft,
-                   checkpoint_every=checkpoint_every, num_draft_tokens=num_draft_tokens, lookup=lookup, constraint=constraint)
+                   checkpoint_every=checkpoint_every, num_draft_tokens=num_draft_tokens, lookup=lookup, constraint=constraint,
+                   truncate=truncate)
         if passages is not None:  # placed from their cached KV: approximate, opt-in (generate/passages/run.py)
             return with_passages(self, m, params, prompt, passages, recompute, system=system, raw=raw, run=run,
                                  media=images or videos or audios)
+        if not (raw or m.vision or images or videos or audios):  # a chat turn: reasoning apart, tools (chat/turn.py)
+            return run_turn(self.sessions, self._generate, m, prompt, chat, params, run, system=system)
         media = media_prompt(self, m, prompt, images, system=system, raw=raw, session=session, use_cache=use_cache,
                              videos=videos, fps=fps, max_frames=max_frames, audios=audios) if m.vision else None
-        if media is not None:  # the model's processor; cache keys carry each media item's identity
-            tokens = media.keys
-        elif images or videos or audios:
+        if media is None and (images or videos or audios):
             raise GenerationError(f"model {m.name!r} is not a vision-language model: it takes no images, videos or audio")
-        else:
-            tokens = self.encode_prompt(prompt, model=m.name, system=system, raw=raw, session=session)
+        tokens = media.keys if media is not None else self.encode_prompt(
+            prompt, model=m.name, system=system, raw=raw, session=session, truncate=truncate)
         result = self._generate(m, tokens, params, dict(run, media=media))
         if session is not None:
             self.sessions.get(session).record_turn(prompt, result.text, tokens, result.tokens,
@@ -243,39 +239,40 @@ class Engine:
                        batch_size: int = DEFAULT_BATCH_SIZE, lookup: bool | None = None,
                        on_progress: Callable[[str, int, int], None] | None = None,
                        on_row: Callable[[int, GenerationResult], None] | None = None, response_format=None,
-                       regex=None, choices=None, grammar=None, **sampling) -> list[GenerationResult]:
-        """One GenerationResult per prompt (a string or token ids), in order: shared prefixes prefilled
-        once, rows decoded together (generate/batch/run.py). sampling: SamplingParams's options, for every row; row i
-        samples with seed + i (or seed[i] from a list). response_format, regex, choices, grammar as `generate`
-        takes them, for every row, or a list with one per row (None: that row free).
+                       regex=None, choices=None, grammar=None, truncate=None, **sampling) -> list[GenerationResult]:
+        """One GenerationResult per prompt (a string or token ids), in order: shared prefixes prefilled once, rows
+        decoded together (generate/batch/run.py). sampling: SamplingParams's options, for every row; row i samples
+        with seed + i (or seed[i] from a list). response_format, regex, choices, grammar as `generate` takes them,
+        for every row, or a list with one per row (None: that row free); truncate as `generate`'s, for each row.
         on_progress(phase, done, total): "restore"/"prefill" in tokens, "decode" in tokens generated;
         on_row(index, result) as each row finishes."""
         self._check_open()
         self.poll(prepare=False)
         m = self.models.get(model)
         vocab = m.config.get("vocab_size")
-        rows = row_tokens(prompts, lambda p: self.encode_prompt(p, model=m.name, system=system, raw=raw), vocab)
+        encode = lambda p: self.encode_prompt(p, model=m.name, system=system, raw=raw, truncate=truncate)  # noqa: E731
+        rows = row_tokens(prompts, encode, vocab)
         params = [SamplingParams.of(**sampling, seed=s).validate(vocab) for s in batch_seeds(seed, len(rows))]
         constraints = constraints_of(m, len(rows), response_format, regex, choices, grammar)
         if not rows:
             return []
         results = BatchRun(self._services, m, rows, params, use_cache=use_cache, batch_size=batch_size,
-                           lookup=check_lookup(lookup), constraints=constraints,
+                           lookup=check_lookup(lookup), constraints=constraints, truncate=truncate,
                            on_progress=on_progress, on_row=on_row).run()
         self.last_result = results[-1]
         return results
 
     def score(self, context, continuations: Sequence, *, model: str | None = None, raw: bool = True,
-              system: str | None = None, use_cache: bool = True) -> list[ScoreResult]:
-        """The log-likelihood of each continuation given the context, in order (lm-eval's
-        loglikelihood: `.logprob`, `.token_logprobs`, `.greedy`). Strings are tokenized as lm-eval
-        does; token ids pass through. raw=False: the context is a chat turn (the template with its
-        generation prompt) and each continuation the assistant's reply. The context comes from the
-        cache (or is prefilled once) and every continuation goes in one batch over it (generate/scoring.py)."""
+              system: str | None = None, use_cache: bool = True, on_progress=None, truncate=None) -> list[ScoreResult]:
+        """The log-likelihood of each continuation given the context, in order (lm-eval's loglikelihood: `.logprob`,
+        `.token_logprobs`, `.greedy`). Strings are tokenized as lm-eval does; token ids pass through. raw=False: the
+        context is a chat turn (the template with its generation prompt), each continuation the assistant's reply.
+        The context comes from the cache (or is prefilled once: on_progress as generate's) and every continuation goes
+        in one batch over it (generate/scoring.py); one past the window: refused, or cut by truncate ("left", "middle")."""
         self._check_open()
         self.poll(prepare=False)
         return score(self._services, self.models.get(model), context, continuations, raw=raw, system=system,
-                     use_cache=use_cache)
+                     use_cache=use_cache, on_progress=on_progress, truncate=truncate)
 
     def score_groups(self, pairs: Sequence, *, model: str | None = None, use_cache: bool = True,
                      on_progress: Callable[[str, int, int], None] | None = None) -> list[ScoreResult]:
@@ -396,3 +393,4 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+

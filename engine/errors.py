@@ -49,6 +49,11 @@ class SessionError(ValueError):
     """An unknown session, or one used with another model than its own."""
 
 
+class ToolError(ValueError):
+    """A tool the model cannot be offered (no schema from its signature and docstring), or a tool option
+    that cannot be used."""
+
+
 class CheckpointNameError(ValueError):
     """A checkpoint name that is not allowed, or unknown."""
 

@@ -84,7 +84,7 @@ class CachedLM(LM):
         self.tokenizer = self._loaded.tokenizer
         self.add_bos_token = (getattr(self.tokenizer, "chat_template", None) is None if add_bos_token is None
                               else bool(add_bos_token))
-        window = self._loaded.config.get("max_position_embeddings")
+        window = self._loaded.context_window
         self.max_length = int(max_length or window or 2048)
         self.batch_size = batch_size if isinstance(batch_size, int) and batch_size > 1 else None
         self.seed = int(seed)
@@ -208,15 +208,22 @@ class CachedLM(LM):
 
     def _generate(self, prompts: list, options: dict, bar) -> list[str]:
         if self._loaded.info.get("draft") is not None:  # a draft proposes for one row at a time
-            texts = []
+            results = []
             for p in prompts:
-                texts.append(self.engine.generate_tokens(p, model=self.model_name, seed=self.seed, **options).text)
+                results.append(self.engine.generate_tokens(p, model=self.model_name, seed=self.seed, **options))
                 bar.update(1)
-            return texts
-        kw = {"batch_size": self.batch_size} if self.batch_size else {}
-        results = self.engine.generate_batch(prompts, model=self.model_name, seed=self.seed,
-                                             on_row=lambda *_: bar.update(1), **kw, **options)
-        return [r.text for r in results]
+        else:
+            kw = {"batch_size": self.batch_size} if self.batch_size else {}
+            results = self.engine.generate_batch(prompts, model=self.model_name, seed=self.seed,
+                                                 on_row=lambda *_: bar.update(1), **kw, **options)
+        return [self._text(r.tokens) for r in results]
+
+    def _text(self, tokens: list) -> str:
+        """The generated tokens as text, as the harness's models decode them: the first token's
+        leading space kept (a streaming detokenizer drops it), an end token left out."""
+        if tokens and tokens[-1] in self._loaded.eos_token_ids:
+            tokens = tokens[:-1]
+        return self.tokenizer.decode(tokens)
 
 
 

@@ -76,7 +76,8 @@ def unload_ipython_extension(ipython):
         ipython.magics_manager.magics["line"]["env"] = env._original
     for kind in ("line", "cell"):
         table = ipython.magics_manager.magics[kind]
-        for name in ("model", "generate", "score", "session", "checkpoint", "cache", "kv", "dashboard", "memo"):
+        for name in ("model", "generate", "score", "eval", "session", "checkpoint", "cache", "kv", "dashboard",
+                     "memo"):
             fn = table.get(name)
             if getattr(fn, "__self__", None) is magics:
                 del table[name]

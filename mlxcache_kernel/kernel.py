@@ -24,6 +24,7 @@ from ipykernel.ipkernel import IPythonKernel
 from . import __version__, load_ipython_extension
 
 POLL_INTERVAL_MS = 1000
+VERIFY_GAP_S = 0.002  # between two verification steps: the event loop takes a waiting cell first
 
 
 class MLXCacheKernel(IPythonKernel):
@@ -36,6 +37,7 @@ class MLXCacheKernel(IPythonKernel):
         # `%load_ext mlxcache_kernel` in this kernel is then a no-op.
         self.shell.extension_manager.loaded.add("mlxcache_kernel")
         self._poller = None
+        self._verifying = False
         self.shutdown_report: dict | None = None
 
     @property
@@ -51,10 +53,22 @@ class MLXCacheKernel(IPythonKernel):
         try:
             from tornado.ioloop import PeriodicCallback
 
-            self._poller = PeriodicCallback(self.mlxcache.poll, POLL_INTERVAL_MS)
+            self._poller = PeriodicCallback(self._poll, POLL_INTERVAL_MS)
             self._poller.start()
         except Exception:  # pragma: no cover - polling is an optimisation only
             self.log.debug("mlxcache: no periodic engine poll", exc_info=True)
+
+    def _poll(self):
+        self.mlxcache.poll()
+        if not self._verifying:
+            self._verify_more()
+
+    def _verify_more(self):
+        """Verify fetched remote states in short steps, each its own event-loop callback, so a cell's
+        request that arrives meanwhile runs after the current step (~30 ms), not after all of them."""
+        self._verifying = self.mlxcache.verify_step()
+        if self._verifying:
+            self.io_loop.call_later(VERIFY_GAP_S, self._verify_more)
 
     # --- shutdown ---
 

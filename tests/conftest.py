@@ -31,6 +31,21 @@ def endless_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def chat_model(tmp_path_factory):
+    """chat_model(family) -> a tiny model directory of that chat family (tests/support/chat_models.py), built once."""
+    from chat_models import build_chat_model
+
+    built: dict = {}
+
+    def get(family: str):
+        if family not in built:
+            built[family] = build_chat_model(tmp_path_factory.mktemp("chat") / family, family)
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def spec_prefix(tmp_path_factory):
     """The mlxcache kernelspec installed under a private prefix."""
     from mlxcache_kernel import kernelspec

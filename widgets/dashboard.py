@@ -27,6 +27,7 @@ from typing import Callable
 import ipywidgets as W
 
 from .dashboard_render import (
+    disk_free,
     prefetch_label,
     ram_gauge,
     ram_label,
@@ -268,8 +269,9 @@ class ResidencyDashboard(W.VBox):
         if self.ram_bar.bar_style != style:
             self.ram_bar.bar_style = style
         self._set(self.ram_label, ram_label(s))
-        if ssd_enabled(s):
-            self._bar(self.ssd_bar, s.get("ssd_bytes") or 0, s.get("ssd_budget_bytes"))
+        if ssd_enabled(s):  # no cap: against what the disk could still hold (a full bar meant full)
+            used = s.get("ssd_bytes") or 0
+            self._bar(self.ssd_bar, used, s.get("ssd_budget_bytes") or used + disk_free(s.get("cache_dir")))
         else:
             self._bar(self.ssd_bar, 0, 1)
         self._set(self.ssd_label, ssd_label(s))

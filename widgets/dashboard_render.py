@@ -7,12 +7,13 @@ Pure functions: no widgets, no engine calls.
 
 from __future__ import annotations
 
+import shutil
 import time
 
 from .dashboard_state import COUNTERS
 from .format import esc, fmt_ago, fmt_bytes, fmt_count, fmt_seconds, preview_text
 
-__all__ = ["CSS", "prefetch_label", "render_counters", "render_entries", "render_log", "ram_gauge", "ram_label",
+__all__ = ["CSS", "GONE_NOTE", "prefetch_label", "render_counters", "render_entries", "render_log", "ram_gauge", "ram_label",
            "remote_label", "ssd_label", "ssd_enabled", "write_label", "write_progress"]
 
 MAX_ROWS = 50
@@ -33,8 +34,15 @@ CSS = """
 .mlxc-dashboard .mlxc-state-committed {color: #2e7d32;}
 .mlxc-dashboard .mlxc-h {font-weight: bold; font-size: 12px; margin-top: 4px;}
 .mlxc-dashboard .mlxc-scroll {max-height: 15em; overflow-y: auto;}
+.mlxc-dashboard-gone {display: none;}
 </style>
 """
+
+# Shown under %dashboard's widget; hidden by the widget's own stylesheet (CSS above) while its view is
+# live. A kernel restart disposes the view (the output went blank) and a reopened notebook has no model:
+# the style goes with the view and this note says what to do.
+GONE_NOTE = ("<div class='mlxc-dashboard-gone' style='color:#a15c00'>"
+             "dashboard not live (kernel restarted): run %dashboard again</div>")
 
 
 def render_counters(c: dict) -> str:
@@ -160,6 +168,14 @@ def ram_label(s: dict) -> str:
     return f"<span data-used='{used}' data-objects='{objects}'>{fmt_bytes(used)} cached{against} · {entries}</span>"
 
 
+def disk_free(path) -> int:
+    """Bytes free on the disk holding `path` (0 when it cannot be read)."""
+    try:
+        return shutil.disk_usage(path).free if path else 0
+    except OSError:
+        return 0
+
+
 def ssd_label(s: dict) -> str:
     if not ssd_enabled(s):
         why = s.get("ssd_disabled_reason")
@@ -173,9 +189,10 @@ def ssd_label(s: dict) -> str:
     dedup = f" · {blocks} shared block{'' if blocks == 1 else 's'}" if blocks else ""
     if saved:  # what content addressing did not have to write again
         dedup += f" · {fmt_bytes(saved)} not rewritten (deduplicated)"
+    room = fmt_bytes(cap) if cap else f"no cap ({fmt_bytes(disk_free(s.get('cache_dir')))} free on disk)"
     return (
         f"<span data-used='{used}' data-processes='{procs}' data-deduplicated='{saved}'>{fmt_bytes(used)} unique of "
-        f"{fmt_bytes(cap) if cap else 'no cap'} · {files} checkpoint{'' if files == 1 else 's'}{dedup}{shared}</span>"
+        f"{room} · {files} checkpoint{'' if files == 1 else 's'}{dedup}{shared}</span>"
     )
 
 

@@ -80,7 +80,7 @@ class _Throttle:
         return False
 
 
-PHASE_LABELS = {"prefill": "Prefill", "restore": "Restoring from SSD"}
+PHASE_LABELS = {"prefill": "Prefill", "restore": "Restoring from SSD", "decode": "Generating", "score": "Scoring"}
 
 
 class GenerationProgress(W.HBox):

@@ -69,6 +69,7 @@ class Durability:
         self.pins = CatalogPins(store)  # its source (the named records): TieredPromptCache.follow_pins
         self._rebuilds_seen = 0
         self._inflight_last = (0.0, 0.0)  # (when, seconds) of the last in-flight write applied
+        self.held: Callable[[str, tuple], bool] = lambda ns, tokens: False  # remote state on probation (remote/verify.py)
 
     def file_removed(self, ns: str, tokens: tuple) -> None:
         """Another process deleted a file (the store tells, from any thread); applied in poll()."""
@@ -77,7 +78,7 @@ class Durability:
     # --- ResidencyRules (the RAM tier asks) ---
 
     def may_drop(self, entry: Entry, reason: str) -> bool:
-        if self.store is None:
+        if self.store is None or self.held(entry.ns, entry.tokens):  # (held: never written, may go unverified)
             return not entry.pinned
         if self.store.has_durable_prefix(entry.tokens, entry.ns):
             entry.write_state = WriteState.COMMITTED
@@ -108,6 +109,14 @@ class Durability:
         writes a successor that covers it, and one rerunning its prompt replaces its old
         answer, so that write is dropped (or stopped at its next pause point, a few ms) and
         the buffers move: no copy of the prefix, whether the last write finished or not."""
+        return self._stop_write(entry)
+
+    def may_step_aside(self, entry: Entry) -> bool:
+        """A loan in place (in_place.py): a queued write holds views of the entry's buffers (MLX would
+        copy them), so it goes as for a move; the entry comes back dirty and is queued again."""
+        return self._stop_write(entry)
+
+    def _stop_write(self, entry: Entry) -> bool:
         if entry.write_state != WriteState.PENDING:
             return True
         key = (entry.ns, entry.tokens)
@@ -162,7 +171,8 @@ class Durability:
                     self._queue_write(e)
 
     def _queue_write(self, entry: Entry) -> None:
-        if entry.write_state in (WriteState.PENDING, WriteState.COMMITTED) or entry.ns not in self.identities:
+        if (entry.write_state in (WriteState.PENDING, WriteState.COMMITTED) or entry.ns not in self.identities
+                or self.held(entry.ns, entry.tokens)):  # not verified yet: kept from SSD until it is
             return
         if self.store is None:
             return

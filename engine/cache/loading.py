@@ -170,8 +170,10 @@ class Loading:
         except CheckpointUnavailable as e:
             job.error = str(e)
 
-    def read_now(self, handle: IndexEntry) -> tuple[Checkpoint | None, ReadJob]:
-        """Read `handle`'s file for a lookup that needs it now, sharing a background read of it."""
+    def read_now(self, handle: IndexEntry, progress: Callable[[int, int], None] | None = None
+                 ) -> tuple[Checkpoint | None, ReadJob]:
+        """Read `handle`'s file for a lookup that needs it now, sharing a background read of it
+        (progress(tokens read, tokens) as blocks land, when it is read here)."""
         job = self.reader.job((handle.namespace, handle.key)) if self.reader is not None else None
         if job is not None and job.state == "done" and job.restore is None:  # finished without reading (skipped)
             self.reader.collect(job)
@@ -193,7 +195,7 @@ class Loading:
         if job.state != "done":  # not started: read it here
             if job.restore is None and job.error is None:
                 self._open_job(job)
-            job.ok = job.restore is not None and job.restore.fill()
+            job.ok = job.restore is not None and job.restore.fill(progress)
             job.state = "done"
         if self.reader is not None:
             self.reader.collect(job)

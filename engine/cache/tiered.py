@@ -128,6 +128,8 @@ class TieredPromptCache:
         path, nor in a flush at shutdown)."""
         self.durability.poll()
         self.loading.collect(prepare)
+        if prepare and self.remote is not None and self.remote.verifier is not None:
+            self.remote.verifier.step()  # between cells: a short step of a remote state's verification
 
     # --- lookup ---
 
@@ -148,7 +150,8 @@ class TieredPromptCache:
             fetched = self._fetch_remote(prompt, ns, n_ram)
             if fetched is not None:
                 return fetched
-        return self.ram.serve(entry, n_ram, prompt, ns, move)
+        loan = self.ram.serve(entry, n_ram, prompt, ns, move)
+        return loan if self.remote is None else self.remote.served(loan, ns)
 
     def _fetch_remote(self, prompt, ns, n_ram) -> Loan | None:
         t0 = time.perf_counter()
@@ -179,7 +182,7 @@ class TieredPromptCache:
             t0 = time.perf_counter()
             if progress is not None:
                 progress("restore", 0, len(handle.tokens))
-            cp, job = self.loading.read_now(handle)
+            cp, job = self.loading.read_now(handle, progress and (lambda done, total: progress("restore", done, total)))
             if cp is not None:
                 break
             if self.store.contains(handle.tokens, ns):  # still there: a passing failure, prefill this time
@@ -311,14 +314,16 @@ class TieredPromptCache:
             h = files.pop((e.ns, e.tokens), None)
             rows.append({
                 "ns": e.ns, "tokens": e.tokens, "tier": "ram" if h is None else "ram+ssd",
-                "write_state": e.write_state.value, "ram_bytes": e.nbytes, "kv_bytes": e.checkpoint.kv_bytes,
+                "write_state": e.write_state.value, "ram_bytes": e.nbytes, "ram_own_bytes": self.ram.own_bytes(e),
+                "kv_bytes": e.checkpoint.kv_bytes,
                 "file_bytes": None if h is None else h.file_bytes + h.block_bytes,
                 "borrowers": e.borrowers, "sessions": sorted(e.sessions), "last_used": e.last_used_time, "hits": e.hits,
             })
         for (ns, tokens), h in files.items():
             rows.append({
                 "ns": ns, "tokens": tokens, "tier": "ssd", "write_state": WriteState.COMMITTED.value,
-                "ram_bytes": None, "kv_bytes": h.raw_bytes, "file_bytes": h.file_bytes + h.block_bytes,
+                "ram_bytes": None, "ram_own_bytes": None, "kv_bytes": h.raw_bytes,
+                "file_bytes": h.file_bytes + h.block_bytes,
                 "borrowers": 0, "sessions": [], "last_used": h.last_use, "hits": 0,
             })
         return rows

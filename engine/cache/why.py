@@ -288,18 +288,18 @@ def _last_role(text: str) -> str | None:
 
 def _differs(key: str, ours, theirs) -> str:
     if key == "kv_scheme":
-        return f"KV {kv_words(theirs)} there, {kv_words(ours)} here"
+        return f"{kv_words(theirs)} there, {kv_words(ours)} here"
     if key == "adapter":
         return "another adapter" if ours and theirs else "an adapter " + ("here" if ours else "there")
     return f"another {_IDENTITY_WORDS.get(key, key)}"
 
 
 def kv_words(scheme: str | None) -> str:
-    """A KV scheme in words: "8-bit (groups of 64) from token 5000", "full precision"."""
+    """A KV scheme in words: "8-bit KV (groups of 64) from token 5000", "full-precision KV"."""
     m = re.search(r":q(\d+)g(\d+)(?:@(\d+))?$", scheme or "")
     if not m:
-        return "full precision"
-    return f"{m[1]}-bit (groups of {m[2]})" + (f" from token {m[3]}" if m[3] else "")
+        return "full-precision KV"
+    return f"{m[1]}-bit KV (groups of {m[2]})" + (f" from token {m[3]}" if m[3] else "")
 
 
 def _quote(text: str, tail: bool = False) -> str:

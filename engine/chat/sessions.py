@@ -33,6 +33,12 @@ class Session:
     # Provenance: the token ids of the last turn's prompt and of prompt +
     # generated reply, with their decoded text once known.
     history: list = field(default_factory=list, repr=False)  # [(ids, text or None)], longest first
+    template_args: dict = field(default_factory=dict)  # the template keywords its turns render with
+    clock: float | None = None  # the time its template's dates render at (pinned when it is created)
+    # Each reply in history[0]: (turn, where it starts, where it ends, its reasoning, reasoning tokens), for `note`
+    marks: list = field(default_factory=list, repr=False)
+    reused: int = field(default=0, repr=False)  # how many of history[0]'s ids the last encoding kept
+    note: str | None = None  # why the last encoding did not keep every id of the history, in words
 
     def render_messages(self, user_text: str, system: str | None = None, images: int = 0, videos: int = 0,
                         audios: int = 0) -> list:
@@ -52,6 +58,15 @@ class Session:
             {"role": "assistant", "content": reply},
         ]
         self.images += list(images)
+        self.remember(prompt_ids, generated_ids, self.turns)
+
+    def remember(self, prompt_ids: list, generated_ids: list, turn: int, reasoning: str = "",
+                 reasoning_tokens: int = 0) -> None:
+        """The ids of a reply of user turn `turn` that the model generated after `prompt_ids` (provenance
+        for the next encoding), and how much reasoning it holds."""
+        start = len(prompt_ids)
+        self.marks = [m for m in self.marks if m[2] <= self.reused] + [
+            (turn, start, start + len(generated_ids), reasoning, reasoning_tokens)]
         self.last_prompt_tokens = len(prompt_ids)
         self.history = [(list(prompt_ids) + list(generated_ids), None), (list(prompt_ids), None)]
 
@@ -61,24 +76,67 @@ class Session:
         The ids the model generated are not always how the tokenizer would
         encode their text: re-encoding the previous reply would make the
         cache miss from the first different token (and a recurrent model from
-        the prompt boundary). So when the rendering starts with exactly the
-        text of the last turn's ids (reply included, else prompt only), those
-        ids are kept and only the rest is encoded; the result must decode to
-        `text`, or the canonical encoding is used.
+        the prompt boundary). So the longest run of the last turn's ids
+        (prompt and reply) whose text starts the rendering is kept and only
+        the rest is encoded; the result must decode to `text`, or the
+        canonical encoding is used. Where the template rewrote what the
+        history holds (it dropped a reply's reasoning, re-rendered a call),
+        the ids are kept up to the first change and `note` says why.
         """
+        self.note, self.reused = None, 0
+        if not getattr(tokenizer, "chat_template", None):  # plain text, with the tokenizer's special tokens
+            return list(tokenizer.encode(text))
         for i, (ids, known) in enumerate(self.history):
             prefix = known if known is not None else tokenizer.decode(ids)
             self.history[i] = (ids, prefix)
-            if ids and text.startswith(prefix):
-                rest = text[len(prefix):]
-                full = ids + (list(tokenizer.encode(rest, add_special_tokens=False)) if rest else [])
-                if tokenizer.decode(full) == text:
-                    return full
+            keep = len(ids) if text.startswith(prefix) else _kept(ids, text, tokenizer)
+            if not keep:
+                continue
+            head = prefix if keep == len(ids) else tokenizer.decode(ids[:keep])
+            rest = text[len(head):]
+            full = ids[:keep] + (list(tokenizer.encode(rest, add_special_tokens=False)) if rest else [])
+            if tokenizer.decode(full) == text:
+                if i == 0:
+                    self.reused = keep
+                    self.note = None if keep == len(ids) else self._why(keep, text)
+                return full
         return list(tokenizer.encode(text, add_special_tokens=False))
+
+    def _why(self, keep: int, text: str) -> str:
+        """Why the rendering departs from the history at token `keep`, in words for the footer."""
+        def label(m) -> str:  # a reply: "turn 2's reply", or "step 3 of turn 2" inside a tool loop
+            steps = [x for x in self.marks if x[0] == m[0]]
+            return f"step {steps.index(m) + 1} of turn {m[0]}" if len(steps) > 1 else f"turn {m[0]}'s reply"
+
+        inside = next((m for m in self.marks if m[1] <= keep < m[2]), None)
+        if inside is not None:
+            dropped = sum(m[4] for m in self.marks if m[0] == inside[0] and m[3].strip() and m[3].strip() not in text)
+            if dropped:
+                return f"the template dropped {dropped} reasoning tokens of turn {inside[0]}"
+            return f"the template rewrote {label(inside)} from its token {keep - inside[1]}"
+        ended = [m for m in self.marks if m[2] <= keep]
+        if ended:  # after a reply: tool results, a generation prompt (an earlier step's place is not kept)
+            last = ended[-1]
+            steps = sum(1 for m in self.marks if m[0] == last[0])
+            return (f"the template rewrote what followed turn {last[0]}'s reply" if steps == 1 and last is self.marks[-1]
+                    else f"the template re-rendered what followed a reply of turn {last[0]} (a tool result, its glue)")
+        return f"the template rewrote the conversation from token {keep}"
+
+    def record(self) -> dict:
+        """What a named checkpoint keeps of the session (JSON)."""
+        return {"id": self.id, "system": self.system, "messages": self.messages, "template_args": self.template_args,
+                "clock": self.clock}
+
+    def restore(self, record: dict, tokens: list) -> None:
+        """The chat a named checkpoint kept, at its state's `tokens`."""
+        self.system, self.messages = record.get("system"), [dict(x) for x in record["messages"]]
+        self.template_args, self.clock = dict(record.get("template_args") or {}), record.get("clock", self.clock)
+        self.last_prompt_tokens, self.marks = len(tokens), []
+        self.history = [(list(tokens), None)]  # the next turn keeps these ids where the text matches
 
     @property
     def turns(self) -> int:
-        return len(self.messages) // 2
+        return sum(1 for m in self.messages if m["role"] == "user")
 
     def summary(self) -> dict:
         return {
@@ -88,6 +146,18 @@ class Session:
             "turns": self.turns,
             "last_prompt_tokens": self.last_prompt_tokens,
         }
+
+
+def _kept(ids: list, text: str, tokenizer) -> int:
+    """How many leading `ids` decode to a beginning of `text` (binary search: fewer decode to less)."""
+    lo, hi = 0, len(ids)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if text.startswith(tokenizer.decode(ids[:mid])):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def user_content(text: str, images: int, videos: int = 0, audios: int = 0) -> str | list:
@@ -106,21 +176,36 @@ def shown(content: str | list) -> str:
                     for part in content)
 
 
+def shown_message(msg: dict) -> str:
+    """A message as `%session show` prints it: its content, its tool calls and how long its reasoning was."""
+    calls = [c.get("function", c) for c in msg.get("tool_calls") or []]
+    thought = next((msg[k] for k in ("reasoning_content", "thinking") if msg.get(k)), "")
+    return (shown(msg.get("content") or "") + "".join(
+        f" -> {c['name']}({', '.join(f'{k}={v!r}' for k, v in (c.get('arguments') or {}).items())})" for c in calls)
+            + (f" (thought {len(thought.split())} words)" if thought else ""))
+
+
 class Sessions:
     """Chat sessions by id (`eng.sessions`): each one's history here; its latest state in the cache's
     session index, which `switch` brings back into RAM and `close` lets go of."""
 
-    def __init__(self, *, cache, models, events, poll: Callable[[], None]):
+    def __init__(self, *, cache, models, events, poll: Callable[[], None], loops=None):
         """cache: the engine's TieredPromptCache; models: its ModelRegistry; poll: apply finished
-        background work (the engine's)."""
+        background work (the engine's); loops: where agent loops keep their crash records (None: nowhere)."""
+        from .loops import LoopRecords
+
         self._sessions: dict[str, Session] = {}
         self.cache, self.models, self.events, self.poll = cache, models, events, poll
+        self.loops = LoopRecords(loops)
 
-    def new(self, session_id: str, *, system: str | None = None, model: str | None = None) -> Session:
+    def new(self, session_id: str, *, system: str | None = None, model: str | None = None,
+            template_args: dict | None = None) -> Session:
+        """template_args: the chat-template keywords its turns render with (generate's update them)."""
         check_session_id(session_id)
         if session_id in self._sessions:
             raise SessionError(f"session {session_id!r} already exists (reset or close it first)")
-        s = self._sessions[session_id] = Session(session_id, system, model)
+        s = self._sessions[session_id] = Session(session_id, system, model, template_args=dict(template_args or {}))
+        s.clock = s.created  # its template's dates stay those of the day it was created
         return s
 
     def get(self, session_id: str) -> Session:
@@ -139,9 +224,8 @@ class Sessions:
         """Forget the conversation, keep the session (its cached states stay in the cache)."""
         s = self.get(session_id)
         s.messages.clear()
-        s.last_prompt_tokens = 0
-        s.history = []
-        s.images = []
+        s.last_prompt_tokens, s.reused, s.note = 0, 0, None
+        s.history, s.marks, s.images = [], [], []
         return s
 
     def close(self, session_id: str) -> Session:

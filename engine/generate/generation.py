@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import mlx.core as mx
 
 from ..cache.tiered import TieredPromptCache
-from .prefill import prefill
+from .prefill import TextPrompt
 from .text import TextStream
+from .window import check_truncate, fit
 from .constrain import Constraint
 from .grammars import Compiled
 from .loop import DecodeResult, OneRow, Row, run as run_rows
@@ -65,6 +66,8 @@ class GenerationResult:
     prompt_tokens: list = field(default_factory=list, repr=False)
     logprobs: list | None = field(default=None, repr=False)  # TokenLogprob per token, with logprobs=K
     parsed: Any = None  # under a constraint: the answer parsed (a Pydantic object, a dict, the text), None if incomplete
+    reasoning: str = ""  # a chat reply's reasoning (thinking), apart from its answer in .text (chat/turn.py)
+    steps: list = field(default_factory=list, repr=False)  # an agent loop's tool steps before the answer
 
     def __str__(self) -> str:
         return self.text
@@ -85,6 +88,8 @@ class Request:
     num_draft_tokens: int = 0
     lookup: bool | None = None  # drafts from the context (speculative/lookup.py): None where they pay
     constraint: Compiled | None = None  # the grammar the answer follows (grammars.py, constrain.py)
+    truncate: str | None = None  # a prompt past the model's window: refused, or cut "left" / "middle" (window.py)
+    truncated: ClassVar[int] = 0  # prompt tokens `check` dropped
     prepared: Any = None  # passages placed (passages/run.py Placed): the start, taken as a loan; approximate,
     # so the request runs with use_cache off (nothing it computes is published)
 
@@ -102,26 +107,10 @@ class Request:
             raise GenerationError("logprobs are not kept by in-flight checkpoints: use checkpoint_every or logprobs")
         if every is not None and not has_ssd:
             raise GenerationError("checkpoint_every needs the SSD tier (the engine was started with ssd=False)")
+        how = check_truncate(self.truncate) if self.media is None and self.prepared is None else None  # (media and
+        # placed passages are never cut: past the window, they are refused)
+        self.tokens, self.truncated = fit(self.model, self.tokens, self.params.max_tokens, how, session=self.session)
         return self
-
-
-class TextPrompt:
-    """A prompt of text tokens, as the generation sees any prompt (media/prompt.py's MediaPrompt is the
-    other kind: image, video and audio features merged into the embedding, their positions)."""
-
-    joins_first_step = True  # a short rest may go in one forward with the first decode step
-
-    def __init__(self, model: LoadedModel, tokens: list):
-        self.forward, self.tokens = model.forward, tokens
-
-    def prefill(self, caches: list, start: int, end: int, *, chunk: int, progress=None) -> None:
-        prefill(self.forward, caches, self.tokens[start:end], chunk=chunk, progress=progress)
-
-    def cut(self, n: int) -> int:
-        return n  # any length of text is a state
-
-    def stats(self, cached: int, source: str | None) -> dict:
-        return {}
 
 
 class Generation:
@@ -218,6 +207,7 @@ class Generation:
             peak_memory=int(mx.get_peak_memory()) if hasattr(mx, "get_peak_memory") else None,
         )
         stats["resumed_from"] = len(self.emitted) or None
+        stats["truncated_tokens"] = req.truncated  # (truncate=: prompt tokens dropped to fit the window)
         stats["context_window"] = req.model.context_window
         if why is not None:  # why the cache served no more (the footer says it where a user would wonder)
             stats.update(cache_why=why.line if why.surprising else None, cache_why_cause=why.cause)

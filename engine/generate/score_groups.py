@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 from ..kv.caches import new_caches, shares_prefix
 from ..kv.cascade import Unroutable, routing
 from ..kv.checkpoint import Checkpoint
+from ..kv.tokens import as_token_array, common_prefix_len
 from .batch.shared import LentRows
 from .prefill import prefill
 from .sampling import GenerationError
@@ -77,7 +78,7 @@ def families(questions: list) -> list[tuple[int, list]]:
         ctx = q[0]
         if out:
             shared, members = out[-1]
-            n = min(shared, _common(members[-1][0], ctx), len(ctx) - 1)
+            n = min(shared, common_prefix_len(as_token_array(members[-1][0]), as_token_array(ctx)), len(ctx) - 1)
             if n >= MIN_SHARED:
                 members.append(q)
                 out[-1] = (n, members)
@@ -96,15 +97,6 @@ def waves(questions: list) -> list[list]:
         out[-1].append(q)
         rows += len(q[1])
     return out
-
-
-def _common(a: tuple, b: tuple) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class _Run:

@@ -24,8 +24,9 @@ from ..kv.cascade import Unroutable, routing
 from ..kv.checkpoint import Checkpoint
 from .batch.shared import LentRows, SharedRows
 from .loop import OneRow, Row, run as run_rows
-from ..chat.prompts import render_turn
+from ..chat.prompts import bounded, encodable, render_turn
 from .sampling import GenerationError, SamplingParams
+from .window import check_truncate, fit
 
 
 @dataclass
@@ -43,22 +44,34 @@ class ScoreResult:
 
 
 def score(services, model, context, continuations, *, raw: bool, system: str | None,
-          use_cache: bool) -> list[ScoreResult]:
-    """Engine.score: the inputs checked and tokenized, the rows scored, one result each."""
+          use_cache: bool, on_progress=None, truncate: str | None = None) -> list[ScoreResult]:
+    """Engine.score: the inputs checked and tokenized (a context too long for the window cut as
+    `truncate` says, for the longest continuation: window.py), the rows scored, one result each."""
     if model.vision is not None:
         raise GenerationError(f"score: model {model.name!r} is a vision-language model: score text models")
     if isinstance(continuations, (str, bytes)) or not isinstance(continuations, Sequence) or not continuations:
         raise GenerationError("score: continuations are a non-empty list (of strings, or of token-id lists)")
     tok = model.tokenizer
+    if isinstance(context, str):  # (a context of more characters than the window could hold: before tokenizing)
+        context = bounded(encodable(context, "score: the context"), model.config, truncate, "score: the context")
+    encodable(system, "score: the system prompt")
+    for i, c in enumerate(continuations):
+        encodable(c if isinstance(c, str) else None, f"score: continuation {i}")
     if raw:
         encode = tok.encode
     else:
         context = render_turn(tok, context, system=system) if isinstance(context, str) else context
         encode = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
     ctx, conts = encode_pairs(encode, context, list(continuations))
+    if check_truncate(truncate) is not None and conts and all(conts):  # (an empty one: check says so)
+        ctx, _ = fit(model, ctx, max(map(len, conts)) - 1, truncate, what="score: the context",
+                     room_name="the longest continuation's positions")  # (each continuation's but its last)
     check(ctx, conts, model)
+    t0 = time.perf_counter()
     with services.cache.generating():
-        rows, stats = score_rows(services, model, ctx, conts, use_cache=use_cache and model.cache_notice is None)
+        rows, stats = score_rows(services, model, ctx, conts, use_cache=use_cache and model.cache_notice is None,
+                                 progress=on_progress)
+    stats["seconds"] = time.perf_counter() - t0
     services.events.emit("score", model=model.name, continuations=len(conts), **stats)
     return [ScoreResult(c, ids, float(sum(lps)), lps, greedy, stats)
             for c, ids, (lps, greedy) in zip(continuations, conts, rows)]
@@ -100,30 +113,34 @@ def check(ctx: list, conts: list, model, names: list | None = None) -> None:
     continuation in an error (default "continuation i")."""
     if not ctx:
         raise GenerationError("score: the context is empty (give it at least one token)")
-    window = model.config.get("max_position_embeddings")
+    window = model.context_window
     for i, c in enumerate(conts):
         name = names[i] if names else f"continuation {i}"
         if not c:
             raise GenerationError(f"score: {name} is empty (no tokens after the context)")
         if window and len(ctx) + len(c) - 1 > window:
             raise GenerationError(f"score: {name} makes {len(ctx) + len(c)} tokens, {len(ctx) + len(c) - 1} "
-                                  f"forwarded: past the model's context window of {window}")
+                                  f"forwarded: past the model's context window of {window}"
+                                  + ("" if names else " (shorten the context, or truncate='left' or 'middle' cuts it)"))
 
 
-def score_rows(services, model, ctx: list, conts: list, *, use_cache: bool) -> tuple[list, dict]:
-    """Each continuation's token log-probabilities and whether each token was the argmax."""
+def score_rows(services, model, ctx: list, conts: list, *, use_cache: bool, progress=None) -> tuple[list, dict]:
+    """Each continuation's token log-probabilities and whether each token was the argmax
+    (progress(phase, done, total): a restore, the context's prefill)."""
     cache, ns = services.cache, model.namespace
-    loan = cache.take(ctx, ns) if use_cache else None  # at most len(ctx) - 1 tokens
+    loan = cache.take(ctx, ns, progress=progress) if use_cache else None  # at most len(ctx) - 1 tokens
     try:
         prefix_len = len(ctx) - 1
         cached = loan.length if loan is not None else 0
         caches = loan.caches if loan is not None else model.new_caches()
         if cached < prefix_len:  # the context's rest, once for every continuation
             t = time.perf_counter()
-            prefill(model.forward, caches, ctx[cached:prefix_len], chunk=services.prefill_chunk)
+            prefill(model.forward, caches, ctx[cached:prefix_len], chunk=services.prefill_chunk,
+                    progress=progress and (lambda done, total: progress("prefill", done, total)))
             services.metrics.record_prefill(ns, prefix_len - cached, time.perf_counter() - t)
         inputs = [[ctx[-1]] + c[:-1] for c in conts]
-        stats = {"context_tokens": len(ctx), "cached_tokens": cached, "source": loan.source if loan else None}
+        stats = {"context_tokens": len(ctx), "cached_tokens": cached, "source": loan.source if loan else None,
+                 "prefilled_tokens": max(0, prefix_len - cached)}
         # every layer plain KV in the model's own form: quantized KV too (the rows cache converts
         # each row at exactly kv_start, at its own column; the live caches may be quantized already)
         if prefix_len and shares_prefix(new_caches(model.model)):

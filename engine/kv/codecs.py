@@ -33,6 +33,7 @@ class Codec:
     hit = "a copy of the cached state"  # what a borrower of this kind holds after a hit (%model info)
     shares_prefix = False  # batch rows over one lent prefix of this kind attend to it once (kv/cascade.py)
     segmented = False  # its state is segments along the token axis, lent ones kept shared (Checkpoint.sharing)
+    grows_in_place = False  # restored with room (layers.growth_room): the borrower taking it over appends there
     unmovable = "its cache kind"  # why its keys cannot be rotated to other positions (passages); "": they can
 
     def capture(self, c: Any, copy: bool = False) -> LayerState:
@@ -71,11 +72,11 @@ class Codec:
     def can_hand_over(self, layer: LayerState) -> bool:
         return False
 
-    def rebuilt(self, arrays: tuple, meta: dict) -> LayerState:
-        """A layer from arrays read back from storage: whole buffers nothing else holds."""
-        return LayerState.whole(self.kind, arrays, meta)
+    def rebuilt(self, arrays: tuple, meta: dict, parents: tuple = ()) -> LayerState:
+        """A layer from arrays read back from storage (the first positions of `parents`, if given)."""
+        return LayerState.whole(self.kind, arrays, meta, parents)
 
-    def hand_over(self, layer: LayerState, n: int, in_place: bool) -> Any:
+    def hand_over(self, layer: LayerState, n: int, in_place: bool, keep: int = 0) -> Any:
         raise ValueError(f"{self.kind} cannot hand over its buffers")
 
     # --- questions about live caches (kv/caches.py asks them for a model's list) ---
@@ -107,9 +108,9 @@ class PlainKV(Codec):
     the prefix into the borrower's own buffer; what it publishes shares the lent segments."""
 
     kind, roles = "KVCache", ("keys", "values")
-    always_cuttable = segmented = True
-    hit = ("the cached prefix shared, copied once into a buffer of its own at its first append (none when "
-           "a rerun takes the entry's place); then mlx-lm's KVCache and the model's own attention")
+    always_cuttable = segmented = grows_in_place = True
+    hit = ("the cached prefix shared, copied once into a buffer of its own at its first append (none when it takes "
+           "the entry's place: a rerun, a restore); then mlx-lm's KVCache and the model's own attention")
     shares_prefix = True
     unmovable = ""
 
@@ -140,14 +141,14 @@ class PlainKV(Codec):
     def empty_like(self, c):
         return lm_cache.KVCache()
 
-    def hand_over(self, layer, n, in_place):
-        """For a borrower that takes this state's place. in_place: it may append into the
-        segment's whole buffers (nothing else holds them; one segment: the whole prefix)."""
-        segments = cut_segments(layer.segments, n)
-        merge = lm_cache.BatchKVCache.merge
-        if in_place and len(segments) == 1 and segments[0] is layer.segments[-1] and segments[0].room:
-            return BorrowedKVCache(hand_over=segments[0], merge=merge)
-        return BorrowedKVCache(segments, merge=merge)
+    def hand_over(self, layer, n, in_place, keep=0):
+        """For a borrower that takes this state's place at n positions. in_place (nothing else holds
+        the buffers, and positions past n may go): with the first n positions in the first segment,
+        the borrower appends into its whole buffers from position n on, never below `keep`."""
+        merge, first = lm_cache.BatchKVCache.merge, layer.segments[0] if layer.segments else None
+        if in_place and first is not None and first.parents and n <= first.length:
+            return BorrowedKVCache(hand_over=first, offset=n, merge=merge, keep=keep)
+        return BorrowedKVCache(cut_segments(layer.segments, n), merge=merge)
 
 
 class QuantizedKV(Codec):
@@ -156,7 +157,7 @@ class QuantizedKV(Codec):
     kind, roles = "QuantizedKVCache", ("keys", "keys_scales", "keys_biases", "values", "values_scales", "values_biases")
     unmovable = "quantized KV (kv_bits)"
     always_cuttable = segmented = True
-    hit = PlainKV.hit.replace("KVCache", "QuantizedKVCache")
+    hit = "the cached prefix shared, copied once into a buffer of its own at its first append; then QuantizedKVCache"
 
     def capture(self, c, copy=False):
         n = int(c.offset)
@@ -317,7 +318,7 @@ class Composite(Codec):
         return [b for x in c.caches for b in (CODECS[kind_of(x)].batch_blockers(x) if kind_of(x) in CODECS
                                               else [kind_of(x)])]
 
-    def rebuilt(self, arrays, meta):
+    def rebuilt(self, arrays, meta, parents=()):
         parts, i = [], 0
         for spec in meta["parts"]:
             k = int(spec["arrays"])

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .borrowed import Buffer, Segment
+from .borrowed import STEP, Buffer, Segment
 
 # A published buffer may exceed the KV it holds by this much; beyond it (mlx-lm
 # grows caches by 256 positions: 5x the KV of a 48-token prompt) it is copied
@@ -24,10 +24,11 @@ class LayerState:
     parts: tuple = ()  # CacheList: the inner layers (no segments of its own)
 
     @classmethod
-    def whole(cls, kind: str, arrays: tuple, meta: dict) -> "LayerState":
-        """A layer over whole arrays nothing else holds (read back from storage)."""
-        arrays = tuple(arrays)
-        return cls(kind, (Segment(arrays, Buffer(sum(int(a.nbytes) for a in arrays)), arrays),) if arrays else (),
+    def whole(cls, kind: str, arrays: tuple, meta: dict, parents: tuple = ()) -> "LayerState":
+        """A layer over arrays nothing else holds (read back from storage): whole, or the first
+        positions of `parents` (buffers with room to grow: growth_room)."""
+        arrays, parents = tuple(arrays), tuple(parents) or tuple(arrays)
+        return cls(kind, (Segment(arrays, Buffer(sum(int(p.nbytes) for p in parents)), parents),) if arrays else (),
                    meta)
 
     def slots(self) -> list[list]:
@@ -52,6 +53,14 @@ class LayerState:
     @property
     def kv_bytes(self) -> int:
         return sum(s.nbytes for s in self.all_segments())
+
+
+def growth_room(n: int) -> int:
+    """Positions of room a restored buffer of n positions gets, so that the borrower taking it over
+    appends in place (codecs.PlainKV.hand_over): up to mlx-lm's next growth step, as the live cache
+    that made it had, unless that is more than COMPACT_RATIO allows."""
+    room = STEP - n % STEP
+    return room if n + room <= COMPACT_RATIO * n else 0
 
 
 def seq(a: mx.array, n: int) -> mx.array:

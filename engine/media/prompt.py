@@ -43,6 +43,7 @@ import mlx.core as mx
 import numpy as np
 
 from .audio import Recording, load_recording, prepare as prepare_audio
+from ..chat.prompts import encodable
 from ..generate.sampling import GenerationError
 from .video import Clip, load_clip
 from ..models.vlm import MEDIA_REVISION, digest
@@ -108,7 +109,7 @@ class MediaItem:
 @dataclass
 class MediaPrompt:
     """One prompt with images: real token ids for the model, key ids for the cache. A generation sees it
-    as it sees a text prompt (generate/generation.py's TextPrompt): forward, prefill, cut, stats."""
+    as it sees a text prompt (generate/prefill.py's TextPrompt): forward, prefill, cut, stats."""
 
     joins_first_step: ClassVar[bool] = False  # image tokens need their features merged in: prefilled apart
 
@@ -309,6 +310,8 @@ def prompt_for(engine, m, text: str, images, *, system: str | None, raw: bool, s
     model's image / video placeholders in it). use_cache=False: no encoder outputs from or to the cache."""
     if not isinstance(text, str) or not text.strip():
         raise GenerationError("empty prompt: write the prompt in the cell (or pass a non-empty string)")
+    encodable(text, "the prompt")
+    encodable(system, "the system prompt")
     if images is not None and not isinstance(images, (list, tuple)):
         images = [images]  # one path, picture or array
     if videos is not None and not isinstance(videos, (list, tuple)):

@@ -19,8 +19,10 @@ from ..chat.preview import Previews
 from ..kv.caches import hit_summary, kv_scheme, new_caches, unsupported
 from ..kv.quantize_start import QuantizeFrom, check_quantizable
 from ..named.names import check_user_name
+from ..chat.templates import read_template
 from ..host.safe_dirs import make_private_dir, write_json_atomic
 from ..errors import ModelError  # noqa: F401 (raised here; defined in errors.py)
+from ..generate.window import window_of
 
 WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -166,10 +168,8 @@ class LoadedModel:
 
     @property
     def context_window(self) -> int | None:
-        """Tokens the model was trained to attend over (its config's max_position_embeddings), if known."""
-        n = self.config.get("max_position_embeddings") or (self.config.get("text_config") or {}).get(
-            "max_position_embeddings")
-        return int(n) if n else None
+        """Tokens the model was trained to attend over, if its config says (generate/window.py)."""
+        return window_of(self.config)
 
 
 def resolve_model_path(path_or_id: str | os.PathLike) -> Path:
@@ -251,10 +251,11 @@ def adapter_identity(path: Path, memo: IdentityMemo) -> dict:
 
 def load_model(path_or_id, name: str, memo: IdentityMemo, kv_bits: int | None = None,
                kv_group_size: int = 64, adapter_path=None, image_attention: str | None = None,
-               kv_start: int | None = None) -> LoadedModel:
+               kv_start: int | None = None, chat_template=None) -> LoadedModel:
     """adapter_path: an mlx-lm LoRA adapter directory (text models); image_attention: how a
     vision-language model's image tokens attend (vlm.py); None: its default. kv_start: with kv_bits,
-    the KV stays in full precision for this many tokens (default mlx-lm's 5000; 0: none)."""
+    the KV stays in full precision for this many tokens (default mlx-lm's 5000; 0: none).
+    chat_template: a template (file or text) used instead of the tokenizer's own (the identity stays)."""
     import mlx.core as mx
     import mlx_lm
     from mlx.utils import tree_flatten
@@ -271,8 +272,10 @@ def load_model(path_or_id, name: str, memo: IdentityMemo, kv_bits: int | None = 
         raise ModelError("image_attention applies to vision-language models only")
     if is_vlm_config(config) and kv_start:
         raise ModelError("a delayed KV quantization (kv_start > 0) applies to text models; use kv_start=0 here")
-    if is_vlm_config(config) and adapter is not None:
-        raise ModelError("adapters in mlx-lm's format apply to text models, not to vision-language models")
+    if is_vlm_config(config) and (adapter is not None or chat_template is not None):
+        raise ModelError("adapters in mlx-lm's format and chat_template apply to text models, not to vision-language "
+                         "models")
+    template = read_template(chat_template) if chat_template is not None else None
     try:
         if is_vlm_config(config):  # mlx-vlm: the model's own processor and chat template
             model, tokenizer, vision, extras = load_vlm(path, config, image_attention)
@@ -282,6 +285,8 @@ def load_model(path_or_id, name: str, memo: IdentityMemo, kv_bits: int | None = 
         raise ModelError(str(e)) from None
     except Exception as e:
         raise ModelError(f"could not load a model from {path}: {type(e).__name__}: {e}") from None
+    if template is not None:
+        tokenizer.chat_template = template
     if adapter is not None:
         try:
             load_adapters(model, str(adapter))  # safetensors and JSON only
@@ -298,14 +303,11 @@ def load_model(path_or_id, name: str, memo: IdentityMemo, kv_bits: int | None = 
     notice = (f"the prompt cache does not support {', '.join(unknown)}: this model generates uncached"
               if unknown else None)
     info = {
-        "path": str(path),
-        "adapter": str(adapter) if adapter is not None else None,
-        "layers": len(caches),
-        "kv_scheme": scheme,
-        "kv_start": kv_start if kv_bits is not None else None,
+        "path": str(path), "adapter": str(adapter) if adapter is not None else None, "layers": len(caches),
+        "kv_scheme": scheme, "kv_start": kv_start if kv_bits is not None else None,
         "parameters_bytes": sum(int(v.nbytes) for _, v in tree_flatten(model.parameters())),
-        "cache_notice": notice,
-        "cache_hit": hit_summary(caches),
+        "cache_notice": notice, "cache_hit": hit_summary(caches),
+        "chat_template": None if chat_template is None else "given" if template == chat_template else str(chat_template),
         **({"vision": {"family": type(vision).__name__, "image_attention": vision.policy}} if vision else {}),
     }
     mx.eval(model.parameters())
@@ -330,9 +332,7 @@ def _warm_up(model, caches: list) -> None:
 def _weight_dtype(model) -> str:
     from mlx.utils import tree_flatten
 
-    for _, v in tree_flatten(model.parameters()):
-        return str(v.dtype)
-    return "unknown"
+    return next((str(v.dtype) for _, v in tree_flatten(model.parameters())), "unknown")
 
 
 class ModelRegistry:

@@ -77,7 +77,7 @@ class Checkpoints:
                 "tokens": list(entry.tokens),
                 "kv_bytes": entry.checkpoint.kv_bytes,
                 "durable": self.cache.has_ssd,
-                "session": {"id": s.id, "system": s.system, "messages": s.messages} if s else None,
+                "session": s.record() if s else None,
                 "preview": self.models.preview(entry.ns, entry.tokens),
                 "saved_by": self.saved_by,
             },
@@ -117,9 +117,7 @@ class Checkpoints:
             raise CheckpointNameError(f"checkpoint {name!r} is no longer in RAM or on SSD")
         if session:
             s = self.sessions.get_or_create(session["id"], system=session.get("system"), model=m.name)
-            s.system, s.messages = session.get("system"), [dict(x) for x in session["messages"]]
-            s.last_prompt_tokens = len(tokens)
-            s.history = [(list(tokens), None)]  # the next turn keeps these ids where the text matches
+            s.restore(session, tokens)
         self.events.emit("checkpoint_restored", name=name, tokens=len(tokens), source=source)
         return {**self._summary(record), "source": source}
 

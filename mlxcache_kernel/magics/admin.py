@@ -11,7 +11,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import line_magic, magics_class
 from IPython.core.magic_arguments import argument, kwds, magic_arguments
 
-from mlxcache_kernel.engine.chat.sessions import shown
+from mlxcache_kernel.engine.cache.why import kv_words
+from mlxcache_kernel.engine.chat.sessions import shown_message
 
 from .base import EngineMagics, no_target, only_for, parse_args, usage_errors
 from .help import examples
@@ -39,6 +40,8 @@ class AdminMagics(EngineMagics):
     @argument("--draft", default=None, metavar="NAME", help="load: the loaded model NAME is this model's default draft")
     @argument("--image-attention", choices=["bidirectional", "causal"], default=None,
               help="load, a vision-language model: how image tokens attend (default: the model's own)")
+    @argument("--chat-template", default=None, metavar="FILE", help="load: render chats with this template (a .jinja "
+              "file or a tokenizer_config.json) instead of the model's own, as mlx-lm's --chat-template")
     @line_magic
     @usage_errors
     def model(self, line):
@@ -49,6 +52,7 @@ class AdminMagics(EngineMagics):
                  [--kv-bits 8 [--kv-start N]]  KV quantized to 4|8 bits from token N (default 5000)
                  [--adapter DIR]      with an mlx-lm LoRA adapter (adapters.safetensors + adapter_config.json)
                  [--draft NAME]       loaded model NAME drafts for it (%%generate --no-draft: not)
+                 [--chat-template F]  another chat template than the model's own
         %model list                   resident models (* marks the default)
         %model use N                  make N the default for %%generate
         %model unload N               drop a model from memory
@@ -57,15 +61,15 @@ class AdminMagics(EngineMagics):
         args = parse_args(self.model, line)
         eng = self.engine
         if args.action != "load" and (args.name or args.kv_bits or args.kv_start is not None or args.adapter
-                                      or args.draft):
-            raise UsageError(f"--name, --kv-bits, --kv-start, --adapter and --draft only apply to %model load, "
-                             f"not %model {args.action}")
+                                      or args.draft or args.chat_template):
+            raise UsageError(f"--name, --kv-bits, --kv-start, --adapter, --draft and --chat-template only apply to "
+                             f"%model load, not %model {args.action}")
         if args.action == "list":
             no_target(args.target, "model list")
             self._model_list()
         elif args.action == "load":
             extra = {k: v for k, v in (("image_attention", args.image_attention), ("kv_start", args.kv_start),
-                                       ("draft", args.draft)) if v is not None}
+                                       ("draft", args.draft), ("chat_template", args.chat_template)) if v is not None}
             self._model_load(args.target, args.name or "default", kv_bits=args.kv_bits,
                              kv_group_size=args.kv_group_size, adapter_path=args.adapter, **extra)
         elif args.action == "info":
@@ -111,8 +115,10 @@ class AdminMagics(EngineMagics):
         info = self._load(target, name, **kv)
         star = " (default)" if self.engine.models.default == name else ""
         adapter = f" + adapter {info['adapter']}" if info.get("adapter") else ""
+        adapter += f" · chat template {info['chat_template']}" if info.get("chat_template") else ""
         print(f"loaded {name!r}{star}: {info.get('path')}{adapter} · {info.get('layers')} layers · "
-              f"{info.get('kv_scheme')} · {format_bytes(info.get('parameters_bytes'))} in {fmt_s(info['load_s'])}")
+              f"{info.get('kv_scheme')} ({kv_words(info.get('kv_scheme'))}) · {format_bytes(info.get('parameters_bytes'))} "
+              f"in {fmt_s(info['load_s'])}")
         if info.get("cache_notice"):
             print(f"note: {info['cache_notice']}")
         prefetch = info.get("prefetch") or {}
@@ -164,7 +170,7 @@ class AdminMagics(EngineMagics):
             if s.system:
                 print(f"[system] {s.system}")
             for msg in s.messages:
-                print(f"[{msg['role']}] {shown(msg['content'])}")
+                print(f"[{msg['role']}] {shown_message(msg)}")
         elif args.action == "switch":
             info = eng.sessions.switch(args.id)
             state = {"ram": "its state is in RAM", "loading": "loading its state from SSD in the background",
@@ -285,7 +291,11 @@ class AdminMagics(EngineMagics):
             raise UsageError(f"%dashboard takes no arguments, got {line.strip()!r}")
         try:
             from mlxcache_kernel.widgets import ResidencyDashboard
+            from mlxcache_kernel.widgets.dashboard_render import GONE_NOTE
         except ImportError as e:
             raise UsageError(f"the dashboard needs ipywidgets: {e}") from None
+        from IPython.display import display
+
         self._show_widget(ResidencyDashboard(self.engine))
+        display({"text/plain": "", "text/html": GONE_NOTE}, raw=True)  # seen once the widget's view is gone
         return None

@@ -9,6 +9,7 @@ settings), loading the default model, and poll/flush/close for the extension.
 from __future__ import annotations
 
 import functools
+import sys
 import time
 
 from IPython.core.error import UsageError
@@ -86,6 +87,7 @@ class EngineMagics(Magics):
         self._engine = None
         self._report = None  # what this kernel holds, for the JupyterLab panel (engine/admin/reports.py)
         self._widgets: list = []
+        self._alerts_shown = 0  # the verifier's alerts printed so far
 
     @property
     def engine_started(self) -> bool:
@@ -101,7 +103,30 @@ class EngineMagics(Magics):
             from mlxcache_kernel.engine import Engine
 
             self._engine = Engine(config=config)
+            v = self._verifier()
+            if v is not None:  # the cells that used a remote state are named as the notebook numbers them
+                v.cell = lambda: f"In [{getattr(self.shell, 'execution_count', '?')}]"
         return self._engine
+
+    def _verifier(self):
+        """The engine's verifier of fetched remote states (engine/cache/remote/verify.py), if any."""
+        remote = self._engine.cache.remote if self._engine is not None and not self._engine.closed else None
+        return None if remote is None else remote.verifier
+
+    def verify_step(self) -> bool:
+        """One short step of verifying a fetched remote state (idle time); True while more is left.
+        A mismatch's alert is printed (between cells: under the last cell's output)."""
+        v = self._verifier()
+        if v is None:
+            return False
+        try:
+            v.step()
+        except Exception:  # noqa: BLE001 - idle work never breaks the kernel
+            return False
+        while len(v.alerts) > self._alerts_shown:
+            print(f"[mlxcache] {v.alerts[self._alerts_shown]}", file=sys.stderr, flush=True)
+            self._alerts_shown += 1
+        return v.busy
 
     def _ensure_model(self, name: str | None) -> None:
         """Load the configured default model on first use when nothing is loaded."""

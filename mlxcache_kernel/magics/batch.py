@@ -12,12 +12,15 @@ indexed like VAR), one row per prompt with the footer's provenance.
 
 from __future__ import annotations
 
+import html
 import math
 import sys
 import time
 
 from IPython.core.error import UsageError
 from IPython.display import display
+
+from mlxcache_kernel.engine.generate.window import max_chars
 
 from .base import sampling_options
 from .constrain import constraint_options, field_columns
@@ -55,15 +58,23 @@ def _items(name: str, value) -> tuple[list, list[dict]]:
     return list(range(len(items))), [dict(v) if isinstance(v, dict) else {"item": v} for v in items]
 
 
-def template_rows(template: str, name: str, value, namespace: dict, hidden=frozenset()) -> tuple[list, list[str]]:
-    """(index, prompt per item): the cell filled in for every item of VAR (bound to `value`)."""
+def item_columns(value) -> list[dict]:
+    """Per item of VAR, the columns the table keeps of it: a DataFrame's own, else the item itself."""
+    return [{k: v for k, v in fields.items() if k not in COLUMNS} for fields in _items("", value)[1]]
+
+
+def template_rows(template: str, name: str, value, namespace: dict, hidden=frozenset(), *, limit: int | None = None,
+                  truncate: str | None = None) -> tuple[list, list[str]]:
+    """(index, prompt per item): the cell filled in for every item of VAR (bound to `value`); a field
+    longer than `limit` characters refused, or cut as `truncate` says (prompt.py)."""
     index, rows = _items(name, value)
     if not rows:
         raise UsageError(f"--batch {name}: it has no items")
     prompts, used, missing = [], set(), {}
     for i, fields in zip(index, rows):
         undefined: list[str] = []
-        prompt = interpolate(template, {**namespace, **fields}, set(hidden) - set(fields), undefined)
+        prompt = interpolate(template, {**namespace, **fields}, set(hidden) - set(fields), undefined, limit=limit,
+                             truncate=truncate)
         if undefined:
             known = ", ".join("{" + f + "}" for f in fields if isinstance(f, str)) or "none"
             raise UsageError(f"template field {{{undefined[0]}}} is neither a field of {name} ({known}) nor a "
@@ -175,14 +186,16 @@ def _short(v, width: int = 48) -> str:
     return s if len(s) <= width else s[: width - 1] + "…"
 
 
-def table(index: list, names: list, prompts: list[str], results: list, seeds: list | None):
-    """The rows as a DataFrame indexed like VAR (``.attrs["results"]``: the GenerationResults), or a BatchTable."""
+def table(index: list, names: list, prompts: list[str], results: list, seeds: list | None, items: list | None = None):
+    """The rows as a DataFrame indexed like VAR (``.attrs["results"]``: the GenerationResults), or a BatchTable:
+    VAR's own columns (`items`: the question), the answer, the footer's numbers, then the whole prompt."""
     rows = []
     fields = field_columns(results, set(COLUMNS) | {"seed", "logprob", "incomplete"})
     keys = list(dict.fromkeys(k for f in fields for k in f))  # every row gets every field (None where missing)
-    for prompt, r, seed, own in zip(prompts, results, seeds or [None] * len(results), fields):
+    items = items or [{}] * len(results)
+    for prompt, r, seed, own, item in zip(prompts, results, seeds or [None] * len(results), fields, items):
         s, spans = r.stats, footer_spans(r.stats)
-        row = {"prompt": prompt, "text": r.text, **{k: own.get(k) for k in keys},
+        row = {**{k: v for k, v in item.items() if k not in keys}, "text": r.text, **{k: own.get(k) for k in keys},
                "new_tokens": len(r.tokens), "ram": spans["ram"], "ssd": spans["ssd"],
                "remote": spans["remote"], "shared": s.get("batch_shared_tokens", 0), "prefilled": spans["prefilled"],
                "ttft_ms": _one_decimal(None if s.get("ttft_s") is None else s["ttft_s"] * 1000),
@@ -193,6 +206,7 @@ def table(index: list, names: list, prompts: list[str], results: list, seeds: li
             row["logprob"] = round(sum(lp.logprob for lp in r.logprobs), 4)
         if s.get("constraint"):  # why the answer has no fields: "incomplete JSON (max tokens)"
             row["incomplete"] = s.get("constraint_incomplete")
+        row["prompt"] = prompt
         rows.append(row)
     try:
         import pandas as pd
@@ -200,9 +214,33 @@ def table(index: list, names: list, prompts: list[str], results: list, seeds: li
         return BatchTable([{(n or "index"): i for n, i in zip(names, k if len(names) == 2 else (k,))} | row
                            for k, row in zip(index, rows)], results)
     idx = pd.MultiIndex.from_tuples(index, names=names) if len(names) == 2 else pd.Index(index, name=names[0])
-    df = pd.DataFrame(rows, index=idx)
+    df = readable_frame(pd)(rows, index=idx)
     df.attrs["results"] = results
     return df
+
+
+def readable_frame(pd):
+    """A DataFrame whose HTML shows each answer whole, its line breaks as breaks (pandas cuts a cell at 50
+    characters), without the prompt column (VAR's own columns say what each row asked); what is derived
+    from it is a plain DataFrame."""
+
+    class BatchFrame(pd.DataFrame):
+        @property
+        def _constructor(self):
+            return pd.DataFrame
+
+        def _repr_html_(self) -> str:  # (pandas' to_html writes a line break as a literal \n)
+            cols = [c for c in self.columns if c != "prompt"]
+            head = "".join(f"<th>{html.escape(str(c))}</th>" for c in [" / ".join(map(str, self.index.names))
+                                                                       if any(self.index.names) else "", *cols])
+            body = "".join("<tr><th>" + html.escape(str(i)) + "</th>" + "".join(
+                f"<td>{html.escape('' if v is None else str(v))}</td>" for v in row) + "</tr>"
+                for i, row in zip(self.index, self[cols].itertuples(index=False)))
+            return ("<div class='mlxc-batch'><style>.mlxc-batch td{white-space:pre-wrap;text-align:left;"
+                    "vertical-align:top;max-width:48em}</style>"
+                    f"<table class='dataframe'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>")
+
+    return BatchFrame
 
 
 def summary(results: list, once: int, seconds: float, model: str, use_cache: bool) -> str:
@@ -238,6 +276,10 @@ def run_batch(magics, args, cell: str, in_kernel: bool):
     if k < 1:
         raise UsageError(f"--n must be >= 1, got {k}")
     shell = magics.shell
+    magics._ensure_model(args.model)
+    eng = magics.engine
+    model = args.model or eng.models.default
+    limit = max_chars(eng.models.get(model))  # (an unknown model: one line, before any work)
     if args.batch is not None:
         if not args.batch.isidentifier() or args.batch not in shell.user_ns:
             raise UsageError(f"--batch needs the name of a defined variable (a list, Series or DataFrame), "
@@ -248,27 +290,24 @@ def run_batch(magics, args, cell: str, in_kernel: bool):
             raise UsageError("empty prompt: write the prompt template in the cell body below %%generate")
         value = shell.user_ns[args.batch]
         index, prompts = template_rows(cell.strip("\n"), args.batch, value, shell.user_ns,
-                                       set(getattr(shell, "user_ns_hidden", {})))
+                                       set(getattr(shell, "user_ns_hidden", {})), limit=limit, truncate=args.truncate)
         names = [_index_name(value)] + (["sample"] if k > 1 else [])
         index = [(i, j) for i in index for j in range(k)] if k > 1 else index
     else:
-        prompts, index, names = [magics._prompt(cell, literal=args.literal)], list(range(k)), ["sample"]
+        prompts = [magics._prompt(cell, literal=args.literal, model=model, truncate=args.truncate)]
+        index, names = list(range(k)), ["sample"]
     if k > 1 and args.temperature == 0:
         print(f"[mlxcache] warning: --n {k} with --temperature 0 (greedy) gives {k} identical texts; "
               "set --temperature to sample", file=sys.stderr)
     seeds = [args.seed + j for _ in prompts for j in range(k)]
     prompts = [p for p in prompts for _ in range(k)]
     constraint = constraint_options(args, shell.user_ns)
-    magics._ensure_model(args.model)
-    eng = magics.engine
-    model = args.model or eng.models.default
-    eng.models.get(model)
     progress = BatchProgress(len(prompts), enabled=in_kernel)
     t0, prefilled0 = time.perf_counter(), eng.metrics.counters["prefilled_tokens"]
     try:
         results = eng.generate_batch(prompts, **sampling_options(args, seed=seeds), model=model, system=args.system,
                                      raw=args.raw, use_cache=not args.no_cache, on_progress=progress,
-                                     on_row=progress.row_done,
+                                     on_row=progress.row_done, truncate=args.truncate,
                                      lookup=bool(args.lookup) if args.lookup or args.no_lookup else None,
                                      **constraint)
     except KeyboardInterrupt:
@@ -278,7 +317,8 @@ def run_batch(magics, args, cell: str, in_kernel: bool):
         progress.close()
     once = eng.metrics.counters["prefilled_tokens"] - prefilled0 - sum(r.stats["prefilled_tokens"] for r in results)
     print(summary(results, once, time.perf_counter() - t0, model, not args.no_cache))
-    out = table(index, names, prompts, results, seeds if args.temperature > 0 else None)
+    items = [c for c in item_columns(shell.user_ns[args.batch]) for _ in range(k)] if args.batch else None
+    out = table(index, names, prompts, results, seeds if args.temperature > 0 else None, items)
     if args.out:
         shell.user_ns[args.out] = out
     return out

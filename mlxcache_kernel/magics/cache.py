@@ -14,7 +14,7 @@ from IPython.core.magic_arguments import argument, kwds, magic_arguments
 
 from .base import EngineMagics, parse_args, usage_errors
 from .help import CHEAT_SHEET, examples
-from .tables import ENTRY_COLUMNS, entry_row, fmt_s, setting_lines, show_table, stat_lines
+from .tables import ENTRY_COLUMNS, entry_row, fmt_s, format_bytes, setting_lines, show_table, stat_lines
 
 __all__ = ["CacheMagics"]
 
@@ -85,6 +85,11 @@ class CacheMagics(EngineMagics):
                    empty=f"no entries of {which}" if which else "the cache is empty")
         if len(shown) < len(entries):
             print(f"... and {len(entries) - len(shown)} older entries (%cache ls --all lists every one)")
+        if entries:
+            s = self.engine.stats()
+            print(f"RAM holds {format_bytes(s['ram_used_bytes'])} in all (shared: held once, shown in each entry "
+                  "using it)" + (f"; SSD {format_bytes(s['ssd_bytes'])} unique (file counts a block in each file "
+                                 "naming it)" if s.get("ssd_bytes") is not None else ""))
 
     def _cache_why(self, args) -> None:
         why = self.engine.admin.why()

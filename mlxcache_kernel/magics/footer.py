@@ -11,20 +11,23 @@ import html
 import math
 
 from .constrain import constraint_phrase
+from .chat import steps_phrase
 from .tables import fmt_s, format_bytes
 
 __all__ = ["CellResult", "SPANS", "footer_spans", "footer_html"]
 
 # (key, label, colour) in the order the prompt is laid out: cached first, then prefilled
 SPANS = (("ram", "RAM", "#2e7d32"), ("ssd", "SSD", "#1565c0"), ("remote", "remote", "#8e24aa"),
-         ("prefilled", "prefilled", "#ef6c00"))
+         ("passages", "from passages", "#00897b"), ("prefilled", "prefilled", "#ef6c00"))
 
 
 def footer_spans(stats: dict) -> dict[str, int]:
-    """Prompt tokens per source: ram, ssd, remote (``cached_tokens`` when the source is remote), prefilled."""
+    """Prompt tokens per source: ram, ssd, remote (``cached_tokens`` when the source is remote), placed from
+    passages' KV, prefilled."""
     n = int(stats.get("prompt_tokens") or 0)
     remote = int(stats.get("remote_tokens") or 0)
     return {"ram": int(stats.get("ram_tokens") or 0), "ssd": int(stats.get("ssd_tokens") or 0), "remote": remote,
+            "passages": int(stats.get("passage_tokens_placed") or 0),
             "prefilled": int(stats.get("prefilled_tokens", n) or 0)}
 
 
@@ -110,12 +113,20 @@ def lookup_phrase(s: dict) -> str | None:
     return f"lookup: {s['lookup_drafts_accepted']} of {s['lookup_drafts_proposed']} drafted tokens accepted{rate}{speed}"
 
 
+def passages_phrase(s: dict) -> str:
+    """Passages placed from their KV, e.g. "passages reused: 7 of 8, 13% recomputed (approximate)"."""
+    label = "approximate" if s.get("approximate") else "exact"
+    return (f"passages reused: {s.get('passages_reused', 0)} of {s['passages']}, "
+            f"{s.get('passage_recomputed_share', 0.0):.0%} recomputed ({label})")
+
+
 class CellResult:
     """What ``%%generate`` returns (and stores in ``--out``).
 
     ``.text``, ``.tokens`` (generated ids), ``.stats`` (dict), ``.parsed`` (with --json, --regex,
-    --choice or --grammar: the answer parsed, None when incomplete), ``.prompt`` (the interpolated
-    cell), ``.model``, ``.session``. Displays as the cell footer; ``str()`` is the text.
+    --choice or --grammar: the answer parsed, None when incomplete), ``.reasoning``, ``.steps`` (with
+    --tools), ``.prompt`` (the interpolated cell), ``.model``, ``.session``. Displays as the cell footer;
+    ``str()`` is the text.
     """
 
     def __init__(self, result, *, prompt: str, model: str | None, session: str | None, use_cache: bool,
@@ -126,6 +137,8 @@ class CellResult:
         self.stats = dict(result.stats)
         self.logprobs = result.logprobs  # TokenLogprob per token with --logprobs, else None
         self.parsed = getattr(result, "parsed", None)
+        self.reasoning = getattr(result, "reasoning", "")  # a thinking model's reasoning, apart from .text
+        self.steps = list(getattr(result, "steps", []))  # with --tools: each tool step (.call, .arguments, .result)
         self._pieces = logprob_pieces(tokenizer, self.logprobs) if self.logprobs and tokenizer else []
         self.prompt = prompt
         self.model = model
@@ -141,6 +154,7 @@ class CellResult:
         prompt = (
             f"{n} prompt tokens: {s.get('ram_tokens', 0)} from RAM, {s.get('ssd_tokens', 0)} from SSD, "
             + (f"{s['remote_tokens']} from remote, " if s.get("remote_tokens") else "")
+            + (f"{s['passage_tokens_placed']} from passages, " if s.get("passage_tokens_placed") else "")
             + f"{s.get('prefilled_tokens', n)} prefilled" + ("" if self.use_cache else " (cache off)")
         )
         tps = s.get("decode_tokens_per_s")
@@ -162,6 +176,14 @@ class CellResult:
             parts.insert(1, images_phrase(s["video_sources"], "video"))
         if s.get("image_sources"):
             parts.insert(1, images_phrase(s["image_sources"]))
+        if steps_phrase(self.steps):
+            parts.insert(1, steps_phrase(self.steps))
+        if s.get("prefill_note"):  # (the chat template rewrote what the history held)
+            parts.insert(1, s["prefill_note"])
+        if s.get("truncated_tokens"):  # (--truncate: the prompt was past the model's window)
+            parts.insert(1, f"{s['truncated_tokens']} prompt tokens dropped to fit the model's window")
+        if s.get("passages"):
+            parts.insert(1, passages_phrase(s))
         resumed = s.get("resumed_from")
         if resumed:
             parts.insert(1, f"resumed from an in-flight checkpoint at token {resumed}")

@@ -26,7 +26,10 @@ from IPython.core.error import UsageError
 from IPython.core.magic import cell_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, kwds, magic_arguments
 
+from mlxcache_kernel.engine.generate.window import max_chars
+
 from .base import EngineMagics, parse_args, sampling_arguments, sampling_options, usage_errors
+from .chat import Thinking, chat_arguments, chat_options, show_step
 from .constrain import constraint_arguments, constraint_options
 from .footer import CellResult
 from .help import examples
@@ -85,14 +88,25 @@ class GenerateMagics(EngineMagics):
               help="drafts from the prompt and the text so far, verified by the model (same tokens), at every step "
                    "(default: where they pay)")
     @argument("--no-lookup", action="store_true", help="no drafts from the context")
+    @chat_arguments
     @constraint_arguments
     @argument("--no-cache", action="store_true", help="neither look up nor publish prompt caches")
     @argument("--literal", action="store_true", help="no {name} interpolation")
+    @argument("--truncate", choices=("left", "middle"), default=None,
+              help="a prompt past the model's window (with --max-tokens) is refused: left drops its oldest tokens, "
+                   "middle keeps its start and end (also a {var} too long for the window: cut the same way)")
     @argument("--batch", default=None, metavar="VAR",
               help="the cell is a template over the items of VAR (a list, Series or DataFrame: {item}, "
                    "{column}); the rows decode together and the result is a table")
     @argument("--n", type=int, default=None, dest="samples", metavar="K",
               help="K samples of the prompt (seeds s..s+K-1) from one prefill; with --batch, K per item")
+    @argument("--passages", default=None, metavar="VAR",
+              help="VAR (a list of strings, a Series or a one-column DataFrame; VAR.column too) goes before the "
+                   "prompt, each passage placed from its own cached KV and partly recomputed: approximate, and the "
+                   "footer says so")
+    @argument("--recompute", type=float, default=None, metavar="F",
+              help="with --passages: the fraction of placed passage tokens recomputed (default: the "
+                   "passage_recompute setting; 1: what a full prefill computes)")
     @no_var_expand  # _expand_line: as IPython expands, but --image {var} keeps the object
     @cell_magic
     @usage_errors
@@ -124,7 +138,14 @@ class GenerateMagics(EngineMagics):
             raise UsageError("--draft and --no-draft contradict each other: use one")
         if args.lookup and args.no_lookup:
             raise UsageError("--lookup and --no-lookup contradict each other: use one")
+        if args.recompute is not None and args.passages is None:
+            raise UsageError("--recompute goes with --passages VAR")
+        if args.passages is not None and (args.batch is not None or args.samples is not None):
+            raise UsageError("--passages does not go with --batch or --n: one prompt at a time")
+        chat = chat_options(args, self.shell.user_ns)
         if args.batch is not None or args.samples is not None:
+            if chat:
+                raise UsageError("--think, --template-arg and --tools go with single cells, not --batch or --n")
             from .batch import run_batch
 
             return run_batch(self, args, cell, in_kernel=_in_kernel(self.shell))
@@ -134,13 +155,14 @@ class GenerateMagics(EngineMagics):
             raise UsageError("--logprobs and --checkpoint-every do not go together (a resume keeps no log-probabilities)")
         if args.checkpoint_every is not None and args.no_cache:
             raise UsageError("--checkpoint-every needs the cache; drop --no-cache")
-        prompt = self._prompt(cell, literal=args.literal)
         self._ensure_model(args.model)
         eng = self.engine
         model_name = args.model or eng.models.default
         eng.models.get(model_name)  # unknown model -> one line, before any output
+        prompt = self._prompt(cell, literal=args.literal, model=model_name, truncate=args.truncate)
         kwargs = dict(sampling_options(args), session=args.session, model=model_name, system=args.system,
-                      raw=args.raw, use_cache=not args.no_cache, **constraint_options(args, self.shell.user_ns))
+                      raw=args.raw, use_cache=not args.no_cache, truncate=args.truncate,
+                      **constraint_options(args, self.shell.user_ns), **chat)
         if args.lookup or args.no_lookup:  # (neither: where they pay)
             kwargs["lookup"] = bool(args.lookup)
         if args.draft is not None or args.no_draft or args.draft_tokens is not None:  # None: the default draft
@@ -154,6 +176,8 @@ class GenerateMagics(EngineMagics):
             kwargs["audios"] = [self._image(spec, "--audio") for spec in args.audio]
         if args.checkpoint_every is not None:
             kwargs["checkpoint_every"] = args.checkpoint_every
+        if args.passages is not None:
+            kwargs.update(passages=self._variable(args.passages, "--passages"), recompute=args.recompute)
         result = self._run(prompt, kwargs, resumable=args.checkpoint_every is not None)
         gen = CellResult(result, prompt=prompt, model=model_name, session=args.session, use_cache=not args.no_cache,
                          tokenizer=eng.models.get(model_name).tokenizer)
@@ -200,14 +224,28 @@ class GenerateMagics(EngineMagics):
             raise UsageError(f"{option} {spec}: {m.group(1)!r} is not defined")
         return self.shell.user_ns[m.group(1)]
 
-    def _prompt(self, cell: str, *, literal: bool) -> str:
-        """The cell body, interpolated unless ``literal``; never empty."""
+    def _variable(self, spec: str, option: str):
+        """A notebook variable by name, or an attribute of one (VAR.column)."""
+        name, *attrs = spec.strip().split(".")
+        if not name.isidentifier() or name not in self.shell.user_ns:
+            raise UsageError(f"{option} {spec}: {name!r} is not defined")
+        value = self.shell.user_ns[name]
+        for attr in attrs:
+            if not hasattr(value, attr):
+                raise UsageError(f"{option} {spec}: {name} has no {attr!r}")
+            value = getattr(value, attr)
+        return value
+
+    def _prompt(self, cell: str, *, literal: bool, model: str, truncate: str | None = None) -> str:
+        """The cell body, interpolated unless ``literal`` (a {var} longer than `model`'s window could
+        hold: refused, or cut as `truncate` says); never empty."""
         if not cell or not cell.strip():
             raise UsageError("empty prompt: write the prompt in the cell body below %%generate")
         prompt = cell.strip("\n")
         if not literal:
             undefined: list[str] = []
-            prompt = interpolate(prompt, self.shell.user_ns, set(getattr(self.shell, "user_ns_hidden", {})), undefined)
+            prompt = interpolate(prompt, self.shell.user_ns, set(getattr(self.shell, "user_ns_hidden", {})), undefined,
+                                 limit=max_chars(self.engine.models.get(model)), truncate=truncate)
             if undefined:
                 warn_undefined(undefined)
         if not prompt.strip():
@@ -217,14 +255,18 @@ class GenerateMagics(EngineMagics):
     def _run(self, prompt: str, kwargs: dict, *, resumable: bool):
         """Generate with streamed text and a progress display, both closed however it ends."""
         progress, stream = Progress(enabled=_in_kernel(self.shell)), Stream()
+        thinking = Thinking(enabled=_in_kernel(self.shell))  # the reasoning, collapsed above the answer
+        if "tools" in kwargs:
+            kwargs["on_step"] = show_step
         interrupted = False
         try:
-            return self.engine.generate(prompt, on_text=stream, on_progress=progress, **kwargs)
+            return self.engine.generate(prompt, on_text=stream, on_progress=progress, on_reasoning=thinking, **kwargs)
         except KeyboardInterrupt:
             interrupted = True
             raise
         finally:
             progress.close()
+            thinking.close()
             stream.end()
             if interrupted:
                 print("[mlxcache] interrupted; the cache is intact"

@@ -31,6 +31,12 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%%generate --video clip.mp4 --fps 1 --max-frames 16", "Qwen2-VL / Qwen2.5-VL see the clip (sampled frames)"),
         ("%%generate --audio talk.wav", "Gemma 4 hears the recording (or --audio {waveform})"),
         ("%%generate --literal", "no {name} interpolation (or write {{name}} for one literal {name})"),
+        ("%%generate --passages docs", "the passages in `docs` (a list, a Series, df.text) go before the cell, each "
+         "placed from its own cached KV (approximate)"),
+        ("%%generate --passages docs --recompute 0.3", "recompute 30% of the placed passage tokens (1: a full "
+         "prefill's numbers)"),
+        ("%%generate --truncate left", "a prompt past the model's window drops its oldest tokens (middle: keeps "
+                                       "start and end) instead of being refused"),
         ("%%generate --batch questions", "the cell is a template: one row per item ({item}); a table of results"),
         ("%%generate --batch df --out answers", "{question} names a column of DataFrame df; answers keeps the table"),
         ("%%generate --n 4 --temperature 0.8", "4 samples of one prompt (seeds 0..3) from one prefill"),
@@ -44,7 +50,24 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%%generate --choice 'yes|no|unsure'", "the answer is one of the choices (or --choice labels: a list)"),
         ("%%generate --grammar calc", "the answer follows the Lark or GBNF grammar held by variable calc"),
         ("%%generate --batch df --json Invoice", "one answer per row; the table gets a column per field"),
+        ("%%generate --think", "thinking on (the template's enable_thinking); the reasoning shows collapsed above "
+                               "the answer (r.reasoning)"),
+        ("%%generate --no-think --session chat1", "thinking off; the session keeps its options for later turns"),
+        ("%%generate --template-arg reasoning_effort=low", "any chat-template keyword (gpt-oss's here); repeatable"),
+        ("%%generate --session s --tools weather,convert", "the model may call these notebook functions; each call "
+                                                          "and its result shows, then the answer (r.steps)"),
+        ("%%generate --tools weather --tool-choice required --max-steps 3",
+         "every step calls a tool, arguments valid for its schema (3 steps), then the answer (none: no calls)"),
+        ("%%generate --tools weather --confirm", "ask before each call runs"),
         ("%%generate --lookup / --no-lookup", "drafts from the prompt itself, verified (same text): always / never (default: where they pay)"),
+    ],
+    "eval": [
+        ("%eval mmlu --num-fewshot 5", "lm-evaluation-harness's MMLU, 5-shot, on the default model (-k 5)"),
+        ("%eval hellaswag,arc_easy --limit 100", "two tasks, 100 documents each (-l 100; 0.1: a tenth)"),
+        ("%eval my_task --include-path tasks/", "a task YAML of your own, in folder tasks/"),
+        ("%eval gsm8k --model small --chat", "the model loaded as 'small', prompts in its chat template"),
+        ("%eval mmlu --seed 1", "the harness's seeds (which few-shot examples it samples)"),
+        ("%eval mmlu --out results", "keep the harness's results dict (results['results'][task])"),
     ],
     "score": [
         ("%%score options", "the cell is the context; rank the strings of list `options` by log-likelihood"),
@@ -54,6 +77,7 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%%score options --model small", "score with the model loaded as 'small'"),
         ("%%score options --no-cache", "neither look up nor publish the context's cache"),
         ("%%score options --literal", "no {name} interpolation in the cell"),
+        ("%%score options --truncate left", "a context past the model's window drops its oldest tokens (or middle)"),
     ],
     "model": [
         ("%model load", "the configured default model (SmolLM2-135M-Instruct unless set)"),
@@ -67,6 +91,8 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("%model load ~/models/gemma-3-4b-it", "a vision-language model loads through mlx-vlm ([vision] extra)"),
         ("%model load ~/models/gemma-3-4b-it --image-attention causal",
          "image tokens attend causally (as mlx-vlm generates), not bidirectionally"),
+        ("%model load ~/models/qwen3 --chat-template qwen3.jinja",
+         "render chats with another template (a .jinja file or a tokenizer_config.json) than the model's own"),
         ("%model list", "resident models; * marks the default"),
         ("%model use small", "make 'small' the default for %%generate"),
         ("%model unload small", "free its memory"),
@@ -134,20 +160,24 @@ mlxcache: a resident model and a RAM/SSD prompt cache. Add ? to any magic for ev
   %model load [PATH] [--name N] [--kv-bits 8] [--adapter DIR]   load a model (no PATH: SmolLM2)
   %model list | use N | unload N | info [N]
 
-  %%generate [-n 64] [-t 0.8 --seed 7] [--out r]   the cell is the prompt; {name} -> value of name
+  %%generate [-n 64] [-t 0.8 --top-p P --top-k K --seed 7] [--out r]   the cell is the prompt
       --session ID  --system TEXT  --raw  --stop S  --no-cache  --checkpoint-every N
-      {{name}} writes a literal {name}; --literal turns interpolation off
+      --think | --no-think  --template-arg K=V  --tools F [--tool-choice C --max-steps N --confirm]
+      --image P | --video P [--fps F] [--max-frames N] | --audio P: for vision-language models
+      --draft NAME [--draft-tokens K] | --no-draft | --lookup | --no-lookup: verified drafts
+      --truncate left|middle: a prompt past the model's window is cut, not refused
+      {name} -> the value of name; {{name}} writes a literal {name}; --literal: neither
       --batch VAR: the cell is a template over a list/Series/DataFrame ({item}, {col}) -> a table
-      --n K: K samples of the prompt from one prefill (seeds s..s+K-1)
-      --logprobs K: each token's log-probability and K alternatives
+      --n K: K samples from one prefill (seeds s..s+K-1)  --logprobs K: K alternatives per token
+      --passages VAR [--recompute F]: VAR's passages before the cell, from their cached KV (approx.)
       --json MODEL | --regex P | --choice 'a|b' | --grammar VAR: answers that parse (r.parsed)
       the footer: tokens from RAM / SSD / prefilled, TTFT, tok/s, context used, why a prefix missed
 
   %%score OPTIONS [--chat] [--out r]              rank list OPTIONS as continuations of the cell
+  %eval TASKS [--num-fewshot K] [--limit N]      lm-evaluation-harness tasks over the cache
   %session new|list|show|switch|reset|close ID    multi-turn chats (%%generate --session ID)
   %checkpoint save|list|restore|rm NAME           named states no budget evicts
-  %cache stats|ls [--all] [--model M] [--session S] | why | flush | clear [--ssd] | gc | verify
-  %cache config | help                            the settings in effect; this sheet
+  %cache stats|ls [--all] [--model M] [--session S]|why|flush|clear [--ssd]|gc|verify|config|help
   %kv inspect|export [--session ID | --checkpoint NAME | --last] [--layer L] [--to VAR] [--widget]
   %dashboard                                      live RAM/SSD residency, writes, hits
   @memo (from mlxcache_kernel import memo)        a function's array results, kept in RAM and on SSD

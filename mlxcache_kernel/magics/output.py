@@ -35,6 +35,7 @@ class Progress:
     """
 
     TEXT_THROTTLE_S = 0.25
+    OPEN_TOKENS = 128  # a phase of fewer tokens is over before a bar would help
 
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
@@ -42,12 +43,12 @@ class Progress:
         self.handle = None  # the display holding it
 
     def __call__(self, phase: str, done: int, total: int) -> None:
-        if not self.enabled:
-            return
+        if not self.enabled or (done >= total and total < self.OPEN_TOKENS):
+            return  # a short phase over on arrival (a batch row's last token): what is shown stays
         if self.view is None:
-            if done >= total:  # already finished (a short prompt): nothing to watch
+            if done >= total or total < self.OPEN_TOKENS:  # finished, or too short to watch
                 return
-            self._open()
+            self._open()  # at a long phase's first report (0 done): from the cell's first second
         self.view.update(phase, done, total)
 
     def _open(self) -> None:

@@ -10,11 +10,14 @@ from IPython.core.error import UsageError
 from IPython.core.magic import cell_magic, magics_class
 from IPython.core.magic_arguments import argument, kwds, magic_arguments
 
+from mlxcache_kernel.engine.generate.window import max_chars
+
 from .base import EngineMagics, parse_args, usage_errors
 from .footer import SPANS
 from .help import examples
 from .prompt import interpolate, warn_undefined
-from .tables import show_table
+from .output import Progress
+from .tables import fmt_s, show_table
 
 
 @magics_class
@@ -28,6 +31,9 @@ class ScoreMagics(EngineMagics):
     @argument("--out", "-o", default=None, help="store the ranked results in this variable")
     @argument("--no-cache", action="store_true", help="neither look up nor publish the context's cache")
     @argument("--literal", action="store_true", help="no {name} interpolation")
+    @argument("--truncate", choices=("left", "middle"), default=None,
+              help="a context too long for the model's window is refused: left drops its oldest tokens, middle "
+                   "keeps its start and end (also a {var} too long for the window: cut the same way)")
     @cell_magic
     @usage_errors
     def score(self, line, cell):
@@ -52,23 +58,32 @@ class ScoreMagics(EngineMagics):
         if not cell or not cell.strip():
             raise UsageError("empty context: write it in the cell body below %%score")
         context = cell.strip("\n")
+        self._ensure_model(args.model)
         if not args.literal:
             undefined: list[str] = []
             context = interpolate(context, self.shell.user_ns, set(getattr(self.shell, "user_ns_hidden", {})),
-                                  undefined)
+                                  undefined, limit=max_chars(self.engine.models.get(args.model)),
+                                  truncate=args.truncate)
             if undefined:
                 warn_undefined(undefined)
-        self._ensure_model(args.model)
-        results = self.engine.score(context, list(options), model=args.model, raw=not args.chat, system=args.system,
-                                    use_cache=not args.no_cache)
+        eng = self.engine
+        why = None if args.no_cache else eng.admin.why(context, model=args.model, raw=not args.chat, system=args.system)
+        progress = Progress(enabled=getattr(self.shell, "kernel", None) is not None)
+        try:
+            results = eng.score(context, list(options), model=args.model, raw=not args.chat, system=args.system,
+                                use_cache=not args.no_cache, on_progress=progress, truncate=args.truncate)
+        finally:
+            progress.close()
         ranked = sorted(results, key=lambda r: -r.logprob)
         show_table([{"rank": i + 1, "option": r.continuation, "logprob": f"{r.logprob:.3f}",
-                     "per_token": f"{r.mean_logprob:.3f}", "tokens": len(r.tokens), "greedy": "yes" if r.greedy else ""}
+                     "per_token": f"{r.mean_logprob:.3f}", "tokens": len(r.tokens), "greedy": "yes" if r.greedy else "no"}
                     for i, r in enumerate(ranked)], ["rank", "option", "logprob", "per_token", "tokens", "greedy"])
         s = results[0].stats
         tier = {key: name for key, name, _ in SPANS}.get(s["source"], "the cache")
-        print(f"[mlxcache] {len(results)} options over {s['context_tokens']} context tokens: {s['cached_tokens']} "
-              f"from {tier}" if s["cached_tokens"] else
-              f"[mlxcache] {len(results)} options over {s['context_tokens']} context tokens (prefilled once)")
+        print(f"[mlxcache] {len(results)} options over {s['context_tokens']} context tokens: "
+              + (f"{s['cached_tokens']} from {tier}, " if s["cached_tokens"] else "")
+              + f"{s['prefilled_tokens']} prefilled once · {fmt_s(s.get('seconds'))}")
+        if why is not None and why.surprising:
+            print(f"[mlxcache] why: {why.line}" + ("" if args.chat else " (--chat scores inside the chat template)"))
         if args.out:
             self.shell.user_ns[args.out] = ranked

@@ -18,11 +18,12 @@ __all__ = [
     "setting_lines", "show_table", "stat_lines",
 ]
 
-# %cache ls: kind is "prefix" (a prompt's KV) or "object" (Engine.objects, @memo); ram, kv and file
-# are the entry's resident footprint, its KV state's (an object's value's) bytes and its SSD file's
-# size (– where it has none).
-ENTRY_COLUMNS = ["model", "tokens", "tier", "write_state", "ram", "kv", "file", "borrowers", "sessions", "pinned",
-                 "hits", "last_used", "kind", "preview"]
+# %cache ls: kind is "prefix" (a prompt's KV) or "object" (Engine.objects, @memo); ram is what only this
+# entry holds in RAM and shared what it holds with others (one document under several questions: in
+# each of their rows, held once), kv its KV state's (an object's value's) bytes, file its SSD manifest
+# with every block it names (blocks shared with other files in each of their rows) (– where none).
+ENTRY_COLUMNS = ["model", "tokens", "tier", "write_state", "ram", "shared", "kv", "file", "borrowers", "sessions",
+                 "pinned", "hits", "last_used", "kind", "preview"]
 
 
 def fmt_s(x) -> str:
@@ -83,8 +84,11 @@ def describe_checkpoint(info) -> str:
 def entry_row(e: dict) -> dict:
     """An ``admin.entries()`` row for ENTRY_COLUMNS."""
     row = dict(e)
-    for col in ("ram", "kv", "file"):
+    for col in ("kv", "file"):
         row[col] = format_bytes(e.get(f"{col}_bytes"))
+    own = e.get("ram_own_bytes", e.get("ram_bytes"))
+    row["ram"] = format_bytes(own)
+    row["shared"] = format_bytes(e["ram_bytes"] - own if e.get("ram_bytes") is not None and own is not None else None)
     for k in ("sessions", "pinned"):
         if isinstance(row.get(k), (list, tuple)):
             row[k] = ",".join(map(str, row[k]))
@@ -130,12 +134,14 @@ def stat_group(key: str) -> str:
 
 
 def _stat_value(k: str, v):
-    if isinstance(v, bool) or v is None:
+    if v is None:  # a budget not set is no cap; anything else not measured yet
+        return "no cap" if k.endswith("budget_bytes") else "–"
+    if isinstance(v, bool):
         return v
     if isinstance(v, dict):  # cache_links: path -> what it is
         return "; ".join(f"{p} is {why}" for p, why in v.items()) or "none"
     if k.endswith("_bytes") or k == "bytes_written":
-        return f"{format_bytes(v)} ({v})"
+        return format_bytes(v)
     if isinstance(v, float):
         return f"{v:.3f}"
     return v

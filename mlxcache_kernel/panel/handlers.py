@@ -41,8 +41,10 @@ class Panel:
 
     def close(self) -> None:
         self.reads.shutdown(wait=False)
-        self.changes.submit(self.actions.close)
+        # At exit the executors take no new work (submit raised, a traceback as the server stopped):
+        # the changes under way finish, then the store closes here (its catalogue is not thread-bound).
         self.changes.shutdown(wait=True)
+        self.actions.close()
 
 
 class _Handler(APIHandler):

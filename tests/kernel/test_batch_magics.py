@@ -93,6 +93,19 @@ def test_batch_over_a_dataframe_column_and_samples(ip, capsys):
     assert "gives 2 identical texts" in err
 
 
+def test_batch_table_keeps_the_questions_and_shows_answers_whole(ip, capsys):
+    pd = pytest.importorskip("pandas")
+    ip.user_ns["quiz"] = pd.DataFrame({"question": ["Who lit it?", "Why red?"], "level": [1, 2]})
+    df = run(ip, capsys, "%%generate --max-tokens 60 --batch quiz\n" + DOC + "{question}")[0].result
+    assert list(df.columns[:3]) == ["question", "level", "text"] and df.columns[-1] == "prompt"
+    assert list(df["question"]) == ["Who lit it?", "Why red?"] and isinstance(df, pd.DataFrame)
+    html = df._repr_html_()
+    assert "white-space:pre-wrap" in html and "Who lit it?" in html and DOC[:40] not in html  # no prompt column
+    shown = __import__("html").unescape(html)
+    assert all(r.text in shown for r in df.attrs["results"])  # whole (not cut at 50), line breaks as they are
+    assert type(df[["text"]]) is pd.DataFrame  # what is derived from it is a plain DataFrame
+
+
 def test_batch_errors_are_one_line(ip, capsys):
     ip.user_ns["qs"] = ["a", "b"]
     assert "template field {qestion}" in usage_error(ip, capsys, f"{GEN} --batch qs\n{{qestion}}")
@@ -124,7 +137,7 @@ def test_without_pandas_the_table_is_plain_rows(ip, capsys, monkeypatch):
     assert isinstance(table, BatchTable) and [r["index"] for r in table] == [0, 1]
     assert [r["prompt"] for r in table] == ["Say one", "Say two"] and len(table.results) == 2
     text = repr(table)
-    assert text.splitlines()[0].split()[:3] == ["index", "prompt", "text"] and "Say two" in text
+    assert text.splitlines()[0].split()[:3] == ["index", "item", "text"] and "Say two" in text  # the prompt last
 
 
 def test_model_load_with_an_adapter(ip, capsys, tmp_path):

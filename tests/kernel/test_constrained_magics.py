@@ -56,7 +56,9 @@ def test_a_batch_over_a_dataframe_gives_a_column_per_field(ip, capsys):
     res, out, err = run(ip, capsys, "%%generate --batch df --json Pet --max-tokens 200 --out t\nDescribe a {animal}.")
     assert res.success, err
     t = ip.user_ns["t"]
-    assert list(t.columns[:4]) == ["prompt", "text", "name", "legs"] and list(t.index) == ["a", "b", "c"]
+    # the DataFrame's own columns first, the answer and its fields, the whole prompt last (issue 50's table)
+    assert list(t.columns[:4]) == ["animal", "text", "name", "legs"] and list(t.index) == ["a", "b", "c"]
+    assert t.columns[-1] == "prompt"
     assert "ram" in t.columns and "incomplete" in t.columns
     for (_, row), r in zip(t.iterrows(), t.attrs["results"]):
         assert isinstance(r.parsed, Pet) and (row["name"], row["legs"]) == (r.parsed.name, r.parsed.legs)

@@ -135,7 +135,8 @@ def test_the_harness_rules_for_an_empty_context_a_long_one_and_rolling_windows(s
 def test_generations_stop_at_their_strings_and_give_max_gen_toks_room(small_window):
     lm, eng = small_window, small_window.engine
     prompt = "the keeper"  # (the tiny model's tokens are bytes: 10 of the 32 positions)
-    full = eng.generate_tokens(lm.encode(prompt), max_tokens=8).text
+    tokens = eng.generate_tokens(lm.encode(prompt), max_tokens=8).tokens
+    full = lm.tokenizer.decode([t for t in tokens if t not in eng.models.get().eos_token_ids])
     stop = full[2:4]
     [plain, stopped] = lm.generate_until([request("generate_until", prompt, {"max_gen_toks": 8, "until": []}),
                                           request("generate_until", prompt, {"max_gen_toks": 8, "until": [stop]})],
@@ -184,7 +185,45 @@ def test_the_command_line_runs_the_harness_with_the_cached_engine(tiny_model_dir
         assert prefilled(lm.engine) == 0  # the command's engine wrote every context to the shared directory
     finally:
         lm.close()
-    bad = subprocess.run([command, "eval", "--tasks", "no_such_task", *model_args], capture_output=True, text=True, env=env,
-                         timeout=600)
+    bad = subprocess.run([command, "eval", "--tasks", "no_such_task", *model_args], capture_output=True, text=True,
+                         env=env, timeout=600)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1] == (
         "mlxcache-kernel eval: ValueError: Tasks not found: no_such_task")
+
+
+@pytest.mark.smollm
+def test_generations_keep_their_leading_space_as_mlx_lm_evaluate_does(default_model_dir, tmp_path):
+    """A streaming detokenizer drops the first token's leading space; the harness's models keep it
+    (' Copper' scores exact_match against ' Copper', 'Copper' does not)."""
+    from mlx_lm.evaluate import MLXLM
+
+    names = write_tasks(tmp_path / "tasks", questions=2, prompts=3)
+    manager = TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False)
+    lm = CachedLM(pretrained=str(default_model_dir), cache_dir=str(tmp_path / "c"))
+    try:
+        ours = evaluate(lm, (names, manager), ["gen"])
+    finally:
+        lm.close()
+    theirs = evaluate(MLXLM(str(default_model_dir), use_chat_template=False), (names, manager), ["gen"])
+    got = responses(ours, names["gen"])
+    assert got == responses(theirs, names["gen"]) and any(g[0][0].startswith(" ") for g in got)
+
+
+def test_the_eval_magic_runs_tasks_on_the_kernels_engine(ip, capsys, tmp_path):
+    from magics_shell import engine, run, usage_error
+
+    folder = tmp_path / "tasks"
+    names = write_tasks(folder, suffix="_magic")
+    res, out, err = run(ip, capsys, f"%eval {names['mc']} --include-path {folder} --limit 6 --out r")
+    assert res.success, err
+    lines = out.strip().splitlines()
+    table = lines[next(i for i, line in enumerate(lines) if line.startswith("task")):]
+    assert table[0].split() == ["task", "metric", "filter", "value", "stderr"] and table[2].split()[:3] == [
+        names["mc"], "acc", "none"]
+    acc = ip.user_ns["r"]["results"][names["mc"]]["acc,none"]
+    assert f"{acc:.4f}" in table[2]
+    before = prefilled(engine(ip))
+    run(ip, capsys, f"%eval {names['mc']} --include-path {folder} --limit 6")
+    assert prefilled(engine(ip)) == before  # the rerun: every context from the kernel's cache
+    assert "could not run no_such_task" in usage_error(ip, capsys, f"%eval no_such_task --include-path {folder}")
+    assert "--out needs a variable name" in usage_error(ip, capsys, f"%eval {names['mc']} --out 1x")

@@ -4,6 +4,7 @@ tiny model, and through a real kernel process."""
 from __future__ import annotations
 
 import math
+import re
 
 from IPython.lib.pretty import pretty
 from magics_shell import engine, run, usage_error
@@ -61,7 +62,9 @@ def test_score_ranks_options_by_log_likelihood(ip, capsys):
     assert all(math.isclose(r.mean_logprob, r.logprob / len(r.tokens)) for r in ranked)
     assert "3 options over" in out and "prefilled once" in out
     _, out, _ = run(ip, capsys, f"%%score opts\n{DOC}He carried a")
-    assert out.splitlines()[-1].endswith(" from RAM")  # the context prefilled once, then reused
+    assert re.search(r"over (\d+) context tokens: \d+ from RAM, 0 prefilled once · \d+ ms", out), out  # reused
+    rows = [ln.split() for ln in out.splitlines()[2:5]]
+    assert all(r[-1] in ("yes", "no") for r in rows), out  # greedy says yes or no, never blank
     ip.user_ns["thing"] = "lamp"
     _, out, _ = run(ip, capsys, f"%%score opts\n{{thing}}: a word about it")
     assert "3 options" in out  # {name} interpolation in the context

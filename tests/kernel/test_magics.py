@@ -91,7 +91,7 @@ def test_bad_setting_is_one_usage_error(ip, capsys, monkeypatch):
     # %config fixes it before the engine exists
     run(ip, capsys, "%config MLXCache.ram_budget = '64MiB'")
     res, out, _ = run(ip, capsys, "%cache stats")
-    assert res.success and str(64 << 20) in out
+    assert res.success and "64.0 MiB" in out and str(64 << 20) not in out  # bytes one way, readable
 
 
 # --- interpolation ---
@@ -137,6 +137,7 @@ def test_model_load_list_use_unload(ip, capsys, tmp_path):
     assert res.success and "QuantizedKVCache:float32:q8g32" in out
     res, out, _ = run(ip, capsys, f"%model load {wide} --name q8late --kv-bits 8 --kv-group-size 32 --kv-start 40")
     assert res.success and "KVCache:float32:q8g32@40" in out and engine(ip).models.get("q8late").kv_start == 40
+    assert "(8-bit KV (groups of 32) from token 40)" in out  # the setting in words
     run(ip, capsys, "%model unload q8late")
     assert "does not fit this model's KV" in usage_error(ip, capsys, f"%model load {path} --name bad --kv-bits 8")
     assert engine(ip).models.info("q8")["namespace"] != engine(ip).models.info("second")["namespace"]
@@ -155,8 +156,8 @@ def test_model_errors(ip, capsys, tmp_path):
     assert "unknown model 'ghost'" in usage_error(ip, capsys, "%model use ghost")
     assert "unknown model 'ghost'" in usage_error(ip, capsys, "%model unload ghost")
     assert "needs a model name" in usage_error(ip, capsys, "%model use")
-    assert "--name, --kv-bits, --kv-start, --adapter and --draft only apply" in usage_error(ip, capsys, "%model list --name x")
-    assert "--name, --kv-bits, --kv-start, --adapter and --draft only apply" in usage_error(ip, capsys, "%model info --kv-bits 8")
+    assert "--name, --kv-bits, --kv-start, --adapter, --draft and --chat-template only apply" in usage_error(ip, capsys, "%model list --name x")
+    assert "--name, --kv-bits, --kv-start, --adapter, --draft and --chat-template only apply" in usage_error(ip, capsys, "%model info --kv-bits 8")
     assert "invalid choice" in usage_error(ip, capsys, f"%model load {ip.tiny_model_dir} --kv-bits 3")
     assert "needs kv_bits" in usage_error(ip, capsys, f"%model load {ip.tiny_model_dir} --name k --kv-start 40")
     assert ">= 0" in usage_error(ip, capsys, f"%model load {ip.tiny_model_dir} --name k --kv-bits 8 --kv-start -1")
@@ -394,14 +395,15 @@ def test_cache_stats_ls_flush_clear(ip, capsys):
     assert "ram_budget: 256MiB" in out and "cache_dir:" in out
     res, out, _ = run(ip, capsys, "%cache ls")
     assert res.success and "ram" in out and "committed" in out
-    # the entry's bytes are named apart: resident footprint, KV state, SSD file
-    assert out.splitlines()[0].split()[:7] == ["model", "tokens", "tier", "write_state", "ram", "kv", "file"]
+    # the entry's bytes are named apart: its own in RAM, shared with others, KV state, SSD file; the totals once
+    assert out.splitlines()[0].split()[:8] == ["model", "tokens", "tier", "write_state", "ram", "shared", "kv", "file"]
+    assert re.search(r"^RAM holds [\d.]+ \w*B in all .*; SSD [\d.]+ \w*B unique", out, re.M), out
     res, out, _ = run(ip, capsys, "%cache clear")
     assert res.success and "SSD files kept" in out and engine(ip).stats()["ram_entries"] == 0
     res, out, _ = run(ip, capsys, "%cache ls")
     row = out.splitlines()[2].split()
-    assert row[2] == "ssd" and row[4] == "–", out  # not in RAM
-    assert re.fullmatch(r"[\d.]+ \w*B [\d.]+ \w*B", " ".join(row[5:9])), out  # kv and file sizes
+    assert row[2] == "ssd" and row[4] == "–" and row[5] == "–", out  # not in RAM
+    assert re.fullmatch(r"[\d.]+ \w*B [\d.]+ \w*B", " ".join(row[6:10])), out  # kv and file sizes
     again = run(ip, capsys, f"{GEN}\nfill the cache")[0].result
     assert again.stats["cache_source"] == "ssd" and "from SSD" in repr(again)
     run(ip, capsys, "%cache flush")

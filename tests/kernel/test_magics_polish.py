@@ -83,7 +83,7 @@ def test_generate_result_has_bar_in_html(ip, capsys):
 
 MAGICS = {"generate": "find_cell_magic", "model": "find_line_magic", "session": "find_line_magic",
           "checkpoint": "find_line_magic", "cache": "find_line_magic", "kv": "find_line_magic",
-          "memo": "find_line_magic"}
+          "memo": "find_line_magic", "eval": "find_line_magic"}
 
 
 @pytest.mark.parametrize("name", sorted(MAGICS))
@@ -109,6 +109,8 @@ def test_cheat_sheet(ip, capsys):
     assert len(out.splitlines()) <= 30 and max(map(len, out.splitlines())) <= 100
     for name in list(EXAMPLES) + ["dashboard"]:
         assert f"%{name}" in out, name
+    for action in ip.find_cell_magic("generate").__self__.generate.parser._actions:  # every %%generate option
+        assert action.dest == "help" or any(o in out for o in action.option_strings), action.option_strings
     res, out2, _ = run(ip, capsys, "%cache help")
     assert res.success and out2 == out
     assert "takes no arguments" in usage_error(ip, capsys, "%mlxcache now")

@@ -60,6 +60,8 @@ def test_a_directory_no_kernel_used_yet_is_a_state(server, tmp_path):
     assert bad["_status"] == 400 and bad["state"] == "error" and "unknown sort" in bad["message"]
     answer = server.post("delete", namespace="../etc", key="00")
     assert answer["_status"] == 400 and not answer["ok"] and "invalid namespace" in answer["message"]
+    server.close()  # a server stopping: the panel closes without a traceback in its log (it printed one)
+    assert "Traceback" not in server.log() and "mlxcache panel" in server.log(), server.log()[-2000:]
 
 
 def test_two_kernels_pins_rules_and_a_killed_kernels_leftovers(start_kernel, server, tmp_path):

@@ -66,11 +66,12 @@ def hold_at_inflight(engine, cache_dir, emitted: int, ready) -> None:
 
 
 def hold_after_text(engine, chars: int, ready) -> None:
-    """Hold the next generation once its streamed text (on_text) reaches `chars` characters."""
+    """Hold the next generation once its streamed text (on_text) reaches `chars` characters (wrapping
+    Engine._generate: generate, generate_tokens and the magics all come through it)."""
     ready = Path(ready)
-    generate_tokens = engine.generate_tokens
+    generate = engine._generate
 
-    def held(tokens, **options):
+    def held(m, tokens, params, options):
         on_text, seen = options.get("on_text"), [0]
 
         def counting(piece):
@@ -81,11 +82,11 @@ def hold_after_text(engine, chars: int, ready) -> None:
                 _signal_and_sleep(ready, {"chars": seen[0]})
 
         try:
-            return generate_tokens(tokens, **{**options, "on_text": counting})
+            return generate(m, tokens, params, {**options, "on_text": counting})
         finally:
-            del engine.generate_tokens
+            del engine._generate
 
-    engine.generate_tokens = held
+    engine._generate = held
 
 
 def install_code(hold: str, *args) -> str:

@@ -1,7 +1,7 @@
 """lm-evaluation-harness tasks on local files (no network): a harness task YAML over a JSONL this
 writes. A multiple-choice task whose few-shot block is the same before every question (the
 `first_n` sampler over a train split, as MMLU's few-shot gives) and a `generate_until` task.
-Used by tests/kernel/test_eval.py."""
+Used by tests/kernel/test_eval.py and benchmarks/bench_eval.py."""
 
 from __future__ import annotations
 
@@ -13,25 +13,29 @@ WORDS = ("river stone copper lantern harbor meadow signal orchard winter compass
          "engine saddle market beacon thistle granite feather").split()
 
 
-def _question(rng: random.Random, i: int) -> dict:
+def _question(rng: random.Random, i: int, detail: int) -> dict:
     a, b = rng.randrange(2, 60), rng.randrange(2, 60)
     word = rng.choice(WORDS)
     answer = rng.randrange(4)
     right = a + b
     wrong = [right + d for d in rng.sample([-3, -2, -1, 1, 2, 3, 10], 3)]
     choices = wrong[:answer] + [right] + wrong[answer:]
-    return {"question": f"The {word} count started at {a} and {b} more were added. How many are there now?",
+    notes = "".join(f"Note {k + 1}: the {rng.choice(WORDS)} ledger of {rng.choice(WORDS)} row listed "
+                    f"{rng.randrange(100, 999)} entries in week {rng.randrange(1, 52)}. " for k in range(detail))
+    return {"question": f"{notes}The {word} count started at {a} and {b} more were added. How many are there now?",
             "choices": [str(c) for c in choices], "answer": answer, "id": i}
 
 
-def write_tasks(folder: Path, *, questions: int = 12, shots: int = 5, prompts: int = 6, suffix: str = "") -> dict:
+def write_tasks(folder: Path, *, questions: int = 12, shots: int = 5, prompts: int = 6, detail: int = 0,
+                max_gen_toks: int = 24, suffix: str = "") -> dict:
     """Write the tasks' data and YAML files under `folder`; returns the task names
-    {"mc": ..., "gen": ...} (pass `include_path=folder` to the harness's TaskManager)."""
+    {"mc": ..., "gen": ...} (pass `include_path=folder` to the harness's TaskManager). detail: notes
+    (some 20 tokens each) before every question, to make the questions (and the few-shot block) longer."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     rng = random.Random(48)
-    _jsonl(folder / "mc_train.jsonl", [_question(rng, i) for i in range(shots)])
-    _jsonl(folder / "mc_test.jsonl", [_question(rng, 1000 + i) for i in range(questions)])
+    _jsonl(folder / "mc_train.jsonl", [_question(rng, i, detail) for i in range(shots)])
+    _jsonl(folder / "mc_test.jsonl", [_question(rng, 1000 + i, detail) for i in range(questions)])
     gen = [{"question": f"Name a word that rhymes with {w}.", "answer": w} for w in (WORDS * 8)[:prompts]]
     _jsonl(folder / "gen_test.jsonl", gen)
     mc, gen_name = f"local_mc{suffix}", f"local_gen{suffix}"
@@ -68,7 +72,7 @@ doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
 doc_to_target: answer
 generation_kwargs:
   until: ["\\n", "."]
-  max_gen_toks: 24
+  max_gen_toks: {max_gen_toks}
   do_sample: false
 metric_list:
   - metric: exact_match

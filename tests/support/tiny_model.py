@@ -13,9 +13,10 @@ CHATML = (
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def save_byte_level_tokenizer(path: Path, specials: list[str]) -> int:
-    """tokenizer.json: `specials` (ids 0..), then the 256 byte tokens, no merges; returns the vocab size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def save_byte_level_tokenizer(path: Path, specials: list[str], plain: list[str] = ()) -> int:
+    """tokenizer.json: `specials` (ids 0..), then the 256 byte tokens, no merges, then `plain` (added tokens
+    that are not special, as Qwen3's <think> and <tool_call>); returns the vocab size."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {tok: i for i, tok in enumerate(specials)}
     for tok in sorted(pre_tokenizers.ByteLevel.alphabet()):
@@ -24,8 +25,9 @@ def save_byte_level_tokenizer(path: Path, specials: list[str]) -> int:
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     tk.add_special_tokens(specials)
+    tk.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
     tk.save(str(path / "tokenizer.json"))
-    return len(vocab)
+    return len(vocab) + len(plain)
 
 
 def build_tokenizer(path: Path) -> int:
@@ -46,14 +48,16 @@ def build_tokenizer(path: Path) -> int:
     return vocab
 
 
-def build_tiny_model(path: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64, dtype: str = "float32") -> Path:
+def build_tiny_model(path: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64, dtype: str = "float32",
+                     tokenizer=build_tokenizer, eos_token_id: int | list = 2) -> Path:
+    """tokenizer(path) writes the tokenizer files and returns the vocab size."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    vocab = build_tokenizer(path)
+    vocab = tokenizer(path)
     config = {
         "model_type": "llama",
         "hidden_size": hidden,
@@ -66,7 +70,7 @@ def build_tiny_model(path: Path, *, seed: int = 0, layers: int = 2, hidden: int 
         "rope_theta": 10000.0,
         "max_position_embeddings": 4096,
         "tie_word_embeddings": True,
-        "eos_token_id": 2,
+        "eos_token_id": eos_token_id,
     }
     (path / "config.json").write_text(json.dumps(config))
     mx.random.seed(seed)

@@ -91,6 +91,7 @@ def test_dashboard_miss_write_queued_committed_hit(engine):
     assert all(e["write_state"] == "committed" for e in db.last_entries)
     assert any(e["tier"] in ("ram+ssd", "ssd") for e in db.last_entries) or db.last_stats["ssd_files"] >= 1
     assert "of no cap" in db.ssd_label.value and "0 B of" not in db.ssd_label.value
+    assert "free on disk" in db.ssd_label.value and db.ssd_bar.value < db.ssd_bar.max  # not full without a cap
 
     engine.generate(PROMPT + "And then?", max_tokens=4)
     db.refresh()
@@ -397,6 +398,43 @@ def test_progress_from_real_prefill_and_restore(tmp_path, tiny_model_dir):
         tp.finish()
         out = buf.getvalue()
         assert "Restoring from SSD" in out and out.endswith("\r")
+
+
+def test_long_phases_report_from_their_first_second(tmp_path, tiny_model_dir):
+    """A prefill reports 0 done before its first chunk, a restore as its blocks land, a score's context
+    prefill too: a display opens when the work starts, not after its first chunk (issue 50)."""
+    long_prompt = "lorem ipsum dolor sit amet " * 40
+    with Engine(cache_dir=tmp_path / "c", prefill_chunk=256) as eng:
+        eng.load_model(str(tiny_model_dir))
+        calls = []
+        eng.generate(long_prompt, max_tokens=2, on_progress=lambda *a: calls.append(a))
+        assert calls[0][:2] == ("prefill", 0) and calls[0][2] > 256, calls  # before the first chunk
+        scored = []
+        eng.score("A different context. " * 30, [" yes", " no"], on_progress=lambda *a: scored.append(a))
+        assert scored[0][:2] == ("prefill", 0) and scored[-1][1] == scored[-1][2], scored
+        eng.flush()
+    with Engine(cache_dir=tmp_path / "c", prefetch_budget_bytes=0) as eng:  # a lookup restores the file
+        eng.load_model(str(tiny_model_dir))
+        restores = []
+        eng.generate(long_prompt + " again", max_tokens=2, on_progress=lambda *a: restores.append(a))
+        done = [d for phase, d, n in restores if phase == "restore"]
+        assert done[0] == 0 and any(0 < d < done[-1] for d in done) and done == sorted(done), restores
+
+
+def test_the_cell_progress_opens_for_long_phases_only(monkeypatch):
+    from mlxcache_kernel.magics import output
+
+    opened = []
+    monkeypatch.setattr(output.Progress, "_open", lambda self: (opened.append(1), setattr(self, "view", TextProgress(
+        io.StringIO(), throttle_s=0))))
+    p = output.Progress(enabled=True)
+    p("prefill", 0, 40)  # a short prompt: over before a bar would help
+    p("prefill", 40, 40)
+    assert not opened
+    p("prefill", 0, 1600)  # a long one: at once, with nothing done yet
+    assert opened and p.view.tracker.total == 1600
+    p("prefill", 1, 1)  # a batch row's last token: over on arrival, the bar keeps its phase
+    assert p.view.tracker.total == 1600
 
 
 # --- PNG and heatmaps ---

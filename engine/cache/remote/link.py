@@ -44,6 +44,8 @@ from .tier import Found, RemoteMiss, RemoteTier
 from .rebuild import Manifest, build_spans, parse_layout
 from ..ssd import blocks
 from ..ssd import format as fmt
+from ...kv import first_layer, recompute
+from . import verify
 
 PUBLISH_MODES = ("all", "named", "none")
 ORIGINS_DIR = "remote-origins"  # beside the catalogue: origins.py
@@ -77,11 +79,14 @@ class RemoteLink:
         self.counters["remote_fetch_seconds"] = 0.0
         self.origins = origins if origins is not None else Origins(None)
         self._writer = ""  # the writer id (hex) of the last fetch's records, for its origin
+        self._record: dict = {}  # what that writer signed (the evidence if the state proves wrong)
+        self.verifier: verify.Verifier | None = None  # states on probation until recomputed here (verify.py)
 
     def trusted(self, o: Origin) -> bool:
         """Is a remote-made entry still trusted: its secret still configured, its writer still listed?"""
-        writers = self.tier.writers
-        return o.key_id in self.tier.spaces and (not writers or (o.writer != "" and writers.allows(o.writer)))
+        writers, v = self.tier.writers, self.verifier
+        return (o.key_id in self.tier.spaces and (not writers or (o.writer != "" and writers.allows(o.writer)))
+                and (v is None or v.trusts(o.writer, o.key_id)))
 
     # --- lookup (owner thread) ---
 
@@ -116,6 +121,7 @@ class RemoteLink:
             self.counters["remote_misses"] += 1
             raise RemoteMiss(f"remote lookup failed: {type(e).__name__}: {str(e)[:200]}") from None
         if cp is not None:
+            self._verdicts(ns, cp, found.key_id)
             try:  # (the check's evaluation, the origin's file: failing, a miss, never an unchecked hit)
                 matches = self.bound(ns, cp, early)
                 if matches is not False:
@@ -131,10 +137,45 @@ class RemoteLink:
                 raise RemoteMiss(f"remote KV of {len(cp)} tokens: its first layer is not that of its tokens (a "
                                  "forged or mislabelled block); prefilling")
             self.counters["remote_kv_checked" if matches else "remote_kv_unchecked"] += 1
+            self._sample(ns, cp, found.key_id)
             self.counters["remote_hits"] += 1
             self.counters["remote_tokens"] += len(cp)
             self.counters["remote_fetch_seconds"] += time.perf_counter() - t0
         return cp
+
+    def _verdicts(self, ns: str, cp: Checkpoint, key_id: str) -> None:
+        """A writer this machine caught serving wrong KV is not read again (verify.py)."""
+        if self.verifier is not None and not self.verifier.trusts(self._writer, key_id):
+            self.verifier.counters["remote_distrusted"] += 1
+            self.counters["remote_misses"] += 1
+            raise RemoteMiss("remote KV by a writer this machine caught serving wrong KV: not used")
+
+    def _sample(self, ns: str, cp: Checkpoint, key_id: str) -> None:
+        """The fetch-time check across all layers (a few positions, kv/recompute.py), then probation."""
+        v = self.verifier
+        if v is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            verdict = recompute.sampled_check(v.model_of(ns), cp, v.sampled_positions) if v.sampled_positions else None
+        except Exception:  # noqa: BLE001 - the sample is a cheap extra: the idle recomputation still decides
+            log.warning("sampled check failed", exc_info=True)
+            verdict = None
+        v.counters["remote_sample_seconds"] += time.perf_counter() - t0
+        v.counters["remote_sampled" if verdict is not None else "remote_sample_unchecked"] += 1
+        if isinstance(verdict, recompute.Mismatch):
+            self.counters["remote_misses"] += 1
+            v.forged(ns, cp, self._writer, key_id, self._record, verdict)
+            raise RemoteMiss(f"remote KV of {len(cp)} tokens is not what this model computes at "
+                             f"{recompute.describe(verdict)}: not used")
+        v.add(ns, cp, self._writer, key_id, self._record)
+
+    def served(self, loan, ns: str):
+        """A RAM loan of a state still on probation is told as the remote's (and this cell used it)."""
+        if loan is not None and self.verifier is not None and self.verifier.holds(ns, loan.entry.tokens[:loan.length]):
+            loan.source = "remote"
+            self.verifier.used(ns, loan.entry.tokens[:loan.length])
+        return loan
 
     def _ahead(self, ns: str, tokens) -> Any:
         """The first-layer check's sample of `tokens`, started while the blocks are read (None if not)."""
@@ -178,7 +219,9 @@ class RemoteLink:
             raise RemoteMiss(f"remote blocks do not rebuild a checkpoint: {type(e).__name__}: {e}") from None
         self.tier.touch(found.key_id, found.chain[:len(values)], None, names[:len(values)], found.converted,
                         records[-1].layout_id)
-        self._writer = found.writer
+        self._writer, last = found.writer, records[len(values) - 1]
+        self._record = {"prefix_key": _hex(found.chain[len(values) - 1]), "signature": _hex(last.signature),
+                        "signed_head": _hex(last.head), "blocks": names[:len(values)]}
         return cp, early
 
     def _fetch_exact(self, prompt, ns, have, found: Found, rate, deadline) -> tuple[Checkpoint | None, Any]:
@@ -212,6 +255,7 @@ class RemoteLink:
         self.tier.touch(found.key_id, found.chain[:x.index + 1], found.chain[x.index], [x.manifest] + [
             name for name, _ in items])
         self._writer = x.writer
+        self._record = {"exact_manifest": x.manifest, "blocks": [name for name, _ in items]}
         return cp, early
 
     # --- publication (writer thread) ---
@@ -243,6 +287,10 @@ class RemoteLink:
             self.counters["remote_published"] += 1
 
 
+def _hex(x) -> str:
+    return x.hex() if isinstance(x, (bytes, bytearray)) else str(x)
+
+
 def _value(b, blocks_root) -> Value:
     return Value(b.name, b.nbytes, lambda p=blocks.block_path(blocks_root, b.name): p.read_bytes())
 
@@ -269,19 +317,22 @@ def span_publication(info: fmt.FileInfo, blocks_root) -> tuple[list, dict] | Non
 
 def attach(cache, settings: RemoteSettings, *, publish: str = "all",
            prefill_rate: Callable[[str], float | None] = lambda ns: None,
-           exact: Callable[[str], bool] = lambda ns: False,
-           bound: Callable[[str, Checkpoint, Any], bool | None] = lambda ns, cp, early: None,
-           ahead: Callable[[str, Sequence[int]], Any] = lambda ns, tokens: None,
-           converts: Callable[[str], bool] = lambda ns: False) -> RemoteLink:
-    """Connect `cache` (a TieredPromptCache) to a remote tier: lookups fall back to it,
-    committed checkpoints are published to it. A bad URL raises ValueError (redacted)."""
+           exact: Callable[[str], bool] = lambda ns: False, model_of: Callable[[str], Any] = lambda ns: None,
+           emit: Callable[..., object] = lambda *a, **k: None) -> RemoteLink:
+    """Connect `cache` (a TieredPromptCache) to a remote tier: lookups fall back to it (checked and
+    verified against model_of(ns), the loaded model of a namespace), committed checkpoints are
+    published to it. A bad URL raises ValueError (redacted)."""
     tier = RemoteTier(settings.url, secret=settings.secret, insecure=settings.insecure, password=settings.password,
                       tls=settings.tls, signing_key=settings.signing_key, writers=settings.writers)
     store = cache.store
     origins = Origins(None if store is None else store.root / ORIGINS_DIR)
-    link = RemoteLink(tier, publish=publish, prefill_rate=prefill_rate, exact=exact, origins=origins, bound=bound,
-                      ahead=ahead, converts=converts,
+    link = RemoteLink(tier, publish=publish, prefill_rate=prefill_rate, exact=exact, origins=origins,
+                      bound=lambda ns, cp, early: first_layer.bound_to_tokens(model_of(ns), cp, early),
+                      ahead=lambda ns, tokens: first_layer.ahead(model_of(ns), tokens),
+                      converts=lambda ns: bool(getattr(model_of(ns), "kv_start", 0)),
                       is_named=lambda ns, tokens: cache.store is not None and cache.store.is_pinned(ns, tokens))
+    link.verifier = verify.attach(cache, link, model_of, None if store is None else store.root / verify.EVIDENCE_DIR,
+                                  emit)
     dropped = origins.sweep(link.trusted, None if store is None else lambda keys: store.remove(keys, "revoked"))
     link.counters["remote_revoked_dropped"] += dropped
     if dropped:
@@ -317,6 +368,7 @@ def remote_stats(link: RemoteLink | None) -> dict:
     """The remote_* keys of Engine.stats() (metrics.SCHEMA): zeros and None while the tier is off."""
     if link is None:
         out = {f"remote_{k}": 0 for k in (*link_counter_names(), *_TIER_KEYS)}
+        out.update(verify.zero_counters())
         out.update(remote_url=None, remote_publish=None, remote_state=None, remote_last_error=None,
                    remote_get_bandwidth_bytes_per_s=None, remote_latency_s=None, remote_fetch_seconds=0.0,
                    remote_auth=None)
@@ -328,6 +380,7 @@ def remote_stats(link: RemoteLink | None) -> dict:
         ", signing" if t["signing"] else ", not signing (read-only)" if t["writers"] else "")
     auth = (f"keyed (key id {t['key_id']}){who}" if t["authenticated"]
             else "UNAUTHENTICATED (remote_insecure): anyone who can write to the server can plant KV")
+    out.update(link.verifier.counters if link.verifier is not None else verify.zero_counters())
     out.update(remote_url=t["url"], remote_publish=link.publish_mode, remote_state=t["breaker"],
                remote_last_error=t["last_error"], remote_auth=auth)
     return out

@@ -90,8 +90,9 @@ class PendingRead:
         self.seconds += time.perf_counter() - t0
         return self.buffers
 
-    def fill(self) -> bool:
-        """Read and verify into the buffers (any thread); False when it failed (see finish)."""
+    def fill(self, progress: Callable[[int, int], None] | None = None) -> bool:
+        """Read and verify into the buffers (any thread); False when it failed (see finish).
+        progress(tokens done, tokens): on this thread, as blocks land."""
         if self.buffers is None:
             raise RuntimeError("allocate() the buffers before fill()")
         t0 = time.perf_counter()
@@ -101,7 +102,7 @@ class PendingRead:
                 return False
             try:
                 fault("read.fill")
-                fill(self._fd, self.header, self.buffers, self.store.blocks_root)
+                fill(self._fd, self.header, self.buffers, self.store.blocks_root, progress)
             except Exception as exc:
                 exc.__traceback__ = None  # frames hold views of the buffers
                 self.error = exc

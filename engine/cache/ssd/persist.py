@@ -5,8 +5,9 @@
 2. Claim those names in the catalogue: from now on no process frees them,
    and the claim says which are already on disk (and which another process
    is unlinking right now: those are written once it is done).
-3. Write only the missing blocks (temp, fsync, rename), fsync the blocks
-   directory, record them (they count against the SSD cap from here on).
+3. Write only the missing blocks (temp, fsync, rename; a batch written before
+   its fsyncs: blocks.write_many), fsync the blocks directory, record them
+   (they count against the SSD cap from here on).
 4. Unless an identical manifest is already stored, write the manifest under
    a new name and commit it: one transaction checks that the claims still
    hold, records the row and its block references, ends the claims, and
@@ -103,12 +104,15 @@ def persist(store: CheckpointStore, job, *, pause: Callable[[], None] | None = N
                     if r.name in missing or not blocks.block_path(store.blocks_root, r.name).exists()}
         total = sum(r.nbytes for r, _, _ in to_write.values())
         inline_bytes = sum(h.nbytes for h in job.host_tensors if not getattr(h, "span", False))
-        done = 0
-        for r, head, data in to_write.values():
-            blocks.write(blocks.block_path(store.blocks_root, r.name), head, data, pause, store.anchor)
-            done += r.nbytes
+        done = [0]
+
+        def landed(size: int) -> None:
+            done[0] += size
             if progress is not None:
-                progress(done, total + inline_bytes)
+                progress(done[0], total + inline_bytes)
+
+        blocks.write_many([(blocks.block_path(store.blocks_root, r.name), head, data)
+                           for r, head, data in to_write.values()], pause, store.anchor, landed)
         if to_write:  # one directory holds every block: one fsync makes their renames durable
             fsync_dir(store.blocks_root)
             fault("write.blocks_synced")

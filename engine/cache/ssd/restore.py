@@ -1,9 +1,12 @@
 """Restore from SSD: verified reads straight into MLX-owned buffers.
 
-Tensors of one dtype and shape share one MLX allocation (every layer's keys
-and values, say), which is not zeroed (`empty_buffer`); each is read into
-its slice through a numpy view of that memory (verified on the format's
-reader pool), then the checkpoint is rebuilt from the header's layout. Any
+Plain KV's keys and values each get an MLX allocation of their own with room
+to grow (`layers.growth_room`): the borrower that takes a restored entry over
+(a hit after a restart) appends there in place, as into the live cache that
+made it, instead of copying the prefix. Other tensors of one dtype and shape
+share one allocation. None is zeroed (`empty_buffer`); each is read into
+through a numpy view of that memory (verified on the format's reader pool),
+then the checkpoint is rebuilt from the header's layout. Any
 problem is a miss (`CheckpointUnavailable`) and the file goes to quarantine.
 
 A `Restore` is one such read split by thread: `Restore(store, entry)` opens
@@ -24,6 +27,8 @@ import mlx.core as mx
 import numpy as np
 
 from ...kv.checkpoint import Checkpoint
+from ...kv.codecs import CODECS
+from ...kv.layers import growth_room
 from . import format as fmt
 from .index import IndexEntry
 from .store import CheckpointStore
@@ -98,17 +103,20 @@ class Restore:
         touch=False: a prefetch, not a use of the file."""
         self.entry = entry
         self._groups: dict = {}  # (dtype, shape) -> [mx array of every such tensor, numpy view, next index]
-        self._keep: list = []  # (name, dtype, mx array): the tensors, views of the groups
+        self._keep: list = []  # (name, dtype, mx array, positions): the tensors (or the buffers they begin)
         self.read = store.open_read(entry, touch=touch)
-        counts = Counter((t.dtype, tuple(t.shape)) for t in self.read.header.tensors)
+        h = self.read.header
+        self._room = {t.name: growth_room(t.shape[-2]) for t in _growing(h)}
+        counts = Counter((t.dtype, tuple(t.shape)) for t in h.tensors if t.name not in self._room)
         for (dtype, shape), k in counts.items():
             group = empty_buffer(dtype, (k, *shape))
             self._groups[(dtype, shape)] = [group, np.asarray(group), 0]  # the view keeps the array alive
         self.read.allocate(self._allocate)
 
-    def fill(self) -> bool:
-        """Read and verify (any thread); False when it failed (finish() then says why)."""
-        return self.read.fill()
+    def fill(self, progress=None) -> bool:
+        """Read and verify (any thread); False when it failed (finish() then says why). progress(done,
+        total) in tokens, on this thread as each block lands."""
+        return self.read.fill(progress)
 
     def finish(self) -> Checkpoint:
         """The restored checkpoint (owner thread), or CheckpointUnavailable."""
@@ -123,16 +131,35 @@ class Restore:
         self._keep, self._groups = [], {}
 
     def _allocate(self, name, dtype, shape):
+        if name in self._room:  # a buffer of its own with room: a borrower taking it over appends there
+            n = shape[-2]
+            whole = empty_buffer(dtype, (*shape[:-2], n + self._room[name], shape[-1]))
+            self._keep.append((name, dtype, whole, n))
+            return np.asarray(whole)
         group = self._groups[(dtype, tuple(shape))]
         i = group[2]
         group[2] += 1
-        self._keep.append((name, dtype, group[0][i : i + 1].squeeze(0)))  # a view (group[0][i] would copy)
+        self._keep.append((name, dtype, group[0][i : i + 1].squeeze(0), None))  # a view (group[0][i] would copy)
         return group[1][i]
 
     def _build(self, h: fmt.Header) -> Checkpoint:
-        tensors = {name: a.view(mx.bfloat16) if dtype == "bfloat16" else a for name, dtype, a in self._keep}
+        tensors, parents = {}, {}
+        for name, dtype, a, n in self._keep:
+            a = a.view(mx.bfloat16) if dtype == "bfloat16" else a
+            if n is None:
+                tensors[name] = a
+            else:
+                parents[name], tensors[name] = a, a[..., :n, :]
         mx.eval(list(tensors.values()))
-        return Checkpoint.from_tensors(h.tokens, h.layout, tensors, min_reusable_offset=h.min_reusable_offset)
+        return Checkpoint.from_tensors(h.tokens, h.layout, tensors, min_reusable_offset=h.min_reusable_offset,
+                                       parents=parents)
+
+
+def _growing(h: fmt.Header) -> list:
+    """The span tensors of layers whose borrower takes the restored buffers over (plain KV)."""
+    kinds = {f"layers.{i}.": spec.get("kind") for i, spec in enumerate(h.layout)}
+    return [t for t in h.span_tensors if getattr(CODECS.get(kinds.get(t.name[: t.name.rfind(".") + 1])),
+                                                 "grows_in_place", False)]
 
 
 def restore(store: CheckpointStore, entry: IndexEntry) -> Checkpoint:

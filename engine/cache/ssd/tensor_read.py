@@ -17,9 +17,8 @@ from . import blocks
 from .blocks import BlockRef
 from .header import CorruptCheckpoint, Header, TensorEntry, hasher
 
-# Threads that read, hash and copy blocks: reading a warm block, hashing it and
-# copying it into the tensors cost about the same, so two threads keep both
-# cores busy. Block files asked of the disk ahead of them (POSIX_FADV_WILLNEED)
+# Threads that read and hash blocks (straight into the tensors: blocks.read_runs):
+# two keep both cores busy. Block files asked of the disk ahead of them (POSIX_FADV_WILLNEED)
 # keep reads in flight when the page cache is cold. Both measured in
 # benchmarks/bench_storage.py (docs/benchmarks.md).
 READERS = 2
@@ -87,11 +86,11 @@ def _load_one(fd: int, t: TensorEntry, mv: memoryview, version: int) -> None:
         raise CorruptCheckpoint(f"tensor {t.name}: {'SHA-256' if version == 1 else 'BLAKE3'} mismatch")
 
 
-def _load_block(root: Path, ref: BlockRef, head: bytes, dst: list, ahead: BlockRef | None) -> None:
+def _load_block(root: Path, ref: BlockRef, head: bytes, runs: list, ahead: BlockRef | None) -> None:
     if ahead is not None:
         _advise(blocks.block_path(root, ahead.name))
     try:
-        blocks.read_into(blocks.block_path(root, ref.name), ref.name, head, dst)
+        blocks.read_runs(blocks.block_path(root, ref.name), ref.name, head, runs)
     except FileNotFoundError:
         raise MissingBlock(ref.name) from None  # (any other OSError is an I/O error: a miss, not corruption)
 
@@ -105,24 +104,33 @@ class MissingBlock(Exception):
 
 
 def allocate_all(header: Header, allocate: Callable) -> dict:
-    """Buffers for every tensor from `allocate(name, dtype, shape)` (the caller's thread)."""
+    """Buffers for every tensor from `allocate(name, dtype, shape)` (the caller's thread): C-contiguous
+    and writable, of the tensor's shape, or for a span tensor (token positions along axis -2) longer
+    along that axis (room the state grows into later; the tensor is its first positions)."""
     out = {}
     for t in header.tensors:
         buf = allocate(t.name, t.dtype, t.shape)
-        if not (isinstance(buf, np.ndarray) and buf.flags.c_contiguous and buf.flags.writeable) or buf.nbytes != t.raw_bytes:
+        fits = isinstance(buf, np.ndarray) and buf.flags.c_contiguous and buf.flags.writeable and (
+            buf.nbytes == t.raw_bytes if not t.span else
+            buf.ndim == len(t.shape) >= 2 and buf.shape[:-2] == tuple(t.shape[:-2])
+            and buf.shape[-1] == t.shape[-1] and buf.shape[-2] >= t.shape[-2]
+            and buf.itemsize * int(np.prod(t.shape, dtype=np.int64)) == t.raw_bytes)
+        if not fits:
             raise ValueError(f"allocate returned an unusable buffer for {t.name}")
         out[t.name] = buf
     return out
 
 
-def fill(source, header: Header, buffers: dict, blocks_root: Path | None = None) -> None:
+def fill(source, header: Header, buffers: dict, blocks_root: Path | None = None,
+         progress: Callable[[int, int], None] | None = None) -> None:
     """Read and verify every tensor into `buffers` (from allocate_all); any thread.
 
     Inline tensors come from `source` (a path or the open fd the header came
     from: one file, even if it is replaced meanwhile), span tensors from their
     blocks, every tensor or block on the READERS-thread pool, each hashed as it
-    lands. Raises CorruptCheckpoint, CorruptBlock (carrying the block) or
-    MissingBlock; buffer contents are then undefined.
+    lands; progress(tokens done, tokens) on the calling thread as blocks land. Raises
+    CorruptCheckpoint, CorruptBlock (carrying the block) or MissingBlock; buffer
+    contents are then undefined.
     """
     fd = source if isinstance(source, int) else os.open(source, os.O_RDONLY)
     futures = []
@@ -140,58 +148,33 @@ def fill(source, header: Header, buffers: dict, blocks_root: Path | None = None)
         if spanned:
             if blocks_root is None:
                 raise ValueError("a format-2 checkpoint needs its blocks directory")
-            arrays = _merged([buffers[t.name] for t in spanned])
+            views = blocks.SpanViews([buffers[t.name] for t in spanned])
             specs = [(t.name, t.dtype, t.shape) for t in spanned]
-            refs = list(header.blocks)
+            refs = list(header.blocks)  # (they cover the tensors' positions exactly: header.py checks)
             for ref in refs[:AHEAD]:
                 _advise(blocks.block_path(blocks_root, ref.name))
             for i, ref in enumerate(refs):
-                dst = [a[..., ref.start : ref.end, :] for a in arrays]
                 head = blocks.header(ref.start, ref.end, specs)
                 ahead = refs[i + AHEAD] if i + AHEAD < len(refs) else None
-                futures.append(pool.submit(_load_block, blocks_root, ref, head, dst, ahead))
+                futures.append(pool.submit(_load_block, blocks_root, ref, head, views.runs(ref.start, ref.end), ahead))
     finally:
-        errors = []
-        for fut in futures:  # never return (or close fd) while a pool thread uses a buffer
+        errors, n = [], len(header.tokens)
+        for i, fut in enumerate(futures):  # never return (or close fd) while a pool thread uses a buffer
             try:
                 fut.result()
             except Exception as e:
                 errors.append(e)
+            if progress is not None and not errors:
+                progress(n * (i + 1) // len(futures), n)
         if fd is not source:
             os.close(fd)
     if errors:
         raise errors[0]
 
 
-def _merged(arrays: list) -> list:
-    """The same memory in fewer arrays: consecutive tensors that are consecutive slices of
-    one allocation (restore.py allocates one per dtype and shape) become one view [k, ...].
-    A block holds its tensors' slices back to back, so each such view takes one copy per
-    block instead of k."""
-    out = []  # [allocation or None, first index, count, array]
-    for a in arrays:
-        base, i = _slot_of(a)
-        last = out[-1] if out else None
-        if last is not None and base is not None and last[0] is base and last[1] + last[2] == i:
-            last[2] += 1
-        else:
-            out.append([base, i, 1, a])
-    return [a[None] if base is None else base[i : i + k] for base, i, k, a in out]
-
-
-def _slot_of(a: np.ndarray) -> tuple:
-    """(b, i) when `a` is b[i] of a contiguous array b, else (None, 0)."""
-    b = a.base
-    if not (isinstance(b, np.ndarray) and b.flags.c_contiguous and b.shape[1:] == a.shape and b.dtype == a.dtype
-            and a.nbytes):
-        return None, 0
-    offset = a.__array_interface__["data"][0] - b.__array_interface__["data"][0]
-    return (b, offset // a.nbytes) if offset % a.nbytes == 0 and 0 <= offset < b.nbytes else (None, 0)
-
-
 def read_tensors(source, header: Header, allocate: Callable, blocks_root: Path | None = None) -> dict:
-    """allocate_all, then fill: the buffers must be writable and C-contiguous
-    (views of MLX-owned memory on restore: one copy from the disk)."""
+    """allocate_all, then fill (on restore, the buffers are views of MLX-owned memory: one copy
+    from the disk)."""
     buffers = allocate_all(header, allocate)
     fill(source, header, buffers, blocks_root)
     return buffers

@@ -119,7 +119,7 @@ class BatchRun:
     """One `generate_batch` call; `run()` once."""
 
     def __init__(self, services: Services, model: LoadedModel, prompts: list, params: list, *, use_cache: bool,
-                 lookup: bool | None = None, constraints: list | None = None,
+                 lookup: bool | None = None, constraints: list | None = None, truncate: str | None = None,
                  batch_size: int = DEFAULT_BATCH_SIZE, on_progress: Callable[[str, int, int], None] | None = None,
                  on_row: Callable[[int, GenerationResult], None] | None = None):
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -127,9 +127,14 @@ class BatchRun:
         self.services, self.model, self.cache, self.ns = services, model, services.cache, model.namespace
         self.use_cache = use_cache and model.cache_notice is None  # an unknown cache class: uncached, never wrong
         constraints = constraints or [None] * len(prompts)
-        self.rows = [Row(i, Generation(services, Request(model, t, p, use_cache=self.use_cache, lookup=lookup,
-                                                         constraint=c)))
-                     for i, (t, p, c) in enumerate(zip(prompts, params, constraints))]
+        requests = [Request(model, t, p, use_cache=self.use_cache, lookup=lookup, constraint=c, truncate=truncate)
+                    for t, p, c in zip(prompts, params, constraints)]
+        for i, r in enumerate(requests):  # a row past the model's window: refused (or cut) before any work
+            try:
+                r.check(has_ssd=True)
+            except GenerationError as e:
+                raise GenerationError(f"prompt {i}: {e}") from None
+        self.rows = [Row(i, Generation(services, r)) for i, r in enumerate(requests)]
         self.batch_size, self.on_progress, self.on_row = batch_size, on_progress, on_row
         self.branches: list[Branch] = []
         self.loans: list = []  # held until the run ends: nothing hands their buffers to another borrower meanwhile
@@ -355,6 +360,7 @@ class BatchRun:
         stats.update(batch_index=row.index, batch_rows=len(self.rows), batch_shared_tokens=row.shared,
                      batch_mode=self.mode, **(g.proposers if self.mode == "serial" else row.drafts).lookup_stats(
                          g.req.lookup))
+        stats["truncated_tokens"] = g.req.truncated
         parsed = g.constrained(stats)
         self.services.metrics.record(self.ns, stats)
         logprobs = g.decoded.logprobs if g.req.params.logprobs is not None else None

@@ -7,7 +7,8 @@ of the placed ones, as CacheBlend (Yao et al., EuroSys 2025) and EPIC (Hu et al.
 first the first tokens of each passage (where attention sinks form: EPIC), then the tokens
 whose KV moves most when recomputed, measured at layer `DEVIATION_LAYER` (the first layer whose
 KV depends on other tokens; CacheBlend's selection) by `deviations`, a forward of every placed
-token through the layers up to that one. `recompute` then runs the model's own forward pass over
+token through the layers up to that one (which leaves the layers before it recomputed for every
+token: a full prefill's, for the price already paid). `recompute` then runs the model's own forward pass over
 the chosen tokens only, at their positions: at every layer they write fresh keys and values and
 attend, causally, over the whole prompt's KV as it stands (fresh where recomputed, placed
 elsewhere). Chosen tokens go in chunks in position order, which is what recomputing them all at
@@ -25,7 +26,7 @@ import mlx.core as mx
 
 from .moves import Capture, Mover, Stop
 
-LEAD_TOKENS = 8  # first tokens of each passage, chosen before any by deviation
+LEAD_TOKENS = 2  # first tokens of each passage, chosen before any by deviation (bench_passages: 8 did worse)
 DEVIATION_LAYER = 1
 
 
@@ -103,15 +104,16 @@ def _forward(model, mover: Mover, caches: list, tokens: list, positions: list) -
 
 def deviations(model, mover: Mover, layout: Layout, tokens: list, chunk: int) -> dict:
     """Position -> how far its KV at DEVIATION_LAYER moves when recomputed over the prompt (relative
-    squared difference of keys and values), for every placed position."""
+    squared difference of keys and values), for every placed position. The layers before it are
+    recomputed for every placed token on the way (in place in `layout`): they are a full prefill's."""
     layer = min(DEVIATION_LAYER, len(layout.keys) - 1)
     positions = [p for s, e in layout.spans for p in range(s, e)]
     out = {}
+    before = [_Blend(k, v, write=True) for k, v in zip(layout.keys[:layer], layout.values[:layer])]
     for at in range(0, len(positions), chunk):
         part = positions[at : at + chunk]
         stop = Capture(0)
-        caches = [_Blend(k, v, write=False) for k, v in zip(layout.keys[:layer], layout.values[:layer])]
-        caches += [stop] * (len(layout.keys) - layer)
+        caches = before + [stop] * (len(layout.keys) - layer)
         try:
             _forward(model, mover, caches, [tokens[p] for p in part], part)
         except Stop:
@@ -122,6 +124,8 @@ def deviations(model, mover: Mover, layout: Layout, tokens: list, chunk: int) ->
         moved = ((k - old_k).square().sum(axis=(0, 1, 3)) / (old_k.square().sum(axis=(0, 1, 3)) + 1e-9)
                  + (v - old_v).square().sum(axis=(0, 1, 3)) / (old_v.square().sum(axis=(0, 1, 3)) + 1e-9))
         out.update(zip(part, moved.tolist()))
+    layout.keys[:layer] = [c.keys for c in before]
+    layout.values[:layer] = [c.values for c in before]
     return out
 
 

@@ -115,7 +115,7 @@ def lead_in(tok, raw: bool) -> list:
 
 def check_window(m, pp: PassagePrompt) -> None:
     """A passage must fit the model's window after the lead-in (PassageError naming the passage)."""
-    window = m.config.get("max_position_embeddings")
+    window = m.context_window
     if not window:
         return
     for i, (s, e) in enumerate(pp.spans):

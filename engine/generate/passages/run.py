@@ -29,6 +29,7 @@ from ...kv.caches import holding, kv_arrays
 from ...kv.checkpoint import Checkpoint
 from ...metrics import cached_stats
 from ..prefill import prefill
+from ..window import fit
 from .blend import choose, deviations, needs_deviations, place, recompute
 from .moves import mover_for
 from .prompt import as_passages, check_window, passage_prompt
@@ -69,17 +70,19 @@ def with_passages(eng, m, params, prompt: str, passages, recompute: float | None
                   media=None, run: dict):
     """`Engine.generate(prompt, passages=...)`: the passages placed, then the generation from that state
     (run: the generation's options, as Engine.generate gathers them)."""
-    check_options(session=run.get("session"), checkpoint_every=run.get("checkpoint_every"), media=bool(media))
+    check_options(session=run.get("session"), checkpoint_every=run.get("checkpoint_every"), media=bool(media),
+                  truncate=run.get("truncate"))
     fraction = eng.config.passage_recompute if recompute is None else recompute
     tokens, placed = place_passages(eng._services, eng.objects, m, prompt, passages, fraction=fraction,
-                                    system=system, raw=raw, use_cache=run.get("use_cache", True))
+                                    system=system, raw=raw, use_cache=run.get("use_cache", True),
+                                    room=params.max_tokens)
     try:
         return eng._generate(m, tokens, params, dict(run, use_cache=False, prepared=placed))
     finally:
         placed.release()
 
 
-def check_options(*, session=None, checkpoint_every=None, media=False) -> None:
+def check_options(*, session=None, checkpoint_every=None, media=False, truncate=None) -> None:
     if session is not None:
         raise PassageError("passages do not go with a session (a chat keeps exact turns): leave session out, "
                            "or put the passages in the turn's text")
@@ -87,6 +90,8 @@ def check_options(*, session=None, checkpoint_every=None, media=False) -> None:
         raise PassageError("passages do not go with checkpoint_every (an in-flight checkpoint is an exact state)")
     if media:
         raise PassageError("passages do not go with images, videos or audio")
+    if truncate is not None:
+        raise PassageError("passages are never cut to fit the window: leave truncate out, or pass fewer passages")
 
 
 def check_fraction(recompute) -> float:
@@ -97,14 +102,15 @@ def check_fraction(recompute) -> float:
 
 
 def place_passages(services, objects, m, prompt: str, passages, *, fraction: float, system: str | None = None,
-                   raw: bool = False, use_cache: bool = True) -> tuple[list, Placed]:
+                   raw: bool = False, use_cache: bool = True, room: int = 0) -> tuple[list, Placed]:
     """(the prompt's token ids, the state to generate from). objects: the engine's ObjectCache; fraction:
-    of the placed tokens, to recompute."""
+    of the placed tokens, to recompute; room: the tokens to generate (the prompt and they fit the window)."""
     t0 = time.perf_counter()
     fraction = check_fraction(fraction)
     mover = mover_for(m)
     pp = passage_prompt(m.tokenizer, prompt, as_passages(passages), system=system, raw=raw)
     check_window(m, pp)
+    fit(m, pp.tokens, room, None)  # the whole prompt too, before any work (GenerationError naming both numbers)
     cache, ns, chunk = services.cache, m.namespace, services.prefill_chunk
     first, end = pp.spans[0][0], pp.spans[-1][1]
     with cache.generating():

@@ -30,16 +30,16 @@ BACKGROUND = ("keep.", "prune.", "sweep.")  # the keeper thread's own steps: whe
 # Every point each scenario reaches once its store is open, in order (checked against a trace).
 SCENARIOS = {
     "write": [
-        "reserve.begin", "reserve.commit", "reserve.committed", "write.claimed", "block.written", "block.synced",
-        "block.renamed", "block.written", "block.synced", "block.renamed", "dir.fsync", "write.blocks_synced",
+        "reserve.begin", "reserve.commit", "reserve.committed", "write.claimed", "block.written", "block.written",
+        "block.synced", "block.renamed", "block.synced", "block.renamed", "dir.fsync", "write.blocks_synced",
         "record.begin", "record.commit", "record.committed", "manifest.written", "manifest.synced", "commit.begin",
         "commit.rename", "commit.renamed", "commit.commit", "commit.committed", "commit.unlink", "commit.unlinked",
         "dir.fsync", "publish.begin", "publish.commit", "publish.committed", "publish.unlink", "publish.unlinked",
         "close.begin", "close.commit", "close.committed",
     ],
     "replace": [
-        "reserve.begin", "reserve.commit", "reserve.committed", "write.claimed", "block.written", "block.synced",
-        "block.renamed", "block.written", "block.synced", "block.renamed", "dir.fsync", "write.blocks_synced",
+        "reserve.begin", "reserve.commit", "reserve.committed", "write.claimed", "block.written", "block.written",
+        "block.synced", "block.renamed", "block.synced", "block.renamed", "dir.fsync", "write.blocks_synced",
         "record.begin", "record.commit", "record.committed", "manifest.written", "manifest.synced", "commit.begin",
         "commit.rename", "commit.renamed", "commit.commit", "commit.committed", "commit.unlink", "fence.begin",
         "fence.commit", "fence.committed", "commit.unlinked", "dir.fsync", "unfree.begin", "unfree.commit",

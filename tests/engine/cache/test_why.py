@@ -60,7 +60,7 @@ def test_another_kv_setting(wide_model_dir, tmp_path):
         eng.generate(DOC, model="full", max_tokens=3)
         r = eng.generate(DOC, model="q8", max_tokens=3)
         assert cause(r)[0] == "other_model", cause(r)
-        assert "model full" in cause(r)[1] and "KV full precision there, 8-bit (groups of 32) here" in cause(r)[1]
+        assert "model full" in cause(r)[1] and "full-precision KV there, 8-bit KV (groups of 32) here" in cause(r)[1]
 
 
 def test_an_entry_never_written_to_ssd(wide_model_dir, tmp_path):

@@ -58,7 +58,12 @@ def test_second_machine_gets_a_remote_hit_with_the_cold_runs_tokens(server, tiny
         assert s["remote_hits"] == 1 and s["remote_bytes_read"] > 0 and s["engine_remote_tokens"] == 9 * 32
         assert s["remote_auth"].startswith("keyed (key id ")
         assert s["remote_kv_checked"] == 1 and s["remote_kv_mismatch"] == 0  # its first layer was recomputed
-        b.flush()  # written through to this machine's SSD
+        b.flush()
+        assert not b.cache.store.entries()  # not written through: on probation until recomputed here
+        while b.cache.remote.verifier.busy:  # the idle time between cells
+            b.poll()
+        assert b.stats()["remote_verified"] == 1 and b.stats()["remote_forged"] == 0
+        b.flush()  # verified: kept on this machine's SSD
         assert PW not in repr(s) and SECRET not in repr(s) and "127.0.0.1" in s["remote_url"]
         assert s["remote_state"] == "ok"
     # the same machine, no remote (and no prefetch): an SSD hit

@@ -42,7 +42,10 @@ def test_a_second_machine_prefills_neither_models_cached_tokens(server, tiny_mod
         assert s["prefilled_tokens"] == len(PROMPT) - 9 * 32  # the rest, with the last token
         assert s["draft_prefilled_tokens"] == len(PROMPT) - 9 * 32  # it starts after the first token
         assert b.stats()["remote_hits"] == 2 and b.stats()["remote_kv_mismatch"] == 0
-        b.flush()  # written through to this machine's SSD: both models
+        while b.cache.remote.verifier.busy:  # the idle time between cells recomputes both fetched states
+            b.poll()
+        assert b.stats()["remote_verified"] == 2
+        b.flush()  # verified: kept on this machine's SSD, both models
     with Engine(cache_dir=tmp_path / "b", prefetch_budget_bytes=0) as local:  # no remote now
         local.load_model(tiny_model_dir, name="m")
         local.load_model(draft, name="small")

@@ -51,6 +51,12 @@ def run(eng: Engine, prompt):
     return eng.generate_tokens(prompt, max_tokens=8, model="m")
 
 
+def verified(eng: Engine) -> None:
+    """Let the idle time between cells recompute what was fetched (a remote state is kept on SSD only then)."""
+    while eng.cache.remote.verifier.busy:
+        eng.poll()
+
+
 def cold_tokens(model_dir, tmp_path, *prompts):
     with Engine(cache_dir=tmp_path / "ref", ssd=False) as ref:
         ref.load_model(model_dir, name="m")
@@ -104,6 +110,7 @@ def test_a_revoked_writers_forgery_is_a_miss_and_its_entries_leave_the_victims_s
         with engine(victim_dir, tiny_model_dir, url, None, listed(ALICE, FORGER)) as victim:
             hit = run(victim, P3)
             assert hit.stats["cache_source"] == "remote" and hit.tokens == cold3
+            verified(victim)
             victim.flush()
         forge(forger, P1, P2)  # then the forgery: P1's records name P2's blocks
     # The team revokes the forger: its records are misses, its entries leave the victim's SSD.
@@ -129,6 +136,7 @@ def test_an_entry_fetched_from_the_remote_is_never_republished_across_a_rotation
         hit = run(m, P1)
         assert hit.stats["cache_source"] == "remote" and hit.tokens == cold1
         run(m, P1 + hit.tokens[len(P1):] + prompt_ids(40, 9))  # a next turn, derived from the fetched entry
+        verified(m)  # (kept, and so offered to the publisher, only once verified)
         assert m.flush()["remote_failed"] == []
         s = m.stats()
         assert s["remote_not_republished"] >= 2 and s["remote_published"] == 0

@@ -1,5 +1,6 @@
-"""Restores allocate once per tensor shape, never zero or copy what they read,
-and leave a process that exits at once exiting cleanly (engine/cache/ssd/restore.py)."""
+"""Restores allocate once per tensor (plain KV with room to grow, which the borrower taking the
+entry over appends into in place) or per tensor shape, never zero or copy what they read, and
+leave a process that exits at once exiting cleanly (engine/cache/ssd/restore.py)."""
 
 from __future__ import annotations
 
@@ -14,16 +15,16 @@ from mlx_lm.models.cache import KVCache
 
 from mlxcache_kernel.engine.cache.ssd import restore as restore_mod
 from mlxcache_kernel.engine.cache.ssd.persist import persist
-from mlxcache_kernel.engine.cache.ssd.tensor_read import _merged
 from mlxcache_kernel.engine.cache.ssd.restore import empty_buffer, restore
 from mlxcache_kernel.engine.cache.ssd.store import CheckpointStore
 from mlxcache_kernel.engine.cache.ssd.writer import WriteJob
 from mlxcache_kernel.engine.kv.checkpoint import Checkpoint
+from mlxcache_kernel.engine.kv.layers import COMPACT_RATIO, growth_room
 
 NS, IDENTITY = "ns", {"artifact": "restore-memory"}
 
 
-def stored(root: Path, n: int = 200, layers: int = 6) -> tuple[CheckpointStore, Checkpoint]:
+def stored(root: Path, n: int = 230, layers: int = 6) -> tuple[CheckpointStore, Checkpoint]:
     mx.random.seed(n)
     caches = []
     for _ in range(layers):
@@ -37,16 +38,43 @@ def stored(root: Path, n: int = 200, layers: int = 6) -> tuple[CheckpointStore, 
     return store, cp
 
 
-def test_a_restore_holds_the_state_once(tmp_path):
+def _address(a) -> int:
+    return np.asarray(a).__array_interface__["data"][0]
+
+
+def test_a_restore_holds_the_state_once_with_room_to_grow(tmp_path):
     store, cp = stored(tmp_path / "c")
     [entry] = store.entries()
     mx.eval(mx.zeros((4,)))
     before = mx.get_active_memory()
     restored = restore(store, entry)
-    # one buffer per shape, each tensor a view of it: nothing copied on the way
-    assert mx.get_active_memory() - before <= cp.kv_bytes + 64 * 1024
+    # each plain KV tensor in a buffer of its own with mlx-lm's step of room: nothing copied on the way
+    room = growth_room(len(cp))
+    assert 0 < room and (len(cp) + room) % 256 == 0
+    held = cp.kv_bytes * (len(cp) + room) // len(cp)
+    assert restored.nbytes == held <= COMPACT_RATIO * cp.kv_bytes
+    assert mx.get_active_memory() - before <= held + 64 * 1024
     assert all(np.array_equal(np.array(a), np.array(b)) for a, b in zip(restored.arrays(), cp.arrays()))
-    assert restored.nbytes == cp.kv_bytes
+    assert all(s.room == room for l in restored.layers for s in l.segments)
+
+
+def test_a_borrower_taking_a_restored_entry_over_appends_in_place(tmp_path):
+    """A hit after a restart: the restored buffers become the borrower's (the entry leaves RAM), and its
+    appends land in their room, with mlx-lm's KVCache's numbers."""
+    store, cp = stored(tmp_path / "c")
+    [entry] = store.entries()
+    restored = restore(store, entry)
+    where = [[_address(p) for p in s.parents] for l in restored.layers for s in l.segments]
+    n = len(cp) - 5  # a rerun: its prompt ends before the stored answer does
+    caches = restored.hand_over(n, in_place=True)
+    del restored
+    for c, layer in zip(caches, cp.layers):
+        k, v = mx.random.normal((1, 2, 9, 16)), mx.random.normal((1, 2, 9, 8))
+        ref = KVCache()
+        ref.update_and_fetch(*(a[..., :n, :] for a in layer.arrays))
+        for got, want in zip(c.update_and_fetch(k, v), ref.update_and_fetch(k, v)):
+            assert np.array_equal(np.array(got), np.array(want))
+    assert [[_address(b) for b in c.buffers] for c in caches] == where
 
 
 def test_empty_buffer_is_mlx_memory_of_the_stored_type(monkeypatch):
@@ -59,14 +87,6 @@ def test_empty_buffer_is_mlx_memory_of_the_stored_type(monkeypatch):
     monkeypatch.setattr(restore_mod.mx, "load", lambda *a, **k: (_ for _ in ()).throw(TypeError("no")))
     z = empty_buffer("float32", (2, 4))
     assert z.dtype == mx.float32 and np.array(z).tolist() == [[0.0] * 4] * 2
-
-
-def test_consecutive_slices_of_one_allocation_are_read_as_one():
-    group = np.asarray(empty_buffer("float32", (6, 1, 2, 4, 8)))
-    views = [group[i] for i in range(6)]
-    assert [v.shape for v in _merged(views)] == [(6, 1, 2, 4, 8)]
-    assert [v.shape for v in _merged([views[0], views[1], views[3]])] == [(2, 1, 2, 4, 8), (1, 1, 2, 4, 8)]
-    assert [v.shape for v in _merged([np.zeros((1, 2, 4, 8))] * 2)] == [(1, 1, 2, 4, 8)] * 2
 
 
 def test_a_process_that_restores_and_exits_at_once_exits_cleanly(tmp_path):

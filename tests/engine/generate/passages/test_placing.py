@@ -14,6 +14,7 @@ from tiny_archs import build_arch_model
 from tiny_model import build_tiny_model
 
 from mlxcache_kernel.engine import Engine
+from mlxcache_kernel.engine.generate.passages import blend
 from mlxcache_kernel.engine.generate.passages.blend import LEAD_TOKENS
 from mlxcache_kernel.engine.generate.passages.prompt import passage_prompt
 from mlxcache_kernel.engine.generate.passages.run import place_passages
@@ -39,7 +40,8 @@ def models(tmp_path_factory):
                 "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 64}),
             "qwen2": build_arch_model("qwen2", root / "qwen2"),
-            "gemma2": build_arch_model("gemma2", root / "gemma2")}
+            "gemma2": build_arch_model("gemma2", root / "gemma2"),
+            "llama-3-layers": build_tiny_model(root / "deeper", layers=3)}
 
 
 @pytest.fixture
@@ -152,3 +154,26 @@ def test_a_first_passage_after_exactly_the_lead_in_is_exact(eng, models):
     assert placed.figures["passage_tokens_exact"] == e - s
     for (k, _), (rk, _) in zip(state(placed), full_prefill(m, tokens[:e])):
         assert close(k[..., :e, :], rk)
+
+
+def test_the_layers_before_the_deviation_layer_are_recomputed_for_every_placed_token(eng, models, monkeypatch):
+    """Measuring how far each token's KV moves at layer 2 recomputes layers 0 and 1 for all of them on the
+    way: those layers are the full prefill's; layer 2 differs where a token was not chosen."""
+    monkeypatch.setattr(blend, "DEVIATION_LAYER", 2)
+    eng.load_model(str(models["llama-3-layers"]), name="m")
+    m = eng.models.get("m")
+    tokens, some = place(eng, m, [PASSAGES[3], PASSAGES[1], PASSAGES[0]], 0.3)
+    got, ref = state(some), full_prefill(m, tokens[: some.length])
+    assert close(got[1][0], ref[1][0]) and close(got[1][1], ref[1][1])
+    assert not close(got[2][0], ref[2][0], rtol=1e-3)
+
+
+def test_drafts_over_placed_passages_decode_what_plain_decoding_does(eng, models):
+    """The placed state is the start; a draft model (its own exact state of the prompt) and drafts from the
+    context only decide how many tokens a forward yields."""
+    eng.load_model(str(models["llama"]), name="m")
+    kw = dict(passages=PASSAGES[:3], system=SYSTEM, recompute=0.3, max_tokens=12)
+    plain = eng.generate(QUESTION, lookup=False, **kw)
+    drafted = eng.generate(QUESTION, draft="m", **kw)
+    assert drafted.stats["draft_tokens_proposed"] > 0 and drafted.tokens == plain.tokens
+    assert eng.generate(QUESTION, lookup=True, **kw).tokens == plain.tokens

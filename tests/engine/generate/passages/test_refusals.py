@@ -57,7 +57,11 @@ def test_a_passage_longer_than_the_window_is_refused_naming_it(root, tmp_path):
         with pytest.raises(PassageError, match=r"passages\[1\] is \d+ tokens, longer than the model's 64-token window"
                                                r".*split it into shorter passages"):
             eng.generate(QUESTION, passages=[PASSAGES[0], long], max_tokens=4)
-        assert eng.objects.stats()["object_puts"] == 0
+        with pytest.raises(GenerationError, match="does not fit the window"):  # each fits, all of them do not
+            eng.generate(QUESTION, passages=PASSAGES * 2, max_tokens=4)
+        with pytest.raises(PassageError, match="never cut to fit the window"):
+            eng.generate(QUESTION, passages=PASSAGES * 2, max_tokens=4, truncate="left")
+        assert eng.objects.stats()["object_puts"] == 0  # refused before any work
 
 
 @pytest.mark.parametrize("passages,message", [
