@@ -112,6 +112,19 @@ def test_drafts_under_a_grammar_give_plain_decodings_tokens(eng, dirs, mode):
     assert small.stats["draft_tokens_proposed"] > 10
 
 
+def test_a_grammar_that_cannot_roll_back_decodes_without_drafts(eng, dirs):
+    """llguidance cannot roll back a lexeme with max_tokens= or stop=: the row's grammar is rebuilt from
+    the tokens it kept, and it proposes no more drafts; the tokens are plain decoding's."""
+    eng.load_model(dirs["m"], name="twin")
+    capped = 'start: word "." num\nword[max_tokens=6]: /[a-z]+/\nnum: /[0-9]{2,12}/'
+    options = dict(max_tokens=60, use_cache=False, grammar=capped, temperature=0.9, seed=1)
+    plain = eng.generate(PROMPT, lookup=False, **options)
+    assert re.fullmatch(r"[a-z]+\.[0-9]{2,12}", plain.text) and plain.stats["finish_reason"] == "eos"
+    for drafted in (eng.generate(PROMPT, draft="twin", lookup=False, **options), eng.generate(PROMPT, lookup=True,
+                                                                                                **options)):
+        assert drafted.tokens == plain.tokens and drafted.parsed == plain.parsed
+
+
 def test_a_draft_the_grammar_forbids_is_never_forwarded(eng, monkeypatch):
     forwarded = []
     original = loop.OneRow.__call__
