@@ -59,6 +59,7 @@ SCHEMA = {
     "supersessions": "RAM entries replaced by a longer checkpoint that serves them",
     "oversized": "checkpoints larger than the whole budget (kept on SSD only)",
     "handovers": "entries that gave their buffers to the generation extending them",
+    "handovers_lent": "entries that lent their buffers to a generation branching off them, and took them back",
     # durability (RAM -> SSD)
     "write_behind": "whether finished checkpoints are queued for SSD at once",
     "ssd_enabled": "whether the SSD tier is on",

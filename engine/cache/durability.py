@@ -109,6 +109,14 @@ class Durability:
         writes a successor that covers it, and one rerunning its prompt replaces its old
         answer, so that write is dropped (or stopped at its next pause point, a few ms) and
         the buffers move: no copy of the prefix, whether the last write finished or not."""
+        return self._stop_write(entry)
+
+    def may_step_aside(self, entry: Entry) -> bool:
+        """A loan in place (in_place.py): a queued write holds views of the entry's buffers (MLX would
+        copy them), so it goes as for a move; the entry comes back dirty and is queued again."""
+        return self._stop_write(entry)
+
+    def _stop_write(self, entry: Entry) -> bool:
         if entry.write_state != WriteState.PENDING:
             return True
         key = (entry.ns, entry.tokens)

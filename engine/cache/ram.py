@@ -17,6 +17,7 @@ from typing import Callable, Protocol, Sequence
 from ..kv.checkpoint import Checkpoint
 from ..kv.tokens import as_token_array, common_prefix_len
 from .entry import Entry, Loan, usable_length
+from .in_place import lend_in_place
 from .retention import LRU, RetentionPolicy
 
 
@@ -37,6 +38,9 @@ class ResidencyRules(Protocol):
     def tail_expendable(self, entry: Entry) -> bool:
         """Whether the positions past a rerun's prompt may leave RAM with a hand-over."""
 
+    def may_step_aside(self, entry: Entry) -> bool:
+        """Whether `entry` may leave RAM during a loan in place (in_place.py): nothing holds its arrays."""
+
     def extra_bytes(self) -> int:
         """Bytes held outside RAM entries that count against the budget (checkpoints waiting for the disk)."""
 
@@ -50,14 +54,10 @@ class RamOnly:
     def may_drop(self, entry: Entry, reason: str) -> bool:
         return not entry.pinned
 
-    def may_supersede(self, ancestor: Entry, by: Entry) -> bool:
-        return True
+    def tail_expendable(self, entry: Entry, *_) -> bool:
+        return True  # (the tail is a cached old answer, nothing else has it either way)
 
-    def may_move(self, entry: Entry, n: int) -> bool:
-        return True
-
-    def tail_expendable(self, entry: Entry) -> bool:
-        return True  # the tail is a cached old answer, nothing else has it either way
+    may_supersede = may_move = may_step_aside = tail_expendable  # nothing below to ask
 
     def extra_bytes(self) -> int:
         return 0
@@ -66,7 +66,7 @@ class RamOnly:
         pass
 
 
-RAM_COUNTERS = ("hits", "misses", "evictions", "supersessions", "oversized", "handovers")
+RAM_COUNTERS = ("hits", "misses", "evictions", "supersessions", "oversized", "handovers", "handovers_lent")
 
 
 class RamTier:
@@ -137,7 +137,8 @@ class RamTier:
 
         A moved entry leaves the cache (the borrower's generation publishes
         its successor), so its first decode step appends in place instead of
-        copying the whole prefix into a new buffer.
+        copying the whole prefix into a new buffer; one that stays may lend
+        them in place for the generation (in_place.py).
         """
         entry.touch()
         entry.hits += 1
@@ -149,6 +150,10 @@ class RamTier:
             self._emit("handover", ns=entry.ns, tokens=len(entry.tokens), used=n)
             stub = Entry(entry.ns, Checkpoint(entry.tokens, (), 0), entry.token_array, sessions=set(entry.sessions))
             return Loan(stub, n, source, self._return, caches=caches)
+        loan = lend_in_place(self, entry, n, source) if move else None
+        if loan is not None:
+            self.counters["handovers_lent"] += 1
+            return loan
         entry.borrowers += 1
         return Loan(entry, n, source, self._return)
 
@@ -294,6 +299,14 @@ class RamTier:
         self._remove(entry)
         self.on_left(entry, reason)
         self._emit("remove", ns=entry.ns, tokens=len(entry.tokens), nbytes=entry.nbytes, reason=reason)
+
+    def readmit(self, entry: Entry) -> bool:
+        """Back from a loan in place (in_place.py), unless its key was taken; sessions rebound stay."""
+        if (entry.ns, entry.tokens) in self._entries:
+            return False
+        entry.sessions = {s for s in entry.sessions if (entry.ns, s) not in self._sessions}
+        self._insert(entry)
+        return True
 
     def forget(self, entry: Entry) -> None:
         """Leave RAM without an event (the caller reported why: an idle demotion, a hand-over)."""

@@ -116,22 +116,26 @@ class BorrowedKVCache:
     quantized triples of each in `BorrowedQuantizedKVCache`), () until the first append.
     hand_over: a segment whose whole buffers (`parents`) this borrower takes over when it
     takes the lender's place: it appends there in place, without copying.
+    keep: positions [0, keep) of those buffers that others view again once this borrower is
+    done (a loan in place, cache/in_place.py: `share_back`); never written here.
     """
 
     step = STEP
 
-    def __init__(self, lent=(), hand_over: Segment | None = None, merge=None, offset: int | None = None):
+    def __init__(self, lent=(), hand_over: Segment | None = None, merge=None, offset: int | None = None,
+                 keep: int = 0):
         """merge: how rows of this cache join mlx-lm's batch decoding (given by the codec).
         offset: where a hand-over's borrower starts (default: the whole segment)."""
         self._merge = merge
         self.lent = list(lent)  # shared: never written
         self.buffers: tuple = ()
         self.offset = sum(s.length for s in self.lent)
+        self.keep, self._kept = keep, None  # _kept: the buffers the kept positions stay in, once written below
         if hand_over is not None:
             if self.lent:
                 raise ValueError("a hand-over is of the whole prefix: one segment")
             n = hand_over.length if offset is None else offset
-            if not 0 < n <= hand_over.length:
+            if not 0 < n <= hand_over.length or keep > n:
                 raise ValueError(f"cannot hand over {n} of {hand_over.length} positions")
             self.buffers, self.offset = tuple(hand_over.parents), n
 
@@ -150,6 +154,8 @@ class BorrowedKVCache:
     def update_and_fetch(self, keys, values):
         new = self._encode(keys, values)
         n = keys.shape[2]
+        if self.offset < self.keep and self._kept is None:  # below what others view again: write copies
+            self._kept, self.buffers = self.buffers, tuple(mx.array(b) for b in self.buffers)
         if not self.buffers or self.offset + n > self.buffers[0].shape[2]:
             self._grow(new, n)
         prev, self.offset = self.offset, self.offset + n
@@ -200,6 +206,15 @@ class BorrowedKVCache:
         lent = cut_segments(self.lent, self.offset)
         return self._sides(tuple(p[0] if len(p) == 1 else mx.concatenate(p, axis=2)
                                  for p in zip(*(s.arrays for s in lent))))
+
+    def share_back(self) -> Segment:
+        """The kept positions, for those who view them again after a loan in place: one segment over
+        the buffers holding them (its parents), which this cache lends itself from now on (what it
+        publishes shares it)."""
+        whole = self._kept or self.buffers
+        seg = Segment(tuple(b[..., : self.keep, :] for b in whole), Buffer(sum(int(b.nbytes) for b in whole)), whole)
+        self.lent, self.keep = [seg], 0
+        return seg
 
     def lent_segments(self) -> list[Segment]:
         """The lent segments still covering positions this cache holds (shared, never written)."""

@@ -154,16 +154,17 @@ class Checkpoint:
         """Whether `hand_over` applies (plain KV layers, no attachments)."""
         return bool(self.layers) and not self.attachments and all(codec(l.kind).can_hand_over(l) for l in self.layers)
 
-    def hand_over(self, n: int, in_place: bool = True) -> list:
+    def hand_over(self, n: int, in_place: bool = True, keep: int = 0) -> list:
         """Caches for a borrower that takes this checkpoint's place, at offset n (n <= len).
 
         in_place (nothing else holds this checkpoint's buffers, and the caller
-        drops it): where a layer's last buffer has room, the borrower appends
-        there in place instead of starting a tail of its own.
+        drops it): where a layer's first buffer holds the n positions, the
+        borrower appends there in place instead of copying them; never below
+        `keep` (positions others view again after a loan in place).
         """
         if not self.can_hand_over or not 0 < n <= len(self.tokens):
             raise ValueError(f"cannot hand over {n} tokens of this checkpoint")
-        return [codec(l.kind).hand_over(l, n, in_place) for l in self.layers]
+        return [codec(l.kind).hand_over(l, n, in_place, keep) for l in self.layers]
 
     def prefix(self, n: int) -> "Checkpoint":
         """A checkpoint of the first n tokens sharing this one's memory."""

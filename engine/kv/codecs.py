@@ -76,7 +76,7 @@ class Codec:
         """A layer from arrays read back from storage (the first positions of `parents`, if given)."""
         return LayerState.whole(self.kind, arrays, meta, parents)
 
-    def hand_over(self, layer: LayerState, n: int, in_place: bool) -> Any:
+    def hand_over(self, layer: LayerState, n: int, in_place: bool, keep: int = 0) -> Any:
         raise ValueError(f"{self.kind} cannot hand over its buffers")
 
     # --- questions about live caches (kv/caches.py asks them for a model's list) ---
@@ -141,13 +141,13 @@ class PlainKV(Codec):
     def empty_like(self, c):
         return lm_cache.KVCache()
 
-    def hand_over(self, layer, n, in_place):
-        """For a borrower that takes this state's place at n positions. in_place (nothing else
-        holds the buffers, and positions past n may go: a rerun's old answer): with the layer in
-        one segment, the borrower appends into its whole buffers from position n on."""
-        merge = lm_cache.BatchKVCache.merge
-        if in_place and len(layer.segments) == 1 and layer.segments[0].parents:
-            return BorrowedKVCache(hand_over=layer.segments[0], offset=n, merge=merge)
+    def hand_over(self, layer, n, in_place, keep=0):
+        """For a borrower that takes this state's place at n positions. in_place (nothing else holds
+        the buffers, and positions past n may go): with the first n positions in the first segment,
+        the borrower appends into its whole buffers from position n on, never below `keep`."""
+        merge, first = lm_cache.BatchKVCache.merge, layer.segments[0] if layer.segments else None
+        if in_place and first is not None and first.parents and n <= first.length:
+            return BorrowedKVCache(hand_over=first, offset=n, merge=merge, keep=keep)
         return BorrowedKVCache(cut_segments(layer.segments, n), merge=merge)
 
 

@@ -113,10 +113,10 @@ def test_a_loan_copies_nothing_until_the_first_append_then_once(tiny_model_dir, 
     eng.close()
 
 
-def _addresses(entry) -> list[int]:
+def _addresses(entry, first_only: bool = False) -> list[int]:
     """Where the entry's whole buffers are in memory."""
     return [np.asarray(p).__array_interface__["data"][0]
-            for l in entry.checkpoint.layers for s in l.segments for p in s.parents]
+            for l in entry.checkpoint.layers for s in l.segments[: 1 if first_only else None] for p in s.parents]
 
 
 @pytest.mark.parametrize("ssd,flushed", [(False, False), (True, True), (True, False)])
@@ -154,25 +154,70 @@ def cold(tiny_model_dir, tmp_path_factory):
 def test_branches_of_a_document_share_it_and_continue_exactly(tiny_model_dir, tmp_path, cold):
     eng = Engine(cache_dir=tmp_path / "c", ssd=False)
     eng.load_model(tiny_model_dir)
-    first = eng.generate_tokens(DOC + QUESTIONS[0], max_tokens=10)
-    assert first.tokens == cold[0]
+    first = eng.generate_tokens(DOC + QUESTIONS[0], max_tokens=40)  # its answer: room for each question's
+    assert first.tokens[:10] == cold[0]
     doc_entry = eng.cache.entries()[0]
     doc_bytes = [np.array(a).tobytes() for a in doc_entry.checkpoint.arrays()]
-    doc_buffer_ids = {id(s.buffer) for l in doc_entry.checkpoint.layers for s in l.segments}
-    for q, want in zip(QUESTIONS[1:], cold[1:]):
+    doc_memory = _addresses(doc_entry, first_only=True)
+    for i, (q, want) in enumerate(zip(QUESTIONS[1:], cold[1:])):
         r = eng.generate_tokens(DOC + q, max_tokens=10)
         assert r.stats["cache_source"] == "ram" and r.stats["cached_tokens"] >= len(DOC)
         assert r.tokens == want
+        assert eng.stats()["handovers_lent"] == i + 1  # each appended into the document's buffers in place
     entries = eng.cache.entries()
     assert len(entries) == len(QUESTIONS)
-    for e in entries:  # every branch reads the document from the first entry's buffers
-        assert {id(l.segments[0].buffer) for l in e.checkpoint.layers} <= doc_buffer_ids
+    for e in entries:  # every branch reads the document from the first entry's memory
+        assert _addresses(e, first_only=True) == doc_memory
     assert [np.array(a).tobytes() for a in doc_entry.checkpoint.arrays()] == doc_bytes
     s = eng.stats()
     doc_kv = doc_entry.checkpoint.kv_bytes
     assert s["ram_kv_bytes"] < 2 * doc_kv  # the document counted once
     assert s["ram_used_bytes"] <= 1.25 * s["ram_kv_bytes"]
     eng.close()
+
+
+def test_a_loan_in_place_that_outgrows_the_room_or_is_interrupted_gives_the_document_back(tiny_model_dir, tmp_path,
+                                                                                         cold):
+    """A question whose answer passes the buffers' room grows them (one copy, as mlx-lm's KVCache grows):
+    the document comes back over the larger buffer, its bytes unchanged, shared with the question's
+    state. An interrupted question gives it back too."""
+    eng = Engine(cache_dir=tmp_path / "c")
+    eng.load_model(tiny_model_dir)
+    assert eng.generate_tokens(DOC + QUESTIONS[0], max_tokens=10).tokens == cold[0]
+    eng.flush()  # (a queued write holds views of the buffers: nothing is lent in place until it is done)
+    [doc_entry] = eng.cache.entries()
+    doc_bytes = [np.array(a).tobytes() for a in doc_entry.checkpoint.arrays()]
+    where = _addresses(doc_entry, first_only=True)
+    long = eng.generate_tokens(DOC + QUESTIONS[1], max_tokens=30)  # past the room (the first answer's 10)
+    assert long.tokens[:10] == cold[1] and eng.stats()["handovers_lent"] == 1
+    assert _addresses(doc_entry, first_only=True) != where  # it grew: the document moved with it
+    entries = eng.cache.entries()
+    assert doc_entry in entries and [np.array(a).tobytes() for a in doc_entry.checkpoint.arrays()] == doc_bytes
+    assert len({tuple(_addresses(e, first_only=True)) for e in entries}) == 1  # one document in memory
+
+    def stop(_text):
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        eng.generate_tokens(DOC + QUESTIONS[2], max_tokens=10, on_text=stop)
+    assert doc_entry in eng.cache.entries()
+    assert [np.array(a).tobytes() for a in doc_entry.checkpoint.arrays()] == doc_bytes
+    assert eng.generate_tokens(DOC + QUESTIONS[3], max_tokens=10).tokens == cold[3]
+    eng.close()
+
+
+def test_a_borrower_never_writes_below_what_it_keeps():
+    """Trimmed below `keep` and appended to, a borrower lent in place writes into copies: the kept
+    positions stay as they were for those who view them again (share_back)."""
+    k, v = mx.random.normal((1, 2, 40, 8)), mx.random.normal((1, 2, 40, 8))
+    mx.eval(k, v)
+    want = [np.array(k[..., :30, :]), np.array(v[..., :30, :])]
+    c = BorrowedKVCache(hand_over=Segment((k, v), Buffer(0), (k, v)), offset=30, keep=30)
+    c.update_and_fetch(mx.ones((1, 2, 5, 8)), mx.ones((1, 2, 5, 8)))
+    c.trim(10)
+    got = c.update_and_fetch(mx.zeros((1, 2, 3, 8)), mx.zeros((1, 2, 3, 8)))
+    assert c.offset == 28 and float(mx.abs(got[0][..., 25:, :]).max()) == 0.0
+    shared = c.share_back()
+    assert shared.length == 30 and all(np.array_equal(np.array(a), w) for a, w in zip(shared.arrays, want))
 
 
 def test_hit_logits_stay_within_float32_tolerance(tiny_model_dir):
