@@ -45,10 +45,10 @@ def main() -> None:
     rows, chosen = [], first_layer.SAMPLE
     for n in args.lengths:
         ids = prompt_tokens(m.tokenizer, n)
-        cap = first_layer._Capture(0)
+        cap = first_layer.Capture(0)
         try:
             m.model(mx.array(ids)[None], cache=[cap, *m.new_caches()[1:]])
-        except first_layer._Stop:
+        except first_layer.Stop:
             pass
         k, v = cap.got
         mx.eval(k, v)

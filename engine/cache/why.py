@@ -148,10 +148,12 @@ class Explainer:
             options.append(shifted)
         if options:
             could, why = max(options, key=lambda o: o[0])
-        elif nearest is not None:
-            could, why = best_mine, Why("diverged", f"the prompt follows a cached prefix ({nearest.where}) for "
-                                                    f"{best_mine} tokens, then says something new")
-            why.details = self._parting(prompt, nearest, best_mine)
+        elif nearest is not None or reused:  # (an entry lent in place to this generation is out of sight)
+            could = max(best_mine, reused)
+            where = nearest.where if nearest is not None else "lent to this generation"
+            why = Why("diverged", f"the prompt follows a cached prefix ({where}) for {could} tokens, then says something new")
+            if nearest is not None:
+                why.details = self._parting(prompt, nearest, best_mine)
         else:
             could, why = 0, Why("new", "nothing cached starts like this prompt")
         why.prompt_tokens, why.reused, why.could = n, reused, could

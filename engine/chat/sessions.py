@@ -104,15 +104,22 @@ class Session:
 
     def _why(self, keep: int, text: str) -> str:
         """Why the rendering departs from the history at token `keep`, in words for the footer."""
-        mark = next((m for m in self.marks if m[1] <= keep < m[2]), None)  # inside a reply
-        if mark is not None:
-            dropped = sum(m[4] for m in self.marks if m[0] == mark[0] and m[3].strip() and m[3].strip() not in text)
+        def label(m) -> str:  # a reply: "turn 2's reply", or "step 3 of turn 2" inside a tool loop
+            steps = [x for x in self.marks if x[0] == m[0]]
+            return f"step {steps.index(m) + 1} of turn {m[0]}" if len(steps) > 1 else f"turn {m[0]}'s reply"
+
+        inside = next((m for m in self.marks if m[1] <= keep < m[2]), None)
+        if inside is not None:
+            dropped = sum(m[4] for m in self.marks if m[0] == inside[0] and m[3].strip() and m[3].strip() not in text)
             if dropped:
-                return f"the template dropped {dropped} reasoning tokens of turn {mark[0]}"
-            return f"the template rewrote turn {mark[0]}'s reply from its token {keep - mark[1]}"
-        after = next((m for m in self.marks if keep < m[1]), None)  # in the prompt before a reply
-        if after is not None and (after[0] == 1 or any(m[2] <= keep for m in self.marks)):
-            return f"the template rewrote the conversation before turn {after[0]}'s reply"
+                return f"the template dropped {dropped} reasoning tokens of turn {inside[0]}"
+            return f"the template rewrote {label(inside)} from its token {keep - inside[1]}"
+        ended = [m for m in self.marks if m[2] <= keep]
+        if ended:  # after a reply: tool results, a generation prompt (an earlier step's place is not kept)
+            last = ended[-1]
+            steps = sum(1 for m in self.marks if m[0] == last[0])
+            return (f"the template rewrote what followed turn {last[0]}'s reply" if steps == 1 and last is self.marks[-1]
+                    else f"the template re-rendered what followed a reply of turn {last[0]} (a tool result, its glue)")
         return f"the template rewrote the conversation from token {keep}"
 
     def record(self) -> dict:
@@ -169,6 +176,15 @@ def shown(content: str | list) -> str:
                     for part in content)
 
 
+def shown_message(msg: dict) -> str:
+    """A message as `%session show` prints it: its content, its tool calls and how long its reasoning was."""
+    calls = [c.get("function", c) for c in msg.get("tool_calls") or []]
+    thought = next((msg[k] for k in ("reasoning_content", "thinking") if msg.get(k)), "")
+    return (shown(msg.get("content") or "") + "".join(
+        f" -> {c['name']}({', '.join(f'{k}={v!r}' for k, v in (c.get('arguments') or {}).items())})" for c in calls)
+            + (f" (thought {len(thought.split())} words)" if thought else ""))
+
+
 class Sessions:
     """Chat sessions by id (`eng.sessions`): each one's history here; its latest state in the cache's
     session index, which `switch` brings back into RAM and `close` lets go of."""
@@ -182,11 +198,13 @@ class Sessions:
         self.cache, self.models, self.events, self.poll = cache, models, events, poll
         self.loops = LoopRecords(loops)
 
-    def new(self, session_id: str, *, system: str | None = None, model: str | None = None) -> Session:
+    def new(self, session_id: str, *, system: str | None = None, model: str | None = None,
+            template_args: dict | None = None) -> Session:
+        """template_args: the chat-template keywords its turns render with (generate's update them)."""
         check_session_id(session_id)
         if session_id in self._sessions:
             raise SessionError(f"session {session_id!r} already exists (reset or close it first)")
-        s = self._sessions[session_id] = Session(session_id, system, model)
+        s = self._sessions[session_id] = Session(session_id, system, model, template_args=dict(template_args or {}))
         s.clock = s.created  # its template's dates stay those of the day it was created
         return s
 

@@ -137,6 +137,8 @@ def family_of(tok) -> Family:
     think = None
     if getattr(tok, "has_thinking", False) and tok.think_start and tok.think_end:  # mlx-lm's own inference
         think = (tok.think_start, tok.think_end)
+    elif "<think>" in src and "</think>" in src:  # a template that thinks, over a vocabulary without the tokens
+        think = ("<think>", "</think>")
     if "<|channel|>" in src:
         return Family("harmony", None, "thinking")
     field = "reasoning_content" if "reasoning_content" in src else None

@@ -31,24 +31,36 @@ class Constraint:
         self.compiled, self.spec = compiled, compiled.spec
         self.matcher = compiled.matcher.deep_copy()
         self.words = (compiled.vocab + 31) // 32
-        self.mask_s = 0.0  # seconds spent computing masks
+        self.spent_s = 0.0  # seconds the grammar took: masks computed, tokens accepted
         self.forbidden = 0  # draft tokens the grammar refused before a forward
+        self.kept: list[int] = []  # the tokens it accepted
+        self.rolls_back = True  # False once a rollback failed (lexemes with max_tokens= or stop=): no drafts
 
     def accept(self, tokens: Sequence[int]) -> None:
         """The row kept these tokens (or a resumed run replays what it had emitted)."""
+        start = time.perf_counter()
         for t in tokens:
             if not self.matcher.consume_token(int(t)):
                 raise ConstraintError(f"token {t} breaks the {self.spec.kind} constraint: "
                                       f"{self.matcher.get_error().splitlines()[0]}")
+            self.kept.append(int(t))
+        self.spent_s += time.perf_counter() - start
+
+    def advance(self, token: int) -> None:
+        """Consume a draft for now (a draft model's proposal under the grammar); `rollback` forgets it."""
+        self.matcher.consume_token(int(token))
 
     def rollback(self, n: int) -> None:
-        """Forget the last n accepted tokens (a draft model's proposals, once proposed)."""
-        if n:
-            self.matcher.rollback(n)
+        """Forget the last n drafts consumed (once masked or proposed); they were never `kept`."""
+        if n and not self.matcher.rollback(n):  # llguidance cannot roll back a max_tokens= or stop= lexeme:
+            self.rolls_back = False  # the state rebuilt from the tokens it kept, and no drafts from now on
+            self.matcher = self.compiled.matcher.deep_copy()
+            if self.kept and not self.matcher.consume_tokens(self.kept):
+                raise ConstraintError(f"the {self.spec.kind} constraint cannot be rebuilt: {self.matcher.get_error()}")
 
     def allowed(self, drafts: Sequence[int]) -> list:
-        """The drafts up to the first the grammar forbids."""
-        n = self.matcher.validate_tokens(list(drafts)) if drafts else 0
+        """The drafts up to the first the grammar forbids (none where it cannot roll back)."""
+        n = self.matcher.validate_tokens(list(drafts)) if drafts and self.rolls_back else 0
         self.forbidden += len(drafts) > n
         return list(drafts[:n])
 
@@ -62,10 +74,10 @@ class Constraint:
             self.matcher.unsafe_compute_mask_ptr(out[i].ctypes.data, out[i].nbytes)
             if i == len(drafts) or drafts[i] in self.compiled.eos:  # (an end token is never consumed: a
                 break  # rollback does not count it)
-            self.matcher.consume_token(int(drafts[i]))
+            self.advance(drafts[i])
             consumed += 1
-        self.rollback(consumed)
-        self.mask_s += time.perf_counter() - t
+        self.rollback(consumed)  # (a grammar that cannot roll back forwards no drafts: `allowed`)
+        self.spent_s += time.perf_counter() - t
         return out
 
     def mask(self, logits: mx.array, drafts: Sequence[int] = ()) -> mx.array:
@@ -85,5 +97,5 @@ class Constraint:
 
     def stats(self, note: str | None) -> dict:
         return {"constraint": self.spec.kind, "constraint_compile_s": round(self.compiled.compile_s, 6),
-                "constraint_cached": self.compiled.cached, "constraint_mask_s": round(self.mask_s, 6),
+                "constraint_cached": self.compiled.cached, "constraint_s": round(self.spent_s, 6),
                 "constraint_drafts_forbidden": self.forbidden, "constraint_incomplete": note}

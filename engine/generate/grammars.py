@@ -3,10 +3,11 @@ choices or a Lark / GBNF grammar, as one llguidance grammar (`spec_of`), compile
 (`compile_for`: the tokenizer's tables once per tokenizer, each grammar once per tokenizer), and what an
 answer parses to (`Spec.parse`).
 
-Why llguidance (measured here, docs/constrained.md): abi3 wheels for macOS arm64 and Linux with no
-required dependencies (xgrammar 0.2.8 requires torch, and triton on Linux x86_64); a mask costs
-microseconds a token at a 49k vocabulary and a 10-field schema compiles in about a millisecond; its
-matcher rolls back, which drafts need. mlx-vlm ships it already.
+Why llguidance (measured here, docs/benchmarks.md): abi3 wheels for macOS arm64 and Linux with no
+required dependencies (xgrammar 0.2.8 requires torch, and triton on Linux x86_64); at SmolLM2's 49k
+vocabulary a 10-field schema compiles in about a millisecond and its mask and accepted token cost
+10-30 us alone (under 1% of a decode step on MLX's CPU backend); its matcher rolls back, which drafts
+need. mlx-vlm depends on it already.
 """
 
 from __future__ import annotations
@@ -67,6 +68,21 @@ def _is_pydantic(x) -> bool:
     return isinstance(x, type) and callable(getattr(x, "model_json_schema", None)) and hasattr(x, "model_validate")
 
 
+def strict(schema):
+    """The schema with `"additionalProperties": false` on every object schema that lists its properties and
+    says nothing about others (a copy): only the keys it names, as xgrammar's strict mode and OpenAI's
+    strict schemas do. A schema that says `"additionalProperties": true` (or gives a schema) keeps it."""
+    if isinstance(schema, list):
+        return [strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict(v) if k not in ("enum", "const", "default", "examples", "x-guidance") else v
+           for k, v in schema.items()}
+    if "properties" in out and not {"additionalProperties", "unevaluatedProperties", "patternProperties"} & set(out):
+        out["additionalProperties"] = False
+    return out
+
+
 def _json_spec(value) -> Spec:
     model = value if _is_pydantic(value) else None
     if model is not None:
@@ -87,7 +103,7 @@ def _json_spec(value) -> Spec:
     try:
         own = isinstance(schema.get("x-guidance"), dict) and {"whitespace_flexible", "whitespace_pattern"} & set(
             schema["x-guidance"])  # (our pattern would override the schema's own choice)
-        grammar = LLMatcher.grammar_from_json_schema(schema, defaults=None if own else JSON_DEFAULTS)
+        grammar = LLMatcher.grammar_from_json_schema(strict(schema), defaults=None if own else JSON_DEFAULTS)
     except (ValueError, TypeError) as e:
         raise ConstraintError(f"response_format: not a JSON Schema: {_one_line(str(e))}") from None
     return Spec("json", grammar, model)

@@ -2,9 +2,10 @@
 
 A `Row` is one sequence: the tokens its caches do not hold yet (`pending`), how its next tokens
 are chosen (its sampler's (seed, step) state, a `proposer` of drafts, a `constraint` masking what a
-grammar forbids (constrain.py), forced tokens for scoring) and when it stops (end tokens, `max_tokens`, its `on_token` callback). A `Forward` holds the
-caches of the rows that advance together: one row's own caches (`OneRow`), rows over shared
-prefixes (batch/shared.py), rows merged in mlx-lm's batch caches (batch/merged.py).
+grammar forbids (constrain.py), forced tokens for scoring) and when it stops (end tokens,
+`max_tokens`, its `on_token` callback). A `Forward` holds the caches of the rows that advance
+together: one row's own caches (`OneRow`), rows over shared prefixes (batch/shared.py), rows
+merged in mlx-lm's batch caches (batch/merged.py).
 
 Each step the rows propose drafts (most propose none), the forward runs every row's pending
 tokens and drafts at once, each position is sampled with its step's sampler, and a row keeps its
@@ -218,6 +219,8 @@ def _verify(active: list, forward: Forward) -> None:
     drafts = [r.allowed(p) for r, p in zip(active, proposals)]  # (a forbidden one is judged, not forwarded)
     feeds = [r.pending + d for r, d in zip(active, drafts)]
     logits = forward(feeds, [len(d) for d in drafts])
+    if any(r.constraint is not None for r in active):
+        mx.async_eval(logits)  # the forward runs while the grammars compute their masks
     chosen = [r.sample(logits[b], len(d) + 1, r.step, d) for b, (r, d) in enumerate(zip(active, drafts))]
     mx.eval([a for c in chosen for a in _arrays(c)])
     now, steps = time.perf_counter(), []

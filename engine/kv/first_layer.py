@@ -29,7 +29,7 @@ The sample depends only on the tokens, so a lookup computes it ahead
 compares it once they are there.
 
 How: the model's own forward pass runs with a first-layer cache that keeps
-what it is given and stops the pass there (`_Stop`), so the model's own
+what it is given and stops the pass there (`Stop`), so the model's own
 embedding, scaling, norms and rotary code make the reference. It applies
 where layer 0 is plain KV (codecs.PlainKV) in the checkpoint and in the model;
 anything else (a sliding first layer, quantized KV, a model whose forward
@@ -55,13 +55,14 @@ _whole_only: dict = {}  # id() -> weakref of models whose forward pass does not 
 TOLERANCE = {mx.float32: (1e-3, 1e-4), mx.float16: (2e-2, 2e-3), mx.bfloat16: (5e-2, 1e-2)}  # (rtol, atol)
 
 
-class _Stop(Exception):
+class Stop(Exception):
     pass
 
 
-class _Capture:
-    """A first-layer cache that keeps the keys and values it is given, then stops the forward pass
-    (what the model asks of a plain cache before that: its offset, a mask)."""
+class Capture:
+    """A layer's cache that keeps the keys and values it is given, then stops the forward pass (what the
+    model asks of a plain cache before that: its offset, a mask); here at the first layer, in
+    generate/passages/ at the one whose keys it measures."""
 
     def __init__(self, offset: int):
         self.offset = offset
@@ -72,7 +73,7 @@ class _Capture:
 
     def update_and_fetch(self, keys, values):
         self.got = (keys, values)
-        raise _Stop
+        raise Stop
 
 
 def _plain(kind: str) -> bool:
@@ -185,10 +186,10 @@ def _reference(model, caches, tokens, pos: np.ndarray) -> tuple | None:
     """The model's first-layer (keys, values) at `pos`, the rows of one batch with their own rotary
     offsets (lazy); None where the forward pass does not take per-row offsets."""
     toks = np.asarray(tokens, dtype=np.int64)[pos]
-    cap = _Capture(mx.array(pos[:, 0].copy()))
+    cap = Capture(mx.array(pos[:, 0].copy()))
     try:
         model(mx.array(toks.astype(np.int32)), cache=[cap, *caches[1:]])
-    except _Stop:
+    except Stop:
         pass
     except Exception:  # noqa: BLE001 - no per-row offsets here: the whole check decides
         return None
@@ -235,10 +236,10 @@ def _whole(model, caches, tokens, keys, values, tol) -> bool | None:
     n = int(keys.shape[-2])
     for start in range(0, n, CHUNK):
         end = min(n, start + CHUNK)
-        cap = _Capture(start)
+        cap = Capture(start)
         try:
             model(mx.array(list(tokens[start:end]))[None], cache=[cap, *caches[1:]])
-        except _Stop:
+        except Stop:
             pass
         except Exception:  # noqa: BLE001 - a forward pass that does not work this way: not checkable
             return None

@@ -12,7 +12,7 @@ from IPython.core.magic import line_magic, magics_class
 from IPython.core.magic_arguments import argument, kwds, magic_arguments
 
 from mlxcache_kernel.engine.cache.why import kv_words
-from mlxcache_kernel.engine.chat.sessions import shown
+from mlxcache_kernel.engine.chat.sessions import shown_message
 
 from .base import EngineMagics, no_target, only_for, parse_args, usage_errors
 from .help import examples
@@ -170,7 +170,7 @@ class AdminMagics(EngineMagics):
             if s.system:
                 print(f"[system] {s.system}")
             for msg in s.messages:
-                print(f"[{msg['role']}] {shown(msg['content'])}")
+                print(f"[{msg['role']}] {shown_message(msg)}")
         elif args.action == "switch":
             info = eng.sessions.switch(args.id)
             state = {"ram": "its state is in RAM", "loading": "loading its state from SSD in the background",

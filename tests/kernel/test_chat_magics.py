@@ -41,6 +41,8 @@ def test_reasoning_shows_apart_and_a_session_keeps_its_template_options(ip, caps
     assert res.success, err
     assert "the template dropped 11 reasoning tokens of turn 1" in ip.user_ns["r"].footer()
     assert engine(ip).sessions.get("s").template_args == {"enable_thinking": False}
+    res, out, _ = run(ip, capsys, "%session show s")
+    assert "[assistant] It is. (thought 2 words)" in out
     load(ip, capsys, chat_model("gpt-oss"), "g")
     res, _, err = run(ip, capsys, "%%generate --model g --session o --template-arg reasoning_effort=low "
                                   "--template-arg verbose=true --max-tokens 2\nHi")
@@ -58,6 +60,8 @@ def test_notebook_functions_are_tools_each_call_shows_and_confirm_asks_first(ip,
     assert len(r.steps) == 2 and len(ip.user_ns["ran"]) == 2
     assert out.count("[tool] weather(city=") == 2 and '"celsius": 21}' in out
     assert "2 tool steps (prefilled " in r.footer()
+    res, out, err = run(ip, capsys, "%session show t")
+    assert res.success and out.count("[assistant]  -> weather(city=") == 2 and out.count("[tool] {") == 2, out
     asked = []
     monkeypatch.setattr("builtins.input", lambda prompt: asked.append(prompt) or "n")
     res, out, err = run(ip, capsys, f"{cell} --confirm --out r\nAnd in Paris?")

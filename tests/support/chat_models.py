@@ -1,7 +1,7 @@
 """Tiny random models that chat as modern model families do: each family's special tokens and a chat
 template written for the tests that reproduces what the real one (llama.cpp's models/templates/) does
-to the cache: Qwen3 drops the reasoning of assistant turns before the last user query and keeps it
-after it, writes an empty think block with enable_thinking=false and returns tool results as a user
+to the cache: Qwen3 drops the reasoning of assistant turns before the last user query (read from its
+reasoning_content, or split out of its content at </think>) and keeps it after it, writes an empty think block with enable_thinking=false and returns tool results as a user
 turn in <tool_response>; Llama 3.2 writes today's date into the system header (strftime_now) and
 takes a tool call as the JSON answer; gpt-oss writes the date too, talks on channels, calls tools on
 the commentary channel (rendered with the recipient in the role, as its template does) and drops the
@@ -21,48 +21,46 @@ from pathlib import Path
 
 from tiny_model import build_tiny_model, save_byte_level_tokenizer
 
-QWEN3 = r"""
+# ChatML with tools in the system turn and tool results as a user turn (Qwen3, Qwen2.5, Hermes)
+CHATML_TOOLS = r"""
 {%- if tools %}{{- '<|im_start|>system\n' }}{% if messages[0].role == 'system' %}{{ messages[0].content + '\n\n' }}{% endif %}
 {{- '# Tools\n<tools>' }}{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}
 {{- '\n</tools>\nCall one with <tool_call>\n{"name": <name>, "arguments": <object>}\n</tool_call><|im_end|>\n' }}
 {%- elif messages[0].role == 'system' %}{{ '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}{% endif %}
-{%- set ns = namespace(last_query=-1) %}
+"""
+TOOL_RESPONSES = r"""
+{%- elif m.role == 'tool' %}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}
+{{- '\n<tool_response>\n' + m.content + '\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}
+{%- endif %}{% endfor %}
+"""
+
+QWEN3 = CHATML_TOOLS + r"""{%- set ns = namespace(last_query=-1) %}
 {%- for m in messages %}{% if m.role == 'user' %}{% set ns.last_query = loop.index0 %}{% endif %}{% endfor %}
 {%- for m in messages %}
 {%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}
 {%- elif m.role == 'assistant' %}
-{%- set reasoning = m.reasoning_content if m.reasoning_content is defined and m.reasoning_content is not none else '' %}
+{%- set content = m.content %}{% set reasoning = '' %}
+{%- if m.reasoning_content is defined and m.reasoning_content is not none %}{% set reasoning = m.reasoning_content %}
+{%- elif '</think>' in content %}{% set reasoning = content.split('</think>')[0].split('<think>')[-1] %}
+{%- set content = content.split('</think>')[-1].lstrip('\n') %}{% endif %}
 {%- if loop.index0 > ns.last_query and (loop.last or reasoning) %}
-{{- '<|im_start|>assistant\n<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' + m.content.lstrip('\n') }}
-{%- else %}{{ '<|im_start|>assistant\n' + m.content }}{% endif %}
-{%- if m.tool_calls %}{% for call in m.tool_calls %}{% if not loop.first or m.content %}{{ '\n' }}{% endif %}
+{{- '<|im_start|>assistant\n<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+{%- else %}{{ '<|im_start|>assistant\n' + content }}{% endif %}
+{%- if m.tool_calls %}{% for call in m.tool_calls %}{% if not loop.first or content %}{{ '\n' }}{% endif %}
 {{- '<tool_call>\n{"name": "' + call.function.name + '", "arguments": ' + (call.function.arguments | tojson) + '}\n</tool_call>' }}{% endfor %}{% endif %}
 {{- '<|im_end|>\n' }}
-{%- elif m.role == 'tool' %}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}
-{{- '\n<tool_response>\n' + m.content + '\n</tool_response>' }}
-{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}
-{%- endif %}{% endfor %}
-{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}
+""" + TOOL_RESPONSES + r"""{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}
 {%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}{% endif %}{% endif %}"""
 
 # Hermes / Qwen2.5: Qwen3's tool format without thinking
-HERMES = r"""
-{%- if tools %}{{- '<|im_start|>system\n' }}{% if messages[0].role == 'system' %}{{ messages[0].content + '\n\n' }}{% endif %}
-{{- '# Tools\n<tools>' }}{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}
-{{- '\n</tools>\nCall one with <tool_call>\n{"name": <name>, "arguments": <object>}\n</tool_call><|im_end|>\n' }}
-{%- elif messages[0].role == 'system' %}{{ '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}{% endif %}
-{%- for m in messages %}
+HERMES = CHATML_TOOLS + r"""{%- for m in messages %}
 {%- if m.role == 'user' or (m.role == 'system' and not loop.first) %}{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}
 {%- elif m.role == 'assistant' %}{{ '<|im_start|>assistant' }}{% if m.content %}{{ '\n' + m.content }}{% endif %}
 {%- if m.tool_calls %}{% for call in m.tool_calls %}{{ '\n<tool_call>\n{"name": "' + call.function.name + '", "arguments": ' + (call.function.arguments | tojson) + '}\n</tool_call>' }}{% endfor %}{% endif %}
 {{- '<|im_end|>\n' }}
-{%- elif m.role == 'tool' %}
-{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}
-{{- '\n<tool_response>\n' + m.content + '\n</tool_response>' }}
-{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}
-{%- endif %}{% endfor %}
-{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"""
+""" + TOOL_RESPONSES + r"""{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"""
 
 LLAMA32 = r"""{{- bos_token }}
 {%- if not date_string is defined %}{% set date_string = strftime_now("%d %b %Y") %}{% endif %}

@@ -29,29 +29,12 @@ import mlx.core as mx
 
 from ...errors import PassageError
 from ...kv.caches import move_blockers
+from ...kv.first_layer import Capture, Stop
 
 ROPE_NAMES = ("rope", "rotary_emb")  # what mlx-lm's attention modules call their rotary module
 CHECK_TOKENS = 6  # tokens of the first-layer check
 CHECK_AT, CHECK_MOVE = 5, 731  # where they are computed, and how far they move
 TOLERANCE = {mx.float32: (1e-4, 1e-5), mx.float16: (2e-2, 2e-3), mx.bfloat16: (5e-2, 1e-2)}  # (rtol, atol)
-
-
-class Stop(Exception):
-    pass
-
-
-class Capture:
-    """A first-layer cache that keeps the keys and values it is given, then stops the pass."""
-
-    def __init__(self, offset: int):
-        self.offset, self.got = offset, None
-
-    def make_mask(self, n: int, *args, **kwargs):
-        return "causal" if n > 1 else None
-
-    def update_and_fetch(self, keys, values):
-        self.got = (keys, values)
-        raise Stop
 
 
 class _AtPositions:

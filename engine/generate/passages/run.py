@@ -140,9 +140,9 @@ def place_passages(services, objects, m, prompt: str, passages, *, fraction: flo
         layout = place(mover, prefix, max(cached, first), pp.spans, states, len(pp.lead_in))
         if layout.spans and pp.tokens[:first] == pp.lead_in and layout.spans[0][1] == pp.spans[0][1]:
             layout.exact = layout.spans.pop(0)[1]  # after exactly the lead-in, where it was computed: exact
-        moved = deviations(m.model, mover, layout, pp.tokens, chunk) if needs_deviations(layout, fraction) else None
+        moved = deviations(m.model, mover, layout, pp.tokens) if needs_deviations(layout, fraction) else None
         chosen = choose(layout, fraction, moved)
-        recompute(m.model, mover, layout, pp.tokens, chosen, chunk)
+        recompute(m.model, mover, layout, pp.tokens, chosen)
         caches = [holding(c, k, v) for c, k, v in zip(m.new_caches(), layout.keys, layout.values)]
     figures = _figures(pp, cached, states, layout.placed, fraction, encoded, t0, chosen, layout.exact)
     return pp.tokens, Placed(caches, end, source, t0, cached, max(0, first - cached), head_s, figures)

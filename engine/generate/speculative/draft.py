@@ -205,7 +205,7 @@ class Drafter:
         nothing: the first token comes as fast as without a draft (`wants`: the draft's lookup and
         prefill come after it)."""
         k = min(self.k, limit)
-        if k < 1:
+        if k < 1 or (constraint is not None and not constraint.rolls_back):
             return []
         if not self.started:
             self.start(truth)
@@ -225,7 +225,7 @@ class Drafter:
                 if constraint is not None:
                     if token in self.model.eos_token_ids:  # the answer ends there
                         break
-                    constraint.accept([token])
+                    constraint.advance(token)
                     accepted += 1
                 inputs = [token]
         finally:

@@ -105,6 +105,23 @@ def test_after_a_restart_and_on_another_machine_the_loop_hits_every_step(chat_mo
         server.stop()
 
 
+def test_a_template_that_re_renders_tool_results_costs_what_it_changed_and_says_so(chat_model, tmp_path, log):
+    from chat_models import HERMES, TOOL_RESPONSES, build_chat_model
+
+    # Hermes-3's own template writes a tool result one way while it is the last message, another way after
+    last_aware = TOOL_RESPONSES.replace("'\\n</tool_response>' }}", "'\\n</tool_response>' + ('' if loop.last else '\\n') }}")
+    assert last_aware != TOOL_RESPONSES
+    model = build_chat_model(tmp_path / "m", "hermes", template=HERMES.replace(TOOL_RESPONSES, last_aware))
+    with open_engine(tmp_path / "c", model) as eng:
+        r = eng.generate(QUESTION, session="s", system=SYSTEM, **{**LOOP, "max_steps": 3})
+    steps = walk(r)
+    for (p0, t0, _), (p1, _, stats) in zip(steps[1:], steps[2:]):  # from step 3 on: the last result rewritten
+        kept = next(i for i, (a, b) in enumerate(zip(p0 + t0, p1)) if a != b)  # up to the first changed token
+        assert len(p1) - kept <= stats["prefilled_tokens"] <= len(p1) - kept + 1
+        assert stats["prefilled_tokens"] > len(p1) - len(p0) - len(t0)
+        assert stats["prefill_note"] == "the template re-rendered what followed a reply of turn 1 (a tool result, its glue)"
+
+
 def test_a_tools_exception_goes_back_to_the_model_and_a_declined_call_never_runs(chat_model, tmp_path, log):
     def broken(city: Literal["oslo"]) -> str:
         """Always fails.

@@ -69,6 +69,8 @@ def test_think_off_and_template_args_render_and_a_session_remembers_them(engine,
     assert eng.sessions.get("s").template_args == {"enable_thinking": False}
     r = eng.generate("Q3", max_tokens=4)  # a one-off call has its own options
     assert tok.decode(r.prompt_tokens).endswith("<|im_start|>assistant\n")
+    eng.sessions.new("pre", template_args={"enable_thinking": False})  # a session's options from its start
+    assert tok.decode(eng.generate("Q", session="pre", max_tokens=2).prompt_tokens).endswith("</think>\n\n")
     oss = engine(chat_model("gpt-oss"))
     tok = oss.models.get("m").tokenizer
     r = oss.generate("Q", session="o", template_args={"reasoning_effort": "low"}, max_tokens=4)

@@ -48,6 +48,9 @@ def test_qwen3_drops_reasoning_before_the_last_query_keeps_it_after_and_returns_
     off = render(tok, [{"role": "user", "content": "Q"}], options=template_options(tok, None, False))
     assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert family_of(tok).name == "hermes" and family_of(tok).field == "reasoning_content"
+    inline = render(tok, [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "<think>\nR-x\n</think>"
+                          "\n\nA1"}, {"role": "user", "content": "Q2"}])  # reasoning left in the content: split out
+    assert "R-x" not in inline and "<|im_start|>assistant\nA1<|im_end|>" in inline
 
 
 @pytest.mark.parametrize("family,template", both("llama32") + both("gpt-oss") + both("mistral"))

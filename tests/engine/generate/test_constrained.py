@@ -112,6 +112,19 @@ def test_drafts_under_a_grammar_give_plain_decodings_tokens(eng, dirs, mode):
     assert small.stats["draft_tokens_proposed"] > 10
 
 
+def test_a_grammar_that_cannot_roll_back_decodes_without_drafts(eng, dirs):
+    """llguidance cannot roll back a lexeme with max_tokens= or stop=: the row's grammar is rebuilt from
+    the tokens it kept, and it proposes no more drafts; the tokens are plain decoding's."""
+    eng.load_model(dirs["m"], name="twin")
+    capped = 'start: word "." num\nword[max_tokens=6]: /[a-z]+/\nnum: /[0-9]{2,12}/'
+    options = dict(max_tokens=60, use_cache=False, grammar=capped, temperature=0.9, seed=1)
+    plain = eng.generate(PROMPT, lookup=False, **options)
+    assert re.fullmatch(r"[a-z]+\.[0-9]{2,12}", plain.text) and plain.stats["finish_reason"] == "eos"
+    for drafted in (eng.generate(PROMPT, draft="twin", lookup=False, **options), eng.generate(PROMPT, lookup=True,
+                                                                                                **options)):
+        assert drafted.tokens == plain.tokens and drafted.parsed == plain.parsed
+
+
 def test_a_draft_the_grammar_forbids_is_never_forwarded(eng, monkeypatch):
     forwarded = []
     original = loop.OneRow.__call__
@@ -150,6 +163,27 @@ def test_ram_and_ssd_hits_in_a_new_process_answer_as_a_cold_run(dirs, tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=ROOT)
     tokens, parsed, source, cached = json.loads(out.stdout.strip().splitlines()[-1])
     assert source == "ssd" and tokens == cold.tokens and parsed == cold.parsed and cached is False
+
+
+def test_objects_hold_only_the_keys_they_name_unless_the_schema_allows_others(eng):
+    from mlxcache_kernel.engine.generate.grammars import strict
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 9}}, "x-guidance": COMPACT}
+    for seed in range(4):  # (a random model adds keys where the grammar lets it)
+        r = eng.generate(PROMPT, max_tokens=300, use_cache=False, response_format=schema, temperature=1.0, seed=seed)
+        assert set(r.parsed) <= {"a"}, r.text
+    nested = {"$defs": {"P": {"type": "object", "properties": {"x": {"type": "string"}}}},
+              "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}, "q": {"anyOf": [
+                  {"type": "object", "properties": {"y": {"type": "integer"}}}, {"type": "null"}]}},
+              "required": ["p"]}
+    tight = strict(nested)
+    assert tight["additionalProperties"] is False and tight["$defs"]["P"]["additionalProperties"] is False
+    assert tight["properties"]["q"]["anyOf"][0]["additionalProperties"] is False and "additionalProperties" not in nested
+    loose = {**nested, "additionalProperties": True}
+    assert strict(loose)["additionalProperties"] is True and strict({"type": "object"}) == {"type": "object"}
+    extra = [eng.generate(PROMPT, max_tokens=300, use_cache=False, temperature=1.0, seed=seed,
+                          response_format={**schema, "additionalProperties": True}) for seed in range(4)]
+    assert any(r.parsed and set(r.parsed) - {"a"} for r in extra), [r.text for r in extra]
 
 
 def test_an_answer_cut_by_max_tokens_is_incomplete(eng):
