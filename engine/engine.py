@@ -110,7 +110,7 @@ class Engine:
             warnings.warn(f"mlxcache: {self._ssd_disabled_reason}", stacklevel=2)
             self.cache = TieredPromptCache(ram_budget_bytes=budget, ssd_dir=None, **kw)
         self.memory = PressureGuard(self.cache.reclaim, high=config.memory_high_water, low=config.memory_low_water,
-                                    emit=self.events.emit)
+                                    emit=self.events.emit, held=self.cache.held_bytes)
         self.cache.pressure = self.memory
         self.objects = ObjectCache(self.cache, self._check_open)  # exact-key tensor objects on the same tiers
         self.vision_counters = new_vision_counters()  # images, encoder runs (media/prompt.py)

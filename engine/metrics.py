@@ -18,6 +18,19 @@ import json
 import os
 from pathlib import Path
 
+
+def fmt_bytes(n) -> str:
+    """Binary units, as the budgets are given (e.g. MLXCACHE_RAM_BUDGET=256MiB)."""
+    if n is None:
+        return "–"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024.0
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
 SCHEMA = {
     # engine
     "blas": "the BLAS under MLX's CPU matmuls",
@@ -44,10 +57,15 @@ SCHEMA = {
     "pressure_checks": "memory readings taken (at lookups, after prefill, during decode, between cells)",
     "pressure_reclaims": "times the working set passed the high-water mark and entries were let go",
     "pressure_freed_bytes": "RAM bytes let go under memory pressure",
+    "pressure_events": "times the memory guard's state changed (a reclaim, memory short with nothing to let go, "
+                       "calm again): one 'pressure' event each, none while it stays",
     "memory_working_bytes": "this process's working set at the last reading (RSS, or MLX memory if larger)",
     "memory_available_bytes": "memory the machine could still give at the last reading",
     "memory_high_water_bytes": "past this working set, entries are let go (a share of what the kernel may use)",
     "memory_low_water_bytes": "reclaim goes down to this working set",
+    "memory_room_bytes": "what cache entries may hold under the high-water mark beside the rest of the process (read "
+                         "between generations); an entry larger than this is kept on SSD only",
+    "memory_note": "while memory is short and the cache has nothing more to let go: that, in words (else None)",
     # RAM tier
     "ram_used_bytes": "RAM held by cache entries (their buffers as allocated; a shared one once)",
     "ram_kv_bytes": "KV bytes of the RAM entries, cut to their tokens (a shared prefix once)",

@@ -9,17 +9,7 @@ from __future__ import annotations
 import html
 import time
 
-
-def fmt_bytes(n) -> str:
-    """Binary units, as the budgets are given (e.g. MLXCACHE_RAM_BUDGET=256MiB)."""
-    if n is None:
-        return "–"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024.0
-    return f"{n:.1f} TiB"  # pragma: no cover
+from mlxcache_kernel.engine.metrics import fmt_bytes  # (the engine's messages say bytes the same way)
 
 
 def fmt_seconds(s) -> str:

@@ -11,7 +11,7 @@ stats. A file another process deleted makes the entries it covered dirty
 again: persist-before-evict holds across processes. Named checkpoints pin
 their files in the shared catalogue.
 
-`Durability` is the RAM tier's `ResidencyRules` (ram.py): the RAM tier asks
+`Durability` is the RAM tier's `ResidencyRules` (entry.py): the RAM tier asks
 it before an entry leaves, is superseded or hands its buffers over. Without
 an SSD tier (`store` None) it answers as RAM alone would.
 """

@@ -1,11 +1,12 @@
-"""A RAM entry (a published checkpoint and what the tiers know about it) and a borrower's loan of one."""
+"""A RAM entry (a published checkpoint and what the tiers know about it), a borrower's loan of one, and
+the rules the RAM tier asks before an entry leaves RAM or changes hands (`ResidencyRules`)."""
 
 from __future__ import annotations
 
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -73,3 +74,48 @@ class Loan:
             self._release(self.entry)
             self._release = None
             self.caches = None
+
+
+class ResidencyRules(Protocol):
+    """What the RAM tier asks the tier below it before an entry leaves RAM or changes hands."""
+
+    def may_drop(self, entry: Entry, reason: str) -> bool:
+        """Whether `entry` may leave RAM now ("budget", "oversized", "pressure", "idle"...): with an SSD
+        tier only once a committed file covers it (otherwise a write is queued and it stays)."""
+
+    def may_supersede(self, ancestor: Entry, by: Entry) -> bool:
+        """Whether a longer checkpoint that serves `ancestor` may replace it."""
+
+    def may_move(self, entry: Entry, n: int) -> bool:
+        """Whether `entry`'s buffers may go to a borrower of its first n tokens (the RAM tier has
+        already checked that nobody else holds them)."""
+
+    def tail_expendable(self, entry: Entry) -> bool:
+        """Whether the positions past a rerun's prompt may leave RAM with a hand-over."""
+
+    def may_step_aside(self, entry: Entry) -> bool:
+        """Whether `entry` may leave RAM during a loan in place (in_place.py): nothing holds its arrays."""
+
+    def extra_bytes(self) -> int:
+        """Bytes held outside RAM entries that count against the budget (checkpoints waiting for the disk)."""
+
+    def freed(self) -> None:
+        """Entries left RAM: give their memory back."""
+
+
+class RamOnly:
+    """The rules without a tier below: only a name keeps an entry in RAM."""
+
+    def may_drop(self, entry: Entry, reason: str) -> bool:
+        return not entry.pinned
+
+    def tail_expendable(self, entry: Entry, *_) -> bool:
+        return True  # (the tail is a cached old answer, nothing else has it either way)
+
+    may_supersede = may_move = may_step_aside = tail_expendable  # nothing below to ask
+
+    def extra_bytes(self) -> int:
+        return 0
+
+    def freed(self) -> None:
+        pass

@@ -18,7 +18,9 @@ The prefetch budget: `prefetch_budget_bytes`, or by default a quarter of
 the RAM budget; with the adaptive budget (None) a quarter of the memory the
 kernel may use (`PressureGuard`: its working set plus what the machine has
 available), and never past the low-water mark, so prefetching never sets
-off a reclaim. 0 turns prefetching off.
+off a reclaim. 0 turns prefetching off. A file larger than the whole prefetch
+budget is not prefetched, and `prefetch()` says so once ("note", and a
+"prefetch_skipped" event); a lookup that needs it reads it whatever its size.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Callable, Sequence
 from ..kv.checkpoint import Checkpoint
 from ..kv.tokens import as_token_array, common_prefix_len
 from ..host.memory import PressureGuard
+from ..metrics import fmt_bytes
 from .gate import GenerationGate
 from .prefetch import BackgroundReader, ReadJob, SharedBytes, choose, common_blocks
 from .entry import Entry
@@ -104,8 +107,9 @@ class Loading:
             return {"checkpoints": 0, "bytes": 0, "budget_bytes": budget}
         reading = [j.handle for j in self.reader.jobs()]
         sizes, resident = self.store.block_sizes(ns), [b[0] for e in self.ram.entries(ns) for b in e.blocks]
+        too_large: list = []
         chosen = choose([h for h in self.store.entries() if h.namespace == ns], budget, self._resident, reading,
-                        SharedBytes(sizes, resident))
+                        SharedBytes(sizes, resident), too_large)
         shared, total = SharedBytes(sizes, resident), 0
         for h in reading:
             shared.count(h)
@@ -116,7 +120,15 @@ class Loading:
             total += cost
         if chosen:
             self._emit("prefetch", ns=ns, checkpoints=len(chosen), nbytes=total, budget=budget)
-        return {"checkpoints": len(chosen), "bytes": total, "budget_bytes": budget}
+        note = None
+        if too_large:  # said once, here: the first use of each restores it (a lookup reads whatever its size)
+            n, largest = len(too_large), max(c for _, c in too_large)
+            note = (f"{n} cached prompt{'s' if n > 1 else ''} larger than the prefetch budget ({fmt_bytes(budget)}; "
+                    f"the largest {fmt_bytes(largest)}): not prefetched, the first use restores "
+                    + ("them" if n > 1 else "it"))
+            self._emit("prefetch_skipped", ns=ns, checkpoints=n, largest=largest, budget=budget, note=note)
+        return {"checkpoints": len(chosen), "bytes": total, "budget_bytes": budget, "too_large": len(too_large),
+                "note": note}
 
     def load(self, tokens: Sequence[int], ns: str, *, exact: bool = True,
              then: Callable[[Entry], None] | None = None) -> tuple[str | None, int]:

@@ -239,18 +239,21 @@ class SharedBytes:
 
 
 def choose(candidates: Iterable[IndexEntry], budget: int, resident: Callable[[tuple, str], bool],
-           reading: Iterable[IndexEntry] = (), shared: SharedBytes | None = None) -> list[IndexEntry]:
+           reading: Iterable[IndexEntry] = (), shared: SharedBytes | None = None,
+           too_large: list | None = None) -> list[IndexEntry]:
     """What to prefetch: newest `last_use` first, while what they add to RAM fits `budget`
     (`shared.cost`: blocks several files share counted once); skipping files already resident
     (`resident(tokens, ns)`), being read, or served by a longer file already chosen or being
-    read (a superseded prefix)."""
+    read (a superseded prefix). Files larger than the whole budget go to `too_large` (the caller says so)."""
     shared = shared or SharedBytes({})
-    chosen, taken = [], list(reading)
+    chosen, taken, whole = [], list(reading), budget
     for h in taken:
         shared.count(h)
     for h in sorted(candidates, key=lambda h: -h.last_use):
         cost = shared.cost(h)
         if cost > budget or resident(tuple(h.tokens), h.namespace):
+            if cost > whole and too_large is not None and not resident(tuple(h.tokens), h.namespace):
+                too_large.append((h, cost))
             continue
         if any(o.namespace == h.namespace and covers(o, h.tokens) for o in taken):
             continue

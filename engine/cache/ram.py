@@ -5,65 +5,21 @@ zero-copy views of it (the donor stays); put() publishes a finished
 checkpoint, replacing exact duplicates, superseding strict prefix ancestors
 when the new entry can serve them, and evicting under a byte budget in the
 retention policy's order (retention.py). Whether an entry may leave RAM, be
-superseded or hand its buffers over is asked of its `ResidencyRules`: RAM
+superseded or hand its buffers over is asked of its `ResidencyRules` (entry.py): RAM
 alone (`RamOnly`), or the durability part of the tiered cache, which
 persists before it demotes (durability.py).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 from ..kv.checkpoint import Checkpoint
 from ..kv.tokens import as_token_array, common_prefix_len
-from .entry import Entry, Loan, usable_length
+from ..metrics import fmt_bytes
+from .entry import Entry, Loan, RamOnly, ResidencyRules, usable_length
 from .in_place import lend_in_place
 from .retention import LRU, RetentionPolicy
-
-
-class ResidencyRules(Protocol):
-    """What the RAM tier asks the tier below it before an entry leaves RAM or changes hands."""
-
-    def may_drop(self, entry: Entry, reason: str) -> bool:
-        """Whether `entry` may leave RAM now ("budget", "oversized", "pressure", "idle"...): with an SSD
-        tier only once a committed file covers it (otherwise a write is queued and it stays)."""
-
-    def may_supersede(self, ancestor: Entry, by: Entry) -> bool:
-        """Whether a longer checkpoint that serves `ancestor` may replace it."""
-
-    def may_move(self, entry: Entry, n: int) -> bool:
-        """Whether `entry`'s buffers may go to a borrower of its first n tokens (the RAM tier has
-        already checked that nobody else holds them)."""
-
-    def tail_expendable(self, entry: Entry) -> bool:
-        """Whether the positions past a rerun's prompt may leave RAM with a hand-over."""
-
-    def may_step_aside(self, entry: Entry) -> bool:
-        """Whether `entry` may leave RAM during a loan in place (in_place.py): nothing holds its arrays."""
-
-    def extra_bytes(self) -> int:
-        """Bytes held outside RAM entries that count against the budget (checkpoints waiting for the disk)."""
-
-    def freed(self) -> None:
-        """Entries left RAM: give their memory back."""
-
-
-class RamOnly:
-    """The rules without a tier below: only a name keeps an entry in RAM."""
-
-    def may_drop(self, entry: Entry, reason: str) -> bool:
-        return not entry.pinned
-
-    def tail_expendable(self, entry: Entry, *_) -> bool:
-        return True  # (the tail is a cached old answer, nothing else has it either way)
-
-    may_supersede = may_move = may_step_aside = tail_expendable  # nothing below to ask
-
-    def extra_bytes(self) -> int:
-        return 0
-
-    def freed(self) -> None:
-        pass
 
 
 RAM_COUNTERS = ("hits", "misses", "evictions", "supersessions", "oversized", "handovers", "handovers_lent")
@@ -82,6 +38,8 @@ class RamTier:
         self._sessions: dict[tuple, Entry] = {}  # (ns, session) -> latest entry
         self._held: dict[int, list] = {}  # id(buffer) -> [buffer, entries holding it]: shared buffers count once
         self.on_left: Callable[[Entry, str], None] = lambda entry, reason: None  # evicted, let go or removed
+        # the bytes the memory guard lets entries hold now (host/memory.py `room`), None where it does not say
+        self.memory_room: Callable[[], int | None] = lambda: None
         self.used_bytes = 0
         self.counters = counters if counters is not None else {}
         self.counters.update(dict.fromkeys(RAM_COUNTERS, 0))
@@ -338,29 +296,56 @@ class RamTier:
             key=lambda e: (bool(e.pinned), not self._oversized(e), bool(e.sessions), self.retention.key(e)),
         )
 
+    def cap(self) -> tuple[int, str] | None:
+        """The most one entry may hold and what sets it: (bytes, "budget"), or (bytes, "memory") where the
+        memory guard leaves the entries less than the budget (None: neither bounds it)."""
+        room = self.memory_room()
+        if room is not None and (self.budget_bytes is None or room < self.budget_bytes):
+            return max(0, room), "memory"
+        return None if self.budget_bytes is None else (self.budget_bytes, "budget")
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether an entry of `nbytes` may stay in RAM (`cap`)."""
+        cap = self.cap()
+        return cap is None or nbytes <= cap[0]
+
+    def too_large(self, nbytes: int, ssd: bool) -> str | None:
+        """Why a checkpoint of `nbytes` is not kept in RAM, in words (None: it may be); ssd: an SSD tier keeps it."""
+        cap = self.cap()
+        if cap is None or nbytes <= cap[0]:
+            return None
+        limit = "the RAM budget" if cap[1] == "budget" else "the room memory leaves the cache now"
+        return (f"this checkpoint ({fmt_bytes(nbytes)}) is larger than {limit} ({fmt_bytes(cap[0])}): "
+                + ("kept on SSD only, each use restores it" if ssd else "not kept, each use prefills it"))
+
     def _oversized(self, entry: Entry) -> bool:
-        return self.budget_bytes is not None and entry.nbytes > self.budget_bytes
+        return not self.fits(entry.nbytes)
+
+    def held_bytes(self) -> int:
+        """RAM entries and what the rules count beside them (checkpoints waiting for the disk)."""
+        return self.used_bytes + self.rules.extra_bytes()
 
     def over_budget(self) -> bool:
         """RAM entries, and what the rules count beside them, against the budget."""
-        return self.budget_bytes is not None and self.used_bytes + self.rules.extra_bytes() > self.budget_bytes
+        return self.budget_bytes is not None and self.held_bytes() > self.budget_bytes
 
     def enforce_budget(self) -> None:
-        """Evict in `victims()` order while over budget. A victim that may not leave yet
-        (its SSD write is pending) stops eviction: the budget is soft until it can go,
-        and no hotter entry is evicted in its place."""
-        if not self.over_budget():
-            return
+        """Let oversized entries go once they may, then evict in `victims()` order while over budget.
+        A victim that may not leave yet (its SSD write is pending) stops eviction: the budget is
+        soft until it can go, and no hotter entry is evicted in its place."""
         freed = False
-        for victim in self.victims():
+        for victim in [e for e in self._entries.values() if self._oversized(e)]:  # (a budget or no room)
+            if self.rules.may_drop(victim, "oversized"):
+                self._evict(victim, "oversized")
+                freed = True
+        for victim in self.victims() if self.over_budget() else ():
             if not self.over_budget():
                 break
-            oversized = self._oversized(victim)
-            if not self.rules.may_drop(victim, "oversized" if oversized else "budget"):
+            if not self.rules.may_drop(victim, "budget"):
                 if victim.pinned:
                     continue  # pinned entries come last; one that must stay blocks nothing
                 break
-            self._evict(victim, "oversized" if oversized else "budget")
+            self._evict(victim, "budget")
             freed = True
         if freed:
             self.rules.freed()
@@ -369,15 +354,17 @@ class RamTier:
         """Let entries go, least valuable first, until `nbytes` are freed (memory pressure).
 
         Unlike the byte budget this goes past an entry that must stay (its write
-        is queued instead): the machine needs memory now. Returns the bytes freed.
+        is queued instead): the machine needs memory now. Returns the bytes freed:
+        what RAM entries no longer hold (an entry sharing its buffers with one that
+        stays frees only what is its own).
         """
-        freed = 0
+        before = self.used_bytes
         for e in self.victims():
-            if freed >= nbytes:
+            if before - self.used_bytes >= nbytes:
                 break
             if not e.borrowers and self.rules.may_drop(e, reason):
                 self._evict(e, reason)
-                freed += e.nbytes
+        freed = before - self.used_bytes
         if freed:
             self.rules.freed()
         return freed

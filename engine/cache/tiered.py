@@ -58,6 +58,7 @@ class TieredPromptCache:
         self.gate = GenerationGate()  # a generation runs: the writer and the reader yield
         self.remote: RemoteLink | None = None  # set by the engine when a remote URL is configured
         self.ram = RamTier(ram_budget_bytes, self.emit, retention, counters=self.counters)
+        self.ram.memory_room = lambda: self.pressure.room if self.pressure is not None else None
         self.departures = Departures()  # what left without a copy elsewhere (why.py)
         self.ram.on_left = self._left_ram
         self.store: CheckpointStore | None = None
@@ -117,6 +118,10 @@ class TieredPromptCache:
     def under_pressure(self) -> bool:
         """Over the RAM budget, or the machine's memory is short: writes must not wait."""
         return self.ram.over_budget() or bool(self.pressure and self.pressure.active)
+
+    def held_bytes(self) -> int | None:
+        """What the entries hold, for the memory guard's `room` (None while a generation runs)."""
+        return None if self.gate.running else self.ram.held_bytes()
 
     def generating(self):
         """Context for a running generation: the writer and the reader yield the cores."""
@@ -239,10 +244,11 @@ class TieredPromptCache:
     def adopt(self, cp: Checkpoint, ns: str) -> Entry:
         """Publish a checkpoint read back from SSD or the remote tier: resident at once.
 
-        One larger than the whole RAM budget is not published; the returned
-        entry is then detached, good for this one borrower only.
+        One larger than the RAM budget (or the room memory leaves, ram.py `cap`) is not published (nor
+        evicted: no event); the returned entry is then detached, good for this one borrower only.
         """
-        entry = self.ram.put(cp, ns, evict=False) or Entry(ns, cp, as_token_array(cp.tokens))
+        fits = self.ram.fits(cp.nbytes)
+        entry = (self.ram.put(cp, ns, evict=False) if fits else None) or Entry(ns, cp, as_token_array(cp.tokens))
         self.durability.restored(entry)
         return entry
 

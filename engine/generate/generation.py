@@ -134,6 +134,7 @@ class Generation:
         self.drafter: Drafter | None = None  # with a draft that can roll back exactly
         self.proposers = Choice()  # where drafts came from (set when decoding starts)
         self.constraint: Constraint | None = None  # the row's grammar state (set when decoding starts)
+        self.not_kept: str | None = None  # why its final state is not kept in RAM, where it is too large
         self.loop_t0 = 0.0  # when the token loop started (a short rest of the prompt goes in its first forward)
 
     def run(self) -> GenerationResult:
@@ -211,6 +212,10 @@ class Generation:
         stats["context_window"] = req.model.context_window
         if why is not None:  # why the cache served no more (the footer says it where a user would wonder)
             stats.update(cache_why=why.line if why.surprising else None, cache_why_cause=why.cause)
+        notes = [n for n in (self.not_kept, self.services.memory.note) if n]  # (the footer's note, %cache why's too)
+        stats["cache_note"] = "; ".join(notes) or None
+        if why is not None:
+            why.details.extend(notes)
         stats.update(self.prompt.stats(cached, loan.source if loan else None))
         if req.prepared is not None:
             stats.update(req.prepared.stats(stats))
@@ -361,6 +366,7 @@ class Generation:
         """Publish the generation's final state (and queue what is dirty)."""
         req = self.req
         entry = self.cache.put(cp, req.ns, session=req.session, prompt_tokens=len(req.tokens))
+        self.not_kept = self.cache.ram.too_large(cp.nbytes, self.cache.has_ssd)
         if entry is not None:
             self.services.on_published((req.ns, tuple(cp.tokens)))
             self.services.trace.record(req.ns, req.tokens, len(cp.tokens), entry.checkpoint.kv_bytes / len(cp.tokens),

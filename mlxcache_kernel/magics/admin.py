@@ -126,6 +126,8 @@ class AdminMagics(EngineMagics):
             n = prefetch["checkpoints"]
             print(f"loading {n} recently used cached prompt{'s' if n != 1 else ''} ({format_bytes(prefetch['bytes'])}) "
                   "from SSD in the background")
+        if prefetch.get("note"):
+            print(f"note: {prefetch['note']}")
 
     # --- %session ---
 

@@ -178,6 +178,8 @@ class CellResult:
             parts.insert(1, images_phrase(s["image_sources"]))
         if steps_phrase(self.steps):
             parts.insert(1, steps_phrase(self.steps))
+        if s.get("cache_note"):  # (a checkpoint too large to keep in RAM; memory short)
+            parts.insert(1, s["cache_note"])
         if s.get("prefill_note"):  # (the chat template rewrote what the history held)
             parts.insert(1, s["prefill_note"])
         if s.get("truncated_tokens"):  # (--truncate: the prompt was past the model's window)

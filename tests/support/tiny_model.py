@@ -49,8 +49,11 @@ def build_tokenizer(path: Path) -> int:
 
 
 def build_tiny_model(path: Path, *, seed: int = 0, layers: int = 2, hidden: int = 64, dtype: str = "float32",
-                     tokenizer=build_tokenizer, eos_token_id: int | list = 2) -> Path:
-    """tokenizer(path) writes the tokenizer files and returns the vocab size."""
+                     tokenizer=build_tokenizer, eos_token_id: int | list = 2, heads: int = 4, kv_heads: int = 2,
+                     head_dim: int | None = None) -> Path:
+    """tokenizer(path) writes the tokenizer files and returns the vocab size. heads, kv_heads, head_dim: the
+    attention's geometry (head_dim None: hidden // heads); many KV heads over a tiny hidden size give a large
+    KV state at little compute (an 8B model's KV: 32 layers, 8 KV heads of 128)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
@@ -63,8 +66,9 @@ def build_tiny_model(path: Path, *, seed: int = 0, layers: int = 2, hidden: int 
         "hidden_size": hidden,
         "num_hidden_layers": layers,
         "intermediate_size": hidden * 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        **({"head_dim": head_dim} if head_dim else {}),
         "rms_norm_eps": 1e-5,
         "vocab_size": vocab,
         "rope_theta": 10000.0,
