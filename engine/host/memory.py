@@ -20,7 +20,7 @@ It says what it does once per change of state, not at every check: one
 let go (`note` says so in words until it is not), and when the pressure ends.
 Read while no generation runs, it also sets `room`: the bytes the cache's
 entries may hold under the high-water mark beside everything else the process
-holds. An entry larger than that is kept on SSD only (ram.py `cap`), instead
+holds. An entry larger than that is kept on SSD only (cache/ram.py `cap`), instead
 of being published, reclaimed at the next check and restored for the next
 cell, over and over.
 """
