@@ -48,6 +48,9 @@ LAYERS, KV_HEADS, HEAD_DIM, HIDDEN = 32, 8, 128, 256
 TOKEN_BYTES = LAYERS * 2 * KV_HEADS * HEAD_DIM * 4  # float32 keys and values
 SIZES = {"small": 1024, "1gb": 4096, "2gb": 8192}  # document tokens
 NS_NAME = "bench"
+# Drafts from the context off: decode after a hit is compared with mlx-lm's plain decode (a random model's
+# repetitive text makes drafts pay or cost by chance; benchmarks/bench_lookup.py measures them).
+LOOKUP = False
 RAW_THREADS = 8  # the raw read's files in flight at once (this VM's disk: 0.6 s for 1.1 GB, 1.3 s one at a time)
 QUESTIONS = [f"\n\nQuestion {i}: which region had the largest variance, and in which week?" for i in range(16)]
 
@@ -191,7 +194,8 @@ def child(kind: str, spec: dict) -> dict:
             eng.generate_tokens(spec["prompt"][:8], params=SamplingParams(max_tokens=2), use_cache=False)
             out["rss_before"] = rss_bytes()
             out["page_cache"] = drop_page_cache(files, spec["drop_all"])
-            r = eng.generate_tokens(spec["prompt"], params=SamplingParams(max_tokens=spec["decode_tokens"]))
+            r = eng.generate_tokens(spec["prompt"], params=SamplingParams(max_tokens=spec["decode_tokens"]),
+                                    lookup=LOOKUP)
             out["peak_rss"] = rss_bytes("VmHWM")
             out["stats"] = {k: r.stats.get(k) for k in ("ttft_s", "cache_source", "cached_tokens", "lookup_s",
                                                         "prefill_s", "decode_tokens_per_s", "peak_memory_bytes")}
@@ -261,7 +265,7 @@ def hit(eng, prompt: list, decode_n: int, want: str) -> dict:
     from mlxcache_kernel.engine import SamplingParams
 
     eng.flush()  # the previous cell's write done, as while the next cell is typed (its views would make MLX copy)
-    r = eng.generate_tokens(prompt, params=SamplingParams(max_tokens=decode_n))
+    r = eng.generate_tokens(prompt, params=SamplingParams(max_tokens=decode_n), lookup=LOOKUP)
     assert r.stats["cache_source"] == want, r.stats
     return {"stats": r.stats, "tokens": r.tokens}
 
@@ -315,7 +319,7 @@ def run(args, work: Path) -> dict:
         params = SamplingParams(max_tokens=decode_n)
 
         # 1-2. cold, then the write of its checkpoint
-        cold = eng.generate_tokens(ask[0], params=params)
+        cold = eng.generate_tokens(ask[0], params=params, lookup=LOOKUP)
         out["cold"] = {k: cold.stats[k] for k in ("prefill_s", "ttft_s", "decode_tokens_per_s")}
         [entry] = eng.cache.entries()
         out["checkpoint_tokens"], out["checkpoint_bytes"] = len(entry.tokens), entry.checkpoint.kv_bytes
