@@ -86,3 +86,25 @@ def test_memory_short_with_nothing_to_let_go_is_one_event_and_a_note(endless_mod
     assert [e["state"] for e in events if e["type"] == "pressure"] == ["short", "calm"]
     assert eng.stats()["memory_note"] is None
     eng.close()
+
+
+def test_the_room_is_read_between_generations_not_while_one_holds_its_kv(tiny_model_dir, tmp_path):
+    """While a rerun runs, the entry it took over is its live KV, in no entry: read then, the room
+    would count it as the rest of the process's and call the rerun's own final state too large."""
+    eng, events = engine(tmp_path, tiny_model_dir)
+    doc = ids(200, 3)
+    cold = eng.generate_tokens(doc, max_tokens=6)
+    eng.flush()
+    n = eng.cache.entries()[0].nbytes
+    # The process holds 8n of the 10n it may use, n of it the entry: room for 1.5n between generations.
+    eng.memory.reader = lambda: MemoryReading(8 * n, 2 * n)
+    eng.poll()
+    assert eng.stats()["memory_room_bytes"] == 8 * n + n // 2 - 7 * n
+    for _ in range(3):
+        r = eng.generate_tokens(doc, max_tokens=6)  # takes the entry over: its KV is the generation's now
+        eng.flush()
+        eng.poll()
+        assert r.tokens == cold.tokens and r.stats["cache_source"] == "ram" and r.stats["cache_note"] is None
+        assert eng.stats()["ram_entries"] == 1
+    assert not [e for e in events if e["type"] in ("pressure", "evict")]
+    eng.close()
