@@ -17,11 +17,13 @@ from . import blocks
 from .blocks import BlockRef
 from .header import CorruptCheckpoint, Header, TensorEntry, hasher
 
-# Threads that read and hash blocks (straight into the tensors: blocks.read_runs):
-# two keep both cores busy. Block files asked of the disk ahead of them (POSIX_FADV_WILLNEED)
-# keep reads in flight when the page cache is cold. Both measured in
-# benchmarks/bench_storage.py (docs/benchmarks.md).
-READERS = 2
+# Threads that read and hash blocks (straight into the tensors: blocks.read_runs), one per core
+# this process may use (2 to 8): a GB restore is CPU-bound (the kernel's copies and faults, then
+# BLAKE3 over every byte), so each core hashes what it read. On 2 cores 3, 4 or 8 threads measured
+# the same as 2. Block files asked of the disk ahead of them (POSIX_FADV_WILLNEED) keep reads in
+# flight when the page cache is cold. Measured in benchmarks/bench_storage.py and
+# benchmarks/bench_scale.py (docs/benchmarks.md).
+READERS = max(2, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2))
 AHEAD = 16
 _POOL: ThreadPoolExecutor | None = None
 
