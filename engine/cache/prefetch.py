@@ -250,10 +250,12 @@ def choose(candidates: Iterable[IndexEntry], budget: int, resident: Callable[[tu
     for h in taken:
         shared.count(h)
     for h in sorted(candidates, key=lambda h: -h.last_use):
+        if resident(tuple(h.tokens), h.namespace):
+            continue
         cost = shared.cost(h)
-        if cost > budget or resident(tuple(h.tokens), h.namespace):
-            if cost > whole and too_large is not None and not resident(tuple(h.tokens), h.namespace):
-                too_large.append((h, cost))
+        if cost > whole and too_large is not None:
+            too_large.append((h, cost))
+        if cost > budget:
             continue
         if any(o.namespace == h.namespace and covers(o, h.tokens) for o in taken):
             continue
